@@ -1,0 +1,26 @@
+# One obvious entry point for each job. Every target builds the pinned environment first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+## make test: the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
+test: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) benchmarks/attention_cpu.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,0 +1,33 @@
+"""difftransformer: the Differential Transformer (Ye et al., ICLR 2025), exact and fast.
+
+    from difftransformer import MultiheadDiffAttention, DiffTransformerConfig, DiffTransformerLM
+"""
+
+from difftransformer.attention import (
+    AttentionMaps,
+    KVCache,
+    MultiheadAttention,
+    MultiheadDiffAttention,
+    MultiheadDiffAttentionV2,
+    RotaryEmbedding,
+    differential_attention,
+    lambda_init_fn,
+)
+from difftransformer.model import (
+    ATTENTION_KINDS,
+    PRESETS,
+    DiffTransformerConfig,
+    DiffTransformerLM,
+    get_preset,
+    load_pretrained,
+    save_pretrained,
+)
+from difftransformer.norm import RMSNorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTENTION_KINDS", "PRESETS", "AttentionMaps", "DiffTransformerConfig", "DiffTransformerLM", "KVCache",
+    "MultiheadAttention", "MultiheadDiffAttention", "MultiheadDiffAttentionV2", "RMSNorm", "RotaryEmbedding",
+    "differential_attention", "get_preset", "lambda_init_fn", "load_pretrained", "save_pretrained",
+]

@@ -1,0 +1,19 @@
+"""Differential attention: the math (functional), its backends, RoPE, KV cache and layers."""
+
+from difftransformer.attention.cache import KVCache
+from difftransformer.attention.functional import (
+    BACKENDS,
+    AttentionMaps,
+    differential_attention,
+    lambda_init_fn,
+    multihead_attention,
+    reparameterized_lambda,
+)
+from difftransformer.attention.layers import MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
+from difftransformer.attention.rope import RotaryEmbedding
+
+__all__ = [
+    "BACKENDS", "AttentionMaps", "KVCache", "MultiheadAttention", "MultiheadDiffAttention",
+    "MultiheadDiffAttentionV2", "RotaryEmbedding", "differential_attention", "lambda_init_fn",
+    "multihead_attention", "reparameterized_lambda",
+]

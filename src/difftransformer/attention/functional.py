@@ -1,0 +1,225 @@
+"""The one definition of differential attention, and interchangeable backends for it.
+
+Everything the layers compute goes through `differential_attention` (V1) or
+`multihead_attention` (ordinary attention, used by the baseline and by DIFF V2). Backends:
+
+- ``eager``:  explicit maps in fp32. Slow and O(T*S) memory, but it can return the maps.
+- ``sdpa``:   `torch.nn.functional.scaled_dot_product_attention`, one batched call for both
+              softmax maps. PyTorch's CPU flash kernel needs q, k and v to share a head dim, so
+              on CPU q and k (dim d) are zero-padded to v's dim 2d: scores are unchanged and no
+              T x S map is ever stored. On CUDA, v of dim 2d goes in as is.
+- ``triton``: the fused kernel in `difftransformer.kernels` (CUDA, or the Triton interpreter).
+
+Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys, d comp. dim):
+    q: (B, 2h, T, d)      component c of head i at index 2i + c ("striped")
+    k: (B, 2h_kv, S, d)   component c of kv group g at index 2g + c
+    v: (B, h_kv, S, 2d)
+    out: (B, h, T, 2d) = (A1 - lam * A2) V, head i reading kv group i // (h / h_kv)
+Causal masks are bottom-right aligned: query t sits at absolute position t + S - T, so the same
+call serves full sequences and cached decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "eager", "sdpa", "triton")
+
+
+class AttentionMaps(NamedTuple):
+    """Maps returned by the eager backend for analysis, each (B, h, T, S) in fp32."""
+
+    diff: torch.Tensor  # A1 - lam * A2
+    a1: torch.Tensor
+    a2: torch.Tensor
+
+
+def lambda_init_fn(depth: int) -> float:
+    """lambda_init schedule of the paper: 0.2 at layer 0, rising to ~0.8 in deep layers."""
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+def reparameterized_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init: float):
+    """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, always in fp32 (a 0-d tensor)."""
+    f = torch.float32
+    dot1 = torch.sum(lambda_q1.to(f) * lambda_k1.to(f))
+    dot2 = torch.sum(lambda_q2.to(f) * lambda_k2.to(f))
+    return torch.exp(dot1) - torch.exp(dot2) + lambda_init
+
+
+def _visibility(T: int, S: int, causal: bool, key_padding_mask, device) -> torch.Tensor | None:
+    """Bool mask (B|1, 1, T, S), True where query t may read key s; None when all may."""
+    mask = None
+    if causal and not (T == 1 and S >= 1):
+        q_pos = torch.arange(T, device=device)[:, None] + (S - T)
+        mask = (torch.arange(S, device=device)[None, :] <= q_pos)[None, None]
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        mask = kpm if mask is None else mask & kpm
+    return mask
+
+
+def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
+    if key_padding_mask is None:
+        return
+    if key_padding_mask.shape != (B, S):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, key_len) = ({B}, {S}), got "
+            f"{tuple(key_padding_mask.shape)}; it marks keys to keep with True/1, including any cached keys")
+
+
+def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False,
+                    has_padding: bool = False) -> str:
+    """Pick a concrete backend; 'auto' prefers the fused kernel on CUDA, else SDPA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if need_maps:
+        if backend not in ("auto", "eager"):
+            raise ValueError(f"attention maps can only be returned by the 'eager' backend, not {backend!r}")
+        return "eager"
+    if backend == "auto":
+        if device.type == "cuda" and not has_padding:
+            from difftransformer import kernels
+
+            if kernels.is_available():
+                return "triton"
+        return "sdpa"
+    if backend == "triton" and has_padding:
+        raise ValueError("the 'triton' backend supports causal/non-causal masks only, not key padding; "
+                         "use backend='sdpa' (or 'auto') for padded batches")
+    return backend
+
+
+def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {q.dim()}, {k.dim()}, {v.dim()} dims")
+    B, two_h, T, d = q.shape
+    if two_h % 2 or k.shape[1] % 2:
+        raise ValueError(f"q and k carry two components per head, so their head axes must be even; "
+                         f"got {two_h} and {k.shape[1]}")
+    h, h_kv = two_h // 2, k.shape[1] // 2
+    if k.shape[0] != B or k.shape[-1] != d:
+        raise ValueError(f"k must be (batch={B}, 2*h_kv, S, d={d}); got {tuple(k.shape)}")
+    if v.shape != (B, h_kv, k.shape[2], 2 * d):
+        raise ValueError(f"v must be (batch, h_kv, S, 2d) = {(B, h_kv, k.shape[2], 2 * d)}; got {tuple(v.shape)}")
+    if h % h_kv:
+        raise ValueError(f"the {h} DIFF heads must split evenly over the {h_kv} kv groups")
+    if torch.is_tensor(lam) and lam.dim() != 0:
+        raise ValueError(f"lambda must be a scalar (one per layer); got shape {tuple(lam.shape)}")
+    return h, h_kv, T
+
+
+def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
+                           scale: float | None = None, backend: str = "auto",
+                           return_maps: bool = False):
+    """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every head; see the module doc.
+
+    Returns the (B, h, T, 2d) output in q's dtype, and `AttentionMaps` when `return_maps`.
+    A query that sees no key (fully padded) outputs zeros.
+    """
+    h, h_kv, T = _check_diff_shapes(q, k, v, lam)
+    B, S, d = q.shape[0], k.shape[2], q.shape[-1]
+    _check_key_padding_mask(key_padding_mask, B, S)
+    scale = d ** -0.5 if scale is None else scale
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
+    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None)
+    if which == "eager":
+        out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale)
+        return (out, maps) if return_maps else out
+    if which == "sdpa":
+        return _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale)
+    from difftransformer.kernels.diff_flash import diff_flash_attention
+
+    return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale)
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """fp32 softmax over the last axis; rows with no visible key become zeros instead of NaN."""
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    any_visible = mask.any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1)
+    return probs * any_visible
+
+
+def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale):
+    B, two_h, T, d = q.shape
+    h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    n_rep = h // h_kv
+    f = torch.float32
+    qc = q.to(f).view(B, h, 2, T, d)
+    kc = k.to(f).view(B, h_kv, 2, S, d).repeat_interleave(n_rep, dim=1)  # (B, h, 2, S, d)
+    vc = v.to(f).repeat_interleave(n_rep, dim=1)  # (B, h, S, 2d)
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, h, 2, T, S)
+    mask = _visibility(T, S, causal, key_padding_mask, q.device)
+    probs = _masked_softmax(scores, None if mask is None else mask[:, :, None])
+    a1, a2 = probs[:, :, 0], probs[:, :, 1]
+    diff = a1 - lam * a2
+    out = torch.matmul(diff, vc).to(q.dtype)
+    return out, AttentionMaps(diff, a1, a2)
+
+
+def _sdpa(q, k, v, mask, causal: bool, scale: float, gqa: bool):
+    """One SDPA call with explicit bottom-right masking and all-masked rows zeroed."""
+    T, S = q.shape[2], k.shape[2]
+    is_causal = False
+    if mask is None and causal and T == S and T > 1:
+        is_causal = True
+    elif causal and mask is None and T != S and T > 1:
+        mask = _visibility(T, S, True, None, q.device)
+    empty_rows = None
+    if mask is not None:
+        any_visible = mask.any(dim=-1, keepdim=True)
+        if not bool(any_visible.all()):
+            empty_rows = ~any_visible
+            mask = mask | empty_rows  # attend to something finite, then zero the row below
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                         enable_gqa=gqa)
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+    return out
+
+
+def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
+    B, two_h, T, d = q.shape
+    h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    # Component-major head order [c0 of every head, c1 of every head]: with GQA, query head
+    # c*h + i then reads kv head (c*h + i) // n_rep = c*h_kv + i // n_rep, exactly its own group.
+    qc = q.view(B, h, 2, T, d).transpose(1, 2).reshape(B, two_h, T, d)
+    kc = k.view(B, h_kv, 2, S, d).transpose(1, 2).reshape(B, 2 * h_kv, S, d)
+    vc = v.unsqueeze(1).expand(B, 2, h_kv, S, 2 * d).reshape(B, 2 * h_kv, S, 2 * d)
+    if q.device.type == "cpu":
+        # CPU flash needs equal head dims; zero-padding q and k leaves every score unchanged.
+        qc, kc = F.pad(qc, (0, d)), F.pad(kc, (0, d))
+    mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
+    o = _sdpa(qc, kc, vc, mask, causal, scale, gqa=h != h_kv).view(B, 2, h, T, 2 * d)
+    out = o[:, 0].to(torch.float32) - lam * o[:, 1].to(torch.float32)
+    return out.to(q.dtype)
+
+
+def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,
+                        backend: str = "auto", return_maps: bool = False):
+    """Ordinary (GQA) attention with the same masking rules. q (B, H, T, d), k/v (B, H_kv, S, d)."""
+    if q.dim() != 4 or k.shape != v.shape[:-1] + (k.shape[-1],) or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d) with H % H_kv == 0; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    _check_key_padding_mask(key_padding_mask, B, S)
+    scale = d ** -0.5 if scale is None else scale
+    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None)
+    if which == "eager":
+        n_rep = H // H_kv
+        f = torch.float32
+        scores = torch.matmul(q.to(f), k.to(f).repeat_interleave(n_rep, 1).transpose(-1, -2)) * scale
+        probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
+        out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
+        return (out, probs) if return_maps else out
+    # The fused kernel is differential-only; ordinary attention is served by SDPA's own kernels.
+    mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
+    return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)

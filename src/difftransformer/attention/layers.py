@@ -1,0 +1,236 @@
+"""Attention layers: DIFF (V1), DIFF V2, and the ordinary multi-head baseline.
+
+Head-count conventions (the source of most bugs in public re-implementations):
+- `MultiheadDiffAttention(num_heads=h)`: h is the number of *differential* heads, half of the
+  matched baseline's. Each head has two q/k components of dim d = embed_dim / (2h) and a value
+  of dim 2d. num_kv_heads is halved the same way.
+- `MultiheadAttention(num_heads=H)`: H ordinary heads of dim embed_dim / H (H = 2h when matched).
+- `MultiheadDiffAttentionV2(num_heads=H)`: H is the baseline's own head count; 2H query heads
+  are computed internally and paired.
+All layers do causal self-attention with RoPE at positions 0..T-1 (or after the cached prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftransformer.attention.cache import KVCache
+from difftransformer.attention.functional import (
+    AttentionMaps,
+    differential_attention,
+    lambda_init_fn,
+    multihead_attention,
+    reparameterized_lambda,
+    resolve_backend,
+)
+from difftransformer.attention.rope import RotaryEmbedding
+from difftransformer.norm import RMSNorm
+
+
+class _SelfAttention(nn.Module):
+    """Input checks, positions and KV-cache plumbing shared by every attention kind."""
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None,
+                 backend: str, max_seq_len: int | None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
+            raise ValueError(f"embed_dim, num_heads and num_kv_heads must be positive; got "
+                             f"{embed_dim}, {num_heads}, {num_kv_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads}) "
+                             f"so that every kv head serves the same number of query heads")
+        if depth < 0:
+            raise ValueError(f"depth is the 0-based layer index and must be >= 0; got {depth}")
+        resolve_backend(backend, torch.device("cpu"))  # validates the name early
+        self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.n_rep = num_heads // num_kv_heads
+        self.max_seq_len = max_seq_len
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"{type(self).__name__} expects input of shape (batch, seq_len, {self.embed_dim}); "
+                             f"got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}; "
+                            f"token ids go through an embedding first")
+        w = next(self.parameters())
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"input dtype {x.dtype} does not match the layer's parameters ({w.dtype}); "
+                            f"cast one of them (layer.to({x.dtype})) or run under torch.autocast")
+
+    def _positions(self, x: torch.Tensor, position_ids, kv_cache: KVCache | None) -> torch.Tensor:
+        past = 0 if kv_cache is None else kv_cache.length(self.depth)
+        T = x.shape[1]
+        if self.max_seq_len is not None and past + T > self.max_seq_len:
+            raise ValueError(f"sequence length {past + T} (cached {past} + new {T}) exceeds max_seq_len "
+                             f"{self.max_seq_len}; shorten the input or raise max_seq_len")
+        if position_ids is not None:
+            if position_ids.shape[-1] != T:
+                raise ValueError(f"position_ids must end in seq_len={T}; got {tuple(position_ids.shape)}")
+            return position_ids.to(x.device)
+        return torch.arange(past, past + T, device=x.device)
+
+    def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
+        """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE, v (B, kv_v_heads, S, v_dim)."""
+        B, T, _ = x.shape
+        pos = self._positions(x, position_ids, kv_cache)
+        q = self.rotary(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), pos)
+        k = self.rotary(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), pos)
+        v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.depth, k, v)
+        return q, k, v
+
+
+class MultiheadDiffAttention(_SelfAttention):
+    """Differential attention (V1), parameter-compatible with the authors' reference code.
+
+    num_heads: DIFF heads h (half the matched Transformer's); head_dim d = embed_dim // h // 2.
+    lambda_init: a constant (ablations use 0.8 or 0.5); None uses 0.8 - 0.6 exp(-0.3 depth).
+    head_norm: the head-wise RMSNorm over 2d with one shared weight (False only for ablation).
+    """
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
+                 norm_eps: float = 1e-5, backend: str = "auto", max_seq_len: int | None = None,
+                 device=None, dtype=None):
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        if embed_dim % (2 * num_heads):
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
+                             f"each of the {num_heads} DIFF heads splits into two components of equal dim")
+        if (embed_dim // num_heads // 2) % 2:
+            raise ValueError(f"head_dim = embed_dim // num_heads // 2 = {embed_dim // num_heads // 2} must be even "
+                             f"for RoPE; change embed_dim or num_heads")
+        E, d = embed_dim, embed_dim // num_heads // 2
+        self.head_dim, self.scaling = d, d ** -0.5
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(E, E, **kw)
+        self.k_proj = nn.Linear(E, E // self.n_rep, **kw)
+        self.v_proj = nn.Linear(E, E // self.n_rep, **kw)
+        self.out_proj = nn.Linear(E, E, **kw)
+        self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=torch.float32)))
+        self.subln = RMSNorm(2 * d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
+        self.rotary = RotaryEmbedding(d, rope_theta)
+        self.reset_lambda_parameters()
+
+    def reset_lambda_parameters(self) -> None:
+        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(p, mean=0.0, std=0.1)
+
+    def lambda_full(self) -> torch.Tensor:
+        """The layer's current lambda, a differentiable fp32 scalar."""
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
+                                      self.lambda_init)
+
+    def forward(self, x: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                return_attention: bool = False):
+        """x (B, T, E) -> (B, T, E); with return_attention also the fp32 maps (eager backend).
+
+        attention_mask: (B, S) True/1 for keys to keep (S counts cached keys too).
+        """
+        self._check_input(x)
+        B, T, E = x.shape
+        d = self.head_dim
+        q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
+        res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
+                                     scale=self.scaling, backend=self.backend, return_maps=return_attention)
+        o, maps = res if return_attention else (res, None)
+        if self.subln is not None:
+            o = self.subln(o)
+        o = o * (1.0 - self.lambda_init)
+        out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
+        return (out, maps) if return_attention else out
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, depth={self.depth}, diff_heads={self.num_heads}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, lambda_init={self.lambda_init:.4f}, "
+                f"backend={self.backend}")
+
+
+class MultiheadAttention(_SelfAttention):
+    """The matched Transformer baseline: ordinary causal GQA attention with RoPE.
+
+    head_norm=True adds a head-wise RMSNorm (the paper's "Transformer + GroupNorm" ablation).
+    """
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 rope_theta: float = 10000.0, head_norm: bool = False, norm_eps: float = 1e-5,
+                 backend: str = "auto", max_seq_len: int | None = None, device=None, dtype=None):
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        if embed_dim % num_heads or (embed_dim // num_heads) % 2:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
+                             f"into an even head_dim for RoPE")
+        E, d = embed_dim, embed_dim // num_heads
+        self.head_dim, self.scaling = d, d ** -0.5
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(E, E, **kw)
+        self.k_proj = nn.Linear(E, E // self.n_rep, **kw)
+        self.v_proj = nn.Linear(E, E // self.n_rep, **kw)
+        self.out_proj = nn.Linear(E, E, **kw)
+        self.subln = RMSNorm(d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
+        self.rotary = RotaryEmbedding(d, rope_theta)
+
+    def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
+                return_attention: bool = False):
+        self._check_input(x)
+        B, T, E = x.shape
+        d = self.head_dim
+        q, k, v = self._project(x, position_ids, kv_cache, self.num_heads, self.num_kv_heads, d, d)
+        res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
+                                  backend=self.backend, return_maps=return_attention)
+        o, probs = res if return_attention else (res, None)
+        if self.subln is not None:
+            o = self.subln(o)
+        out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
+        return (out, AttentionMaps(probs, probs, None)) if return_attention else out
+
+
+class MultiheadDiffAttentionV2(_SelfAttention):
+    """DIFF V2: 2H query heads in one ordinary attention call, adjacent heads paired.
+
+    out_i = attn_{2i} - sigmoid(lambda_proj(x))_i * attn_{2i+1}, a lambda per token and head.
+    Both heads of a pair sit in the same GQA group, so K/V (and the KV cache) match the baseline.
+    """
+
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
+                 head_dim: int | None = None, rope_theta: float = 10000.0, backend: str = "auto",
+                 max_seq_len: int | None = None, device=None, dtype=None):
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            head_dim = embed_dim // num_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        E, H, d = embed_dim, num_heads, head_dim
+        self.head_dim, self.scaling = d, d ** -0.5
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(E, 2 * H * d, **kw)
+        self.k_proj = nn.Linear(E, self.num_kv_heads * d, **kw)
+        self.v_proj = nn.Linear(E, self.num_kv_heads * d, **kw)
+        self.o_proj = nn.Linear(H * d, E, **kw)
+        self.lambda_proj = nn.Linear(E, H, **kw)
+        self.rotary = RotaryEmbedding(d, rope_theta)
+
+    def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
+                return_attention: bool = False):
+        self._check_input(x)
+        B, T, _ = x.shape
+        H, d = self.num_heads, self.head_dim
+        q, k, v = self._project(x, position_ids, kv_cache, 2 * H, self.num_kv_heads, d, d)
+        res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
+                                  backend=self.backend, return_maps=return_attention)
+        attn, probs = res if return_attention else (res, None)
+        lam = torch.sigmoid(self.lambda_proj(x).float()).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        o = (attn[:, 0::2].float() - lam * attn[:, 1::2].float()).to(attn.dtype)
+        out = self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
+        if not return_attention:
+            return out
+        a1, a2 = probs[:, 0::2], probs[:, 1::2]
+        return out, AttentionMaps(a1 - lam * a2, a1, a2)

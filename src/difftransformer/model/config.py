@@ -1,0 +1,181 @@
+"""Typed model configuration, matched DIFF/Transformer pairs, and presets.
+
+`num_attention_heads` always counts the heads *of the configured attention kind*:
+- diff, diff_no_headnorm: differential heads h (half the matched Transformer's heads);
+- transformer, transformer_headnorm, diff_v2: ordinary heads H (the baseline's own count).
+`config.matched("transformer")` / `config.matched("diff")` convert between the two so that a
+DIFF model and its baseline have the same width, depth, FFN and head_dim, and parameter counts
+that differ only by 6 * head_dim per layer (lambda vectors and head-norm weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ATTENTION_KINDS = {
+    "diff": "DIFF Transformer V1: differential heads, head-wise RMSNorm, (1 - lambda_init) scale",
+    "diff_no_headnorm": "ablation: DIFF V1 without the head-wise RMSNorm",
+    "diff_v2": "DIFF V2: 2H query heads paired in-group, per-token sigmoid lambda, no head norm",
+    "transformer": "the matched Transformer baseline (ordinary multi-head attention)",
+    "transformer_headnorm": "ablation: the baseline with a head-wise RMSNorm",
+}
+_DIFF_HEAD_KINDS = ("diff", "diff_no_headnorm")  # kinds whose heads are differential (halved)
+
+
+@dataclass
+class DiffTransformerConfig:
+    """Decoder-only LM: pre-RMSNorm blocks, SwiGLU FFN, RoPE, one attention kind per model."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4  # heads of `attention`'s kind; see the module docstring
+    num_key_value_heads: int | None = None  # None: no GQA (same as num_attention_heads)
+    attention: str = "diff"
+    intermediate_size: int | None = None  # None: round(8/3 * hidden_size), as in the paper
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a constant for ablations
+    initializer_range: float = 0.02
+    attn_backend: str = "auto"  # auto | eager | sdpa | triton
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {self.attention!r}; choose one of {sorted(ATTENTION_KINDS)}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = round(8 * self.hidden_size / 3)
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        split = 2 * self.num_attention_heads if self.is_differential else self.num_attention_heads
+        if self.hidden_size % split:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
+                             f"{'2 * ' if self.is_differential else ''}num_attention_heads ({split}) "
+                             f"for attention={self.attention!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        from difftransformer.attention.functional import BACKENDS
+
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attn_backend {self.attn_backend!r}; choose one of {BACKENDS}")
+
+    @property
+    def is_differential(self) -> bool:
+        """True when heads are differential (counted halved), i.e. DIFF V1 and its ablation."""
+        return self.attention in _DIFF_HEAD_KINDS
+
+    @property
+    def head_dim(self) -> int:
+        """d: the q/k dim of one component (DIFF) or one head (baseline, V2); equal when matched."""
+        split = 2 * self.num_attention_heads if self.is_differential else self.num_attention_heads
+        return self.hidden_size // split
+
+    @property
+    def baseline_heads(self) -> tuple[int, int]:
+        """(query heads, kv heads) of the equivalent ordinary Transformer."""
+        f = 2 if self.is_differential else 1
+        return self.num_attention_heads * f, self.num_key_value_heads * f
+
+    def matched(self, attention: str) -> "DiffTransformerConfig":
+        """The same size spec with another attention kind, head counts converted."""
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {attention!r}; choose one of {sorted(ATTENTION_KINDS)}")
+        heads, kv = self.baseline_heads
+        if attention in _DIFF_HEAD_KINDS:
+            if heads % 2 or kv % 2:
+                raise ValueError(f"a DIFF model halves the baseline's {heads} q / {kv} kv heads, so both must be even")
+            heads, kv = heads // 2, kv // 2
+        return dataclasses.replace(self, attention=attention, num_attention_heads=heads, num_key_value_heads=kv)
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DiffTransformerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known - {"model_type", "format_version"})
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: str | Path) -> None:
+        payload = {"model_type": "difftransformer", "format_version": 1, **self.to_dict()}
+        Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DiffTransformerConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no model config at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); the file may be corrupted") from e
+        return cls.from_dict(data)
+
+
+# name: (hidden_size, layers, DIFF heads, intermediate_size or None for 8/3 * hidden)
+_PAPER_SIZES = {
+    "830M": (1536, 24, 8, None),
+    "1.4B": (2048, 24, 8, None),
+    "2.8B": (2560, 32, 10, None),
+    "6.8B": (4096, 32, 16, None),
+    "13.1B": (5120, 40, 20, None),
+    "3B": (3072, 28, 12, 8192),
+}
+PAPER_VOCAB_SIZE = 100_288
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A size spec in DIFF heads (the paper's tables); `config(kind)` gives either arm."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    diff_heads: int
+    diff_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int = PAPER_VOCAB_SIZE
+    max_position_embeddings: int = 4096
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def config(self, attention: str = "diff", **overrides) -> DiffTransformerConfig:
+        base = DiffTransformerConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.diff_heads, num_key_value_heads=self.diff_kv_heads, attention="diff",
+            intermediate_size=self.intermediate_size, max_position_embeddings=self.max_position_embeddings,
+            **self.extra)
+        cfg = base.matched(attention)
+        return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+PRESETS: dict[str, Preset] = {
+    **{name: Preset(e, n, h, None, ffn, description=f"paper size {name}") for name, (e, n, h, ffn)
+       in _PAPER_SIZES.items()},
+    # Small CPU presets (vocab sized for a BPE trained on the bundled corpus).
+    "tiny": Preset(64, 2, 2, vocab_size=512, max_position_embeddings=256, description="unit tests"),
+    "cpu-small": Preset(256, 4, 4, vocab_size=8192, max_position_embeddings=256,
+                        description="~7M params, the CPU demo size"),
+    "cpu-medium": Preset(384, 6, 6, vocab_size=8192, max_position_embeddings=512,
+                         description="~16M params, a longer CPU run"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
+    return PRESETS[name]

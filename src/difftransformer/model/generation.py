@@ -1,0 +1,87 @@
+"""Autoregressive generation with the KV cache: greedy, temperature, top-k and top-p sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from difftransformer.attention import KVCache
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set logits outside the top-k / the top-p nucleus to -inf; (B, V) in, (B, V) out."""
+    if top_k is not None:
+        if top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top token stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids. temperature 0 is greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / temperature, top_k, top_p)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+             attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Extend (B, T) prompts by up to max_new_tokens; returns (B, T + n).
+
+    Batched prompts of different lengths are left-padded with attention_mask 0 on the padding;
+    each row then gets its own positions, so its output equals generating it alone. Rows that
+    produced eos_token_id keep emitting it until every row is done.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    limit = model.config.max_position_embeddings
+    if input_ids.dim() == 2 and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
+                         f"model's max_position_embeddings {limit}")
+    was_training = model.training
+    model.eval()
+    try:
+        B = input_ids.shape[0]
+        mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
+        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = KVCache() if use_cache else None
+        out, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        step_ids, step_pos = input_ids, positions
+        for _ in range(max_new_tokens):
+            logits = model(step_ids, attention_mask=None if mask is None else mask.bool(), position_ids=step_pos,
+                           kv_cache=cache).logits[:, -1]
+            nxt = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out = torch.cat((out, nxt[:, None]), dim=1)
+            if mask is not None:
+                mask = torch.cat((mask, mask.new_ones(B, 1)), dim=1)
+                new_pos = positions[:, -1:] + 1
+                positions = torch.cat((positions, new_pos), dim=1)
+            if eos_token_id is not None and bool(done.all()):
+                break
+            if use_cache:
+                step_ids, step_pos = nxt[:, None], None if mask is None else positions[:, -1:]
+            else:
+                step_ids, step_pos = out, positions
+        return out
+    finally:
+        model.train(was_training)

@@ -1,0 +1,187 @@
+"""The decoder-only LM shared by DIFF and the matched Transformer (LLaMA layout, no biases).
+
+    h   = x + Attention(RMSNorm(x))
+    out = h + SwiGLU(RMSNorm(h))
+
+Parameter names follow Hugging Face's LLaMA modeling file (embed_tokens, layers.N.self_attn,
+mlp.gate_proj/up_proj/down_proj, input_layernorm, post_attention_layernorm, norm, lm_head);
+inside self_attn the names are the DIFF reference code's (q_proj ... out_proj, lambda_*, subln).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
+from difftransformer.model.config import DiffTransformerConfig
+from difftransformer.norm import RMSNorm
+
+
+class SwiGLU(nn.Module):
+    """(silu(x Wg) * (x W1)) W2."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtype=None) -> nn.Module:
+    """The one place that maps `config.attention` to a layer."""
+    common = dict(rope_theta=config.rope_theta, backend=config.attn_backend,
+                  max_seq_len=config.max_position_embeddings, device=device, dtype=dtype)
+    E, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    kind = config.attention
+    if kind in ("diff", "diff_no_headnorm"):
+        return MultiheadDiffAttention(E, depth, H, KV, lambda_init=config.lambda_init, head_norm=kind == "diff",
+                                      norm_eps=config.rms_norm_eps, **common)
+    if kind == "diff_v2":
+        return MultiheadDiffAttentionV2(E, depth, H, KV, **common)
+    return MultiheadAttention(E, depth, H, KV, head_norm=kind == "transformer_headnorm",
+                              norm_eps=config.rms_norm_eps, **common)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: DiffTransformerConfig, depth: int, device=None, dtype=None):
+        super().__init__()
+        E, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(E, eps, device=device, dtype=dtype)
+        self.self_attn = build_attention(config, depth, device, dtype)
+        self.post_attention_layernorm = RMSNorm(E, eps, device=device, dtype=dtype)
+        self.mlp = SwiGLU(E, config.intermediate_size, device, dtype)
+
+    def forward(self, x, *, attention_mask=None, position_ids=None, kv_cache=None, return_attention=False):
+        res = self.self_attn(self.input_layernorm(x), attention_mask=attention_mask, position_ids=position_ids,
+                             kv_cache=kv_cache, return_attention=return_attention)
+        a, maps = res if return_attention else (res, None)
+        h = x + a
+        out = h + self.mlp(self.post_attention_layernorm(h))
+        return (out, maps) if return_attention else out
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    attentions: list | None = None  # one AttentionMaps per layer when asked for
+    kv_cache: KVCache | None = None
+
+
+class DiffTransformerLM(nn.Module):
+    """Token embedding -> N decoder blocks -> final RMSNorm -> LM head (optionally tied)."""
+
+    def __init__(self, config: DiffTransformerConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        E = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, E, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderBlock(config, i, device, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(E, config.rms_norm_eps, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(E, config.vocab_size, bias=False, device=device, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, initializer_range) for linear and embedding weights; lambda vectors N(0, 0.1); norms 1."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm) and m.weight is not None:
+                nn.init.ones_(m.weight)
+            elif isinstance(m, MultiheadDiffAttention):
+                m.reset_lambda_parameters()
+
+    def num_parameters(self, count_embedding_once: bool = True) -> int:
+        """Parameter count; a tied embedding/LM head matrix counts once (as the paper counts)."""
+        seen, total = set(), 0
+        for p in self.parameters():  # parameters() already yields a tied tensor once
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        if not count_embedding_once and self.config.tie_word_embeddings:
+            total += self.embed_tokens.weight.numel()
+        return total
+
+    def lambdas(self) -> list[float | None]:
+        """Each layer's current lambda (None for layers without a scalar lambda)."""
+        out = []
+        for block in self.layers:
+            attn = block.self_attn
+            out.append(float(attn.lambda_full()) if isinstance(attn, MultiheadDiffAttention) else None)
+        return out
+
+    def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)} "
+                             f"(use input_ids[None] for a single sequence)")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = hi if hi >= self.config.vocab_size else lo
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
+                             f"was the input encoded with this model's tokenizer?")
+        total = past + input_ids.shape[1]
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {total} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}; truncate the input or use a config "
+                             f"with a longer context")
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, return_attention: bool = False) -> CausalLMOutput:
+        """input_ids (B, T). targets (B, T) are the next tokens (already shifted; -100 ignored).
+
+        attention_mask (B, S): 1 for real tokens, 0 for padding, over cached + new tokens.
+        """
+        self._check_ids(input_ids, 0 if kv_cache is None else kv_cache.length(0))
+        x = self.embed_tokens(input_ids)
+        maps = [] if return_attention else None
+        for block in self.layers:
+            res = block(x, attention_mask=attention_mask, position_ids=position_ids, kv_cache=kv_cache,
+                        return_attention=return_attention)
+            if return_attention:
+                x, m = res
+                maps.append(m)
+            else:
+                x = res
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"targets must match input_ids' shape {tuple(input_ids.shape)}; "
+                                 f"got {tuple(targets.shape)}")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return CausalLMOutput(logits=logits, loss=loss, attentions=maps, kv_cache=kv_cache)
+
+    # -- generation and serialisation live in their own modules; thin methods for convenience --
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        from difftransformer.model.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        from difftransformer.model.serialization import save_pretrained
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device="cpu", dtype=None) -> "DiffTransformerLM":
+        from difftransformer.model.serialization import load_pretrained
+
+        return load_pretrained(directory, device=device, dtype=dtype)

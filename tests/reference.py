@@ -1,0 +1,125 @@
+"""An independent float64 implementation of differential attention, written from the spec.
+
+It shares no code with the library on purpose: explicit per-head loops, explicit maps, explicit
+RoPE from the formula, weights read straight from a state dict. Every backend is tested against
+it. Keep it simple and obviously right rather than fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible(T: int, S: int, causal: bool, key_padding_mask=None, b: int = 0) -> torch.Tensor:
+    """(T, S) bool: query i sits at absolute position i + S - T (bottom-right alignment)."""
+    vis = torch.ones(T, S, dtype=torch.bool)
+    if causal:
+        for i in range(T):
+            for j in range(S):
+                vis[i, j] = j <= i + S - T
+    if key_padding_mask is not None:
+        vis = vis & key_padding_mask[b].bool()[None, :]
+    return vis
+
+
+def softmax_rows(scores: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """Masked softmax; a row that sees no key is all zeros."""
+    out = torch.zeros_like(scores)
+    for i in range(scores.shape[0]):
+        cols = vis[i]
+        if cols.any():
+            s = scores[i, cols]
+            e = torch.exp(s - s.max())
+            out[i, cols] = e / e.sum()
+    return out
+
+
+def diff_attention_reference(q, k, v, lam, *, causal=True, key_padding_mask=None, scale=None,
+                             return_maps=False):
+    """(A1 - lam*A2) V per head, float64.
+
+    q: (B, 2h, T, d), component c of head i at index 2i+c; k: (B, 2h_kv, S, d) likewise;
+    v: (B, h_kv, S, 2d); lam: scalar, or (B, h, T) for a per-query lambda.
+    Returns (B, h, T, 2d) float64 (and the maps (B, h, T, S) x3 if asked).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    lam = torch.as_tensor(lam).double()
+    B, two_h, T, d = q.shape
+    h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    n_rep = h // h_kv
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(B, h, T, v.shape[-1], dtype=torch.float64)
+    maps = torch.zeros(3, B, h, T, S, dtype=torch.float64)
+    for b in range(B):
+        vis = visible(T, S, causal, key_padding_mask, b)
+        for i in range(h):
+            g = i // n_rep
+            a1 = softmax_rows(q[b, 2 * i] @ k[b, 2 * g].T * scale, vis)
+            a2 = softmax_rows(q[b, 2 * i + 1] @ k[b, 2 * g + 1].T * scale, vis)
+            li = lam if lam.dim() == 0 else lam[b, i][:, None]
+            diff = a1 - li * a2
+            out[b, i] = diff @ v[b, g]
+            maps[0, b, i], maps[1, b, i], maps[2, b, i] = diff, a1, a2
+    return (out, maps) if return_maps else out
+
+
+def rope_reference(x: torch.Tensor, positions, theta: float = 10000.0) -> torch.Tensor:
+    """GPT-J interleaved RoPE on the last dim of x (..., T, d): pairs (2i, 2i+1)."""
+    x = x.double()
+    d = x.shape[-1]
+    out = x.clone()
+    for t, pos in enumerate(positions):
+        for i in range(d // 2):
+            ang = float(pos) * theta ** (-2 * i / d)
+            c, s = math.cos(ang), math.sin(ang)
+            a, b_ = x[..., t, 2 * i], x[..., t, 2 * i + 1]
+            out[..., t, 2 * i] = a * c - b_ * s
+            out[..., t, 2 * i + 1] = a * s + b_ * c
+    return out
+
+
+def lambda_init_reference(depth: int) -> float:
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+def diff_layer_reference(sd: dict, x: torch.Tensor, *, depth: int, num_heads: int, num_kv_heads: int,
+                         rope_theta: float = 10000.0, key_padding_mask=None, positions=None,
+                         lambda_init: float | None = None, head_norm: bool = True):
+    """The whole V1 layer from its state dict, float64. x: (B, T, E). Causal self-attention."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    B, T, E = x.shape
+    h, h_kv = num_heads, num_kv_heads
+    d = E // h // 2
+    positions = list(range(T)) if positions is None else positions
+    q = (x @ sd["q_proj.weight"].T).view(B, T, 2 * h, d).transpose(1, 2)
+    k = (x @ sd["k_proj.weight"].T).view(B, T, 2 * h_kv, d).transpose(1, 2)
+    v = (x @ sd["v_proj.weight"].T).view(B, T, h_kv, 2 * d).transpose(1, 2)
+    q, k = rope_reference(q, positions, rope_theta), rope_reference(k, positions, rope_theta)
+    lam_init = lambda_init_reference(depth) if lambda_init is None else lambda_init
+    lam = (torch.exp((sd["lambda_q1"] * sd["lambda_k1"]).sum())
+           - torch.exp((sd["lambda_q2"] * sd["lambda_k2"]).sum()) + lam_init)
+    o = diff_attention_reference(q, k, v, lam, causal=True, key_padding_mask=key_padding_mask)
+    if head_norm:
+        rms = torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-5)
+        o = o / rms * sd["subln.weight"]
+    o = o * (1 - lam_init)
+    o = o.transpose(1, 2).reshape(B, T, E)
+    return o @ sd["out_proj.weight"].T
+
+
+def mha_reference(q, k, v, *, causal=True, key_padding_mask=None, scale=None):
+    """Ordinary (GQA) attention, float64. q (B, H, T, d), k/v (B, H_kv, S, d)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, T, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        vis = visible(T, S, causal, key_padding_mask, b)
+        for i in range(H):
+            g = i // (H // H_kv)
+            out[b, i] = softmax_rows(q[b, i] @ k[b, g].T * scale, vis) @ v[b, g]
+    return out
