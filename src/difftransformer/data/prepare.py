@@ -1,0 +1,166 @@
+"""One call from a corpus spec to ready-to-train token shards: load, split, tokenise, write.
+
+    data = prepare_data("sotu", "cache/data/sotu", vocab_size=8192)
+    train = data.dataset("train")                       # a TokenDataset (memmap)
+    data = PreparedData.load("cache/data/sotu")         # later, without redoing anything
+
+Every step is keyed by content hashes, so calling it again is cheap: the tokenizer is reused when
+the train split and settings are unchanged, and a shard is rewritten only when its documents or
+the tokenizer changed. force=True redoes everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .corpus import corpus_hash, load_corpus
+from .shards import TokenDataset, read_shard_meta, shard_paths, write_shard
+from .split import SPLITS, split_documents
+from .tokenizer import Tokenizer, train_tokenizer
+
+MANIFEST = "prepared.json"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedData:
+    """Where a prepared corpus lives and what is in it (mirrors out_dir/prepared.json)."""
+
+    out_dir: Path
+    tokenizer_path: Path
+    shards: dict[str, Path]  # split -> token file (.bin); metadata sits beside it as .json
+    num_tokens: dict[str, int]
+    num_documents: dict[str, int]
+    corpus_hash: str
+    tokenizer_hash: str
+    vocab_size: int
+    corpus: str = ""
+    split_config: dict[str, Any] = field(default_factory=dict)
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_file(self.tokenizer_path)
+
+    def dataset(self, split: str) -> TokenDataset:
+        if split not in self.shards:
+            raise KeyError(f"no split {split!r} in {self.out_dir}; have {sorted(self.shards)}")
+        return TokenDataset(self.shards[split])
+
+    def save(self) -> None:
+        """Write the manifest atomically, with paths relative to out_dir so the folder can move."""
+        rel = lambda p: Path(p).relative_to(self.out_dir).as_posix()
+        manifest = {
+            "corpus": self.corpus,
+            "corpus_hash": self.corpus_hash,
+            "tokenizer": rel(self.tokenizer_path),
+            "tokenizer_hash": self.tokenizer_hash,
+            "vocab_size": self.vocab_size,
+            "split_config": self.split_config,
+            "shards": {s: rel(p) for s, p in self.shards.items()},
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.out_dir, prefix=MANIFEST, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(manifest, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, self.out_dir / MANIFEST)
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> PreparedData:
+        out_dir = Path(out_dir)
+        path = out_dir / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no prepared data in {out_dir} (missing {MANIFEST}); run `difftransformer prepare` "
+                "or difftransformer.data.prepare_data(...) first"
+            )
+        m = json.loads(path.read_text(encoding="utf-8"))
+        return cls(
+            out_dir=out_dir,
+            tokenizer_path=out_dir / m["tokenizer"],
+            shards={s: out_dir / p for s, p in m["shards"].items()},
+            num_tokens=m["num_tokens"],
+            num_documents=m["num_documents"],
+            corpus_hash=m["corpus_hash"],
+            tokenizer_hash=m["tokenizer_hash"],
+            vocab_size=m["vocab_size"],
+            corpus=m.get("corpus", ""),
+            split_config=m.get("split_config", {}),
+        )
+
+
+def prepare_data(
+    corpus: str = "sotu",
+    out_dir: str | Path = "cache/data/sotu",
+    vocab_size: int = 8192,
+    tokenizer_path: str | None = None,
+    val_fraction: float = 0.05,
+    test_fraction: float = 0.05,
+    seed: int = 0,
+    force: bool = False,
+) -> PreparedData:
+    """Load `corpus`, split it by document, train (or load) the tokenizer, write one shard per split.
+
+    With tokenizer_path, that tokenizer.json is used (and copied into out_dir) instead of training
+    one, and vocab_size is ignored. Work whose inputs are unchanged is skipped unless force=True.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    docs = load_corpus(corpus)
+    chash = corpus_hash(docs)
+    splits = split_documents(docs, val_fraction, test_fraction, seed)
+    if not splits["train"]:
+        raise ValueError(
+            f"corpus {corpus!r} has {len(docs)} document(s) and none landed in train; add documents (3 or more guarantee every split one)"
+        )
+    log.info("corpus %s: %s documents", corpus, {s: len(d) for s, d in splits.items()})
+
+    if tokenizer_path is not None:
+        tok = Tokenizer.from_file(tokenizer_path)
+        local = out_dir / f"tokenizer-{tok.hash[:16]}.json"
+        if force or not local.is_file():
+            tok.save(local)
+        tok.path = local
+    else:
+        tok = train_tokenizer([d.text for d in splits["train"]], vocab_size, cache_dir=out_dir, force=force)
+    assert tok.path is not None
+
+    num_tokens: dict[str, int] = {}
+    shards: dict[str, Path] = {}
+    for split in SPLITS:
+        base = out_dir / split
+        meta = read_shard_meta(base)
+        fresh = (
+            meta is not None
+            and meta["tokenizer_hash"] == tok.hash
+            and meta["corpus_hash"] == chash
+            and meta["documents_hash"] == corpus_hash(splits[split])
+        )
+        if force or not fresh:
+            meta = write_shard(base, splits[split], tok, split=split, corpus_hash=chash)
+        else:
+            log.info("shard %s is up to date (%d tokens)", split, meta["num_tokens"])
+        assert meta is not None
+        num_tokens[split] = meta["num_tokens"]
+        shards[split] = shard_paths(base)[0]
+
+    data = PreparedData(
+        out_dir=out_dir,
+        tokenizer_path=tok.path,
+        shards=shards,
+        num_tokens=num_tokens,
+        num_documents={s: len(d) for s, d in splits.items()},
+        corpus_hash=chash,
+        tokenizer_hash=tok.hash,
+        vocab_size=tok.vocab_size,
+        corpus=str(corpus),
+        split_config={"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed},
+    )
+    data.save()
+    return data
