@@ -367,3 +367,28 @@ def test_bf16_layer_under_autocast_is_close_to_fp32():
     assert y.dtype == torch.bfloat16
     assert rel_err(y, layer(x)) < 3e-2
     assert math.isfinite(y.float().sum().item())
+
+
+# ---------------------------------------------------------------- the fused kernel as a layer backend
+def _triton_runs_here() -> bool:
+    from difftransformer import kernels
+
+    return kernels.is_available() and (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_layer_triton_backend_matches_reference():
+    torch.manual_seed(9)
+    layer = MultiheadDiffAttention(64, 2, 2, 1, backend="triton")
+    x = torch.randn(1, 19, 64, requires_grad=True)
+    y = layer(x)
+    sd = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
+    xr = x.detach().double().requires_grad_(True)
+    ref = diff_layer_reference(sd, xr, depth=2, num_heads=2, num_kv_heads=1)
+    assert rel_err(y, ref) <= 1e-5
+    y.sum().backward()
+    ref.sum().backward()
+    assert rel_err(x.grad, xr.grad) <= 1e-5
+    assert rel_err(layer.lambda_q1.grad, sd["lambda_q1"].grad) <= 1e-5
+    with pytest.raises(ValueError, match="not key padding"):
+        layer(x, attention_mask=torch.ones(1, 19, dtype=torch.bool))

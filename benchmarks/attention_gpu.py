@@ -1,0 +1,201 @@
+"""GPU benchmark: the fused differential kernel against SDPA layouts and the matched baseline.
+
+Layouts timed (DIFF: h heads, q/k components of dim d, V of dim 2d; baseline: 2h heads of dim d):
+  (a) fused     difftransformer.kernels.diff_flash.diff_flash_attention
+  (b) two-call  SDPA(Q1, K1, V) - lam * SDPA(Q2, K2, V), V of dim 2d
+  (c) four-call V split in its two d-halves, each half through both softmaxes, outputs concatenated
+  (d) baseline  one SDPA call over 2h heads of dim d (flash / cuDNN)
+
+FLOPs (2 per multiply-add), causal counted as half of T * S:
+  baseline fwd     F = 4 * B * (2h) * T * S * d * (1/2 if causal)     (Q K^T and P V)
+  baseline fwd+bwd 3.5 F                                              (bwd: S, dP, dV, dK, dQ = 2.5 F)
+  DIFF fwd         1.5 F   (S1, S2 of width d; A1 V, A2 V of width 2d)
+  DIFF fwd+bwd     4.0 F   (bwd as the baseline's: dP2 = -lam dP1, dV = (A1 - lam A2)^T dO)
+All three DIFF layouts are credited with the same DIFF FLOPs, so their TFLOP/s is useful work per
+second (the four-call layout actually computes every score twice). Ratios are time / time of (d).
+
+    python benchmarks/attention_gpu.py                       # T 1K..16K, d 64 and 128, bf16
+    python benchmarks/attention_gpu.py --seq-lens 2048 --head-dims 128 --repeats 50
+"""
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="comma-separated T (= S) values")
+    p.add_argument("--head-dims", default="64,128", help="comma-separated DIFF component dims d")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * T per measurement (B = tokens // T)")
+    p.add_argument("--heads", type=int, default=8, help="DIFF heads h (the baseline gets 2h)")
+    p.add_argument("--kv-heads", type=int, default=None, help="DIFF kv groups h_kv (default: h, no GQA)")
+    p.add_argument("--non-causal", action="store_true", help="time full (non-causal) attention instead")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs; the median is reported")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs first (includes autotuning)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check of the fused kernel")
+    return p.parse_args(argv)
+
+
+# ---- the layouts ------------------------------------------------------------------------------
+
+
+def split_components(q, k):
+    """Striped (B, 2h, T, d) -> the two (B, h, T, d) component views, without copies."""
+    B, two_h, T, d = q.shape
+    q1, q2 = q.unflatten(1, (two_h // 2, 2)).unbind(2)
+    k1, k2 = k.unflatten(1, (k.shape[1] // 2, 2)).unbind(2)
+    return q1, q2, k1, k2
+
+
+def two_call(q, k, v, lam, causal):
+    q1, q2, k1, k2 = split_components(q, k)
+    gqa = q1.shape[1] != k1.shape[1]
+    o1 = F.scaled_dot_product_attention(q1, k1, v, is_causal=causal, enable_gqa=gqa)
+    o2 = F.scaled_dot_product_attention(q2, k2, v, is_causal=causal, enable_gqa=gqa)
+    return o1 - lam * o2
+
+
+def four_call(q, k, v, lam, causal):
+    q1, q2, k1, k2 = split_components(q, k)
+    gqa = q1.shape[1] != k1.shape[1]
+    halves = []
+    for vh in v.chunk(2, dim=-1):
+        o1 = F.scaled_dot_product_attention(q1, k1, vh, is_causal=causal, enable_gqa=gqa)
+        o2 = F.scaled_dot_product_attention(q2, k2, vh, is_causal=causal, enable_gqa=gqa)
+        halves.append(o1 - lam * o2)
+    return torch.cat(halves, dim=-1)
+
+
+def baseline(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+def median_ms(fn, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(fn, inputs, grad_out, warmup, repeats):
+    """(forward ms, forward+backward ms); None for a layout that runs out of memory."""
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(), inputs, grad_out)
+
+    try:
+        return median_ms(fwd, warmup, repeats), median_ms(fwd_bwd, warmup, repeats)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def check_fused(diff_flash_attention, dtype):
+    """The fused kernel against the two-call layout run in fp32, forward and all gradients."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, h, h_kv, T, d = 2, 4, 2, 300, 64
+    q = torch.randn(B, 2 * h, T, d, device="cuda", generator=g)
+    k = torch.randn(B, 2 * h_kv, T, d, device="cuda", generator=g)
+    v = torch.randn(B, h_kv, T, 2 * d, device="cuda", generator=g)
+    do = torch.randn(B, h, T, 2 * d, device="cuda", generator=g)
+    lam = torch.tensor(0.7, device="cuda")
+    worst = 0.0
+    for causal in (True, False):
+        ins = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [lam.clone().requires_grad_()]
+        ref_ins = [x.detach().float().requires_grad_() for x in ins]
+        out = diff_flash_attention(*ins, causal=causal)
+        ref = two_call(*ref_ins, causal)
+        got = [out, *torch.autograd.grad(out, ins, do.to(dtype))]
+        want = [ref, *torch.autograd.grad(ref, ref_ins, do)]
+        for a, b in zip(got, want):
+            worst = max(worst, ((a.float() - b).abs().max() / b.abs().max().clamp_min(1.0)).item())
+    status = "ok" if worst < 3e-2 else "FAILED"
+    print(f"correctness check (fused vs fp32 two-call, out and dq/dk/dv/dlam): max rel err {worst:.1e} {status}\n")
+    return worst < 3e-2
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("attention_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here.")
+    from difftransformer import kernels
+
+    if not kernels.is_available():
+        sys.exit("attention_gpu.py needs Triton (pip install triton) for the fused kernel.")
+    from difftransformer.kernels.diff_flash import diff_flash_attention
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    causal = not args.non_causal
+    h = args.heads
+    h_kv = args.kv_heads or h
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+          f"{'causal' if causal else 'non-causal'}, {args.tokens} tokens, DIFF {h} heads / {h_kv} kv groups, "
+          f"baseline {2 * h} / {2 * h_kv}, median of {args.repeats}")
+    if not args.no_check and not check_fused(diff_flash_attention, dtype):
+        sys.exit(1)
+
+    rows = []
+    for d in [int(x) for x in args.head_dims.split(",")]:
+        for T in [int(x) for x in args.seq_lens.split(",")]:
+            B = max(1, args.tokens // T)
+            g = torch.Generator(device="cuda").manual_seed(T + d)
+
+            def rnd(*shape):
+                return torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+
+            q, k, v = rnd(B, 2 * h, T, d), rnd(B, 2 * h_kv, T, d), rnd(B, h_kv, T, 2 * d)
+            lam = torch.tensor(0.5, device="cuda", requires_grad=True)
+            do = torch.randn(B, h, T, 2 * d, device="cuda", dtype=dtype, generator=g)
+            qb, kb, vb = rnd(B, 2 * h, T, d), rnd(B, 2 * h_kv, T, d), rnd(B, 2 * h_kv, T, d)
+            dob = torch.randn(B, 2 * h, T, d, device="cuda", dtype=dtype, generator=g)
+
+            flops = 4 * B * (2 * h) * T * T * d * (0.5 if causal else 1.0)
+            runs = {
+                "(a) fused": (lambda: diff_flash_attention(q, k, v, lam, causal=causal), 1.5, 4.0),
+                "(b) two-call": (lambda: two_call(q, k, v, lam, causal), 1.5, 4.0),
+                "(c) four-call": (lambda: four_call(q, k, v, lam, causal), 1.5, 4.0),
+            }
+            results = {name: (measure(fn, (q, k, v, lam), do, args.warmup, args.repeats), fw, fb)
+                       for name, (fn, fw, fb) in runs.items()}
+            results["(d) baseline"] = (measure(lambda: baseline(qb, kb, vb, causal), (qb, kb, vb), dob,
+                                               args.warmup, args.repeats), 1.0, 3.5)
+            base = results["(d) baseline"][0]
+            for name, (times, fw, fb) in results.items():
+                rows.append((T, d, B, name, times, fw * flops, fb * flops, base))
+            del q, k, v, qb, kb, vb, do, dob
+            torch.cuda.empty_cache()
+
+    print("| T | d | B | layout | fwd ms | fwd TFLOP/s | fwd / (d) | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd / (d) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T, d, B, name, times, f_fwd, f_all, base in rows:
+        if times is None:
+            print(f"| {T} | {d} | {B} | {name} | OOM | | | OOM | | |")
+            continue
+        t_f, t_fb = times
+        r_f = f"{t_f / base[0]:.2f}x" if base else "-"
+        r_fb = f"{t_fb / base[1]:.2f}x" if base else "-"
+        print(f"| {T} | {d} | {B} | {name} | {t_f:.3f} | {f_fwd / t_f / 1e9:.1f} | {r_f} | "
+              f"{t_fb:.3f} | {f_all / t_fb / 1e9:.1f} | {r_fb} |")
+
+
+if __name__ == "__main__":
+    main()

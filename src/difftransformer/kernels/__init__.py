@@ -1,0 +1,27 @@
+"""Fused Triton kernels. Triton is optional: check `is_available()` before importing `diff_flash`.
+
+    from difftransformer import kernels
+    if kernels.is_available():
+        from difftransformer.kernels.diff_flash import diff_flash_attention
+"""
+
+import importlib.util
+import os
+
+
+def is_available() -> bool:
+    """True when Triton is importable and can run here: a CUDA device, or TRITON_INTERPRET=1 (CPU)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install is as good as none
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+__all__ = ["is_available"]

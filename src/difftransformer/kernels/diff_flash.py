@@ -1,0 +1,580 @@
+"""Fused differential flash attention in Triton: one pass for both softmax maps, exact gradients.
+
+Per DIFF head i (kv group g = i // n_rep):
+
+    out_i = (A1 - lam * A2) V_g,   A_c = softmax(Q_c K_c^T * scale + mask),  c = 1, 2
+
+q (B, 2h, T, d) and k (B, 2h_kv, S, d) hold the two components of a head at indices 2i, 2i+1
+("striped"); v is (B, h_kv, S, 2d); lam is one fp32 scalar. Causal masks are bottom-right
+aligned (query t sees keys j <= t + S - T); a query that sees no key outputs zeros.
+
+Why fused: the two-call layout (SDPA twice with V of width 2d) reads K, V and Q twice and writes
+two outputs; the four-call layout (V split in halves) also computes each softmax twice. Here one
+program per (query block, head) keeps Q1, Q2 on chip, reads each K1, K2, V tile once, and runs
+two online softmaxes side by side.
+
+Cost, in multiply-adds per (query, key) pair of one DIFF head (x2 for FLOPs), against the matched
+baseline, which has 2h heads of dim d:
+
+    forward   S1, S2 (d each) + A1 V, A2 V (2d each)          = 6d   baseline 2 x (d + d) = 4d   1.5x
+    backward  S1, S2 (2d) + dV (2d) + dP = dO V^T (2d)
+              + dQ1, dQ2 (2d) + dK1, dK2 (2d)                  = 10d  baseline 2 x 5d     = 10d  1.0x
+
+The backward is cheap because lam is a scalar: dP2 = -lam * dP1, so one dO V^T serves both maps,
+and dV = (A1 - lam A2)^T dO is a single product. This implementation is deterministic, so it
+splits the backward into a key-block pass (dK1, dK2, dV) and a query-block pass (dQ1, dQ2); each
+recomputes S1, S2 and dP, costing 14d per pair in all. That is 1.4x the one-pass minimum, and
+exactly 1.0x a baseline flash backward split the same deterministic way (2 x 7d); one-pass
+backwards (FlashAttention-2/3) reach 10d only by adding dQ with atomics, in a nondeterministic order.
+
+Memory: besides `out`, the forward saves O2n = A2 V (same size as `out`, input dtype) and two
+fp32 log-sum-exps per query. The backward needs the row dots D1 = rowsum(dO * A1 V) and
+rowsum(dO * A2 V), which depend on dO and so cannot be precomputed; `out` alone gives only their
+combination D1 - lam * D2'. Storing O2n makes them one cheap memory-bound pass
+(A1 V = out + lam * O2n), where recomputing A2 V would cost another half forward.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 kernels run on CPU with numpy, which has no bfloat16 matmul. There the
+# dot operands are upcast to fp32 after the same down-casts the GPU path makes.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(gpu_configs):
+    """Autotune configs: the GPU list, or one small config for the interpreter (fast, multi-block)."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_configs]
+
+
+# (BLOCK_M queries, BLOCK_N keys, warps, stages). The forward holds two (BLOCK_M, 2d) fp32
+# accumulators, so large d favours BLOCK_M = 64; autotuning picks per d and length bucket.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 2),
+                         (32, 64, 4, 2)])
+_BWD_KV_CONFIGS = _configs([(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2)])
+_BWD_Q_CONFIGS = _configs([(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)])
+_TUNE_KEY = ["HEAD_D", "CAUSAL", "IEEE", "LEN_BUCKET"]
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """a @ b accumulated in fp32; fp32 operands use true fp32 products, not tf32."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
+                  sk_s, sk_d, sv_s, sv_d, offs_m, offs_d, offs_dv, lo, hi, T, S, qk_scale,
+                  HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold key blocks [lo, hi) into both online softmaxes. MASK=False blocks need no masking."""
+    d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < 2 * HEAD_D
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S
+        # K tiles are loaded transposed (d, keys) so that S_c = Q_c @ K_c^T is a plain dot.
+        kt_ptrs = offs_d[:, None] * sk_d + offs_n[None, :] * sk_s
+        kt1 = tl.load(K1 + kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        kt2 = tl.load(K2 + kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(V + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        # Scores in log2 units (scale * log2(e) folded in) so exp2 can be used throughout.
+        s1 = _dot(q1, kt1, IEEE, INTERPRET) * qk_scale
+        s2 = _dot(q2, kt2, IEEE, INTERPRET) * qk_scale
+        if MASK:
+            vis = n_ok[None, :]
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+            s1 = tl.where(vis, s1, float("-inf"))
+            s2 = tl.where(vis, s2, float("-inf"))
+        # Two independent online softmaxes, one per map. For map c with running max m_c, running
+        # sum l_c = sum_j exp2(s_cj - m_c) and accumulator acc_c = sum_j exp2(s_cj - m_c) v_j:
+        # a new block raises the max to m_c', so the old sums are rescaled by exp2(m_c - m_c')
+        # before the block's terms are added. acc_c / l_c is then exactly A_c V at the end.
+        # A row that has seen only masked keys keeps m = -inf; it is shifted by 0 instead, so
+        # every exp2 is exp2(-inf) = 0 rather than NaN.
+        m1_new = tl.maximum(m1, tl.max(s1, 1))
+        m2_new = tl.maximum(m2, tl.max(s2, 1))
+        m1_use = tl.where(m1_new == float("-inf"), 0.0, m1_new)
+        m2_use = tl.where(m2_new == float("-inf"), 0.0, m2_new)
+        alpha1 = tl.exp2(m1 - m1_use)
+        alpha2 = tl.exp2(m2 - m2_use)
+        p1 = tl.exp2(s1 - m1_use[:, None])
+        p2 = tl.exp2(s2 - m2_use[:, None])
+        l1 = l1 * alpha1 + tl.sum(p1, 1)
+        l2 = l2 * alpha2 + tl.sum(p2, 1)
+        # The one V tile serves both accumulators.
+        acc1 = acc1 * alpha1[:, None] + _dot(p1.to(v.dtype), v, IEEE, INTERPRET)
+        acc2 = acc2 * alpha2[:, None] + _dot(p2.to(v.dtype), v, IEEE, INTERPRET)
+        m1 = m1_new
+        m2 = m2_new
+    return acc1, acc2, m1, m2, l1, l2
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
+                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                     so_b, so_h, so_t, so_d, H, N_REP, T, S, qk_scale, LEN_BUCKET,
+                     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query block, batch * head): writes out, O2n = A2 V and both LSEs."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    i = (pid_bh % H).to(tl.int64)
+    g = i // N_REP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D = next power of two >= d; the rest is masked
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < T
+
+    Q1 = Q + b * sq_b + (2 * i) * sq_h
+    q_ptrs = offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
+    q_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    q1 = tl.load(Q1 + q_ptrs, mask=q_mask, other=0.0)
+    q2 = tl.load(Q1 + sq_h + q_ptrs, mask=q_mask, other=0.0)
+    K1 = K + b * sk_b + (2 * g) * sk_h
+    Vg = V + b * sv_b + g * sv_h
+
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l1 = tl.zeros([BLOCK_M], tl.float32)
+    l2 = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # Keys [0, full_end) are visible to every row of this block: no mask. Keys [full_end, hi)
+    # need the causal / length mask. Keys >= hi are invisible to the whole block: skipped.
+    if CAUSAL:
+        # Row t sees keys j <= t + S - T: the first row sees j < start_m + S - T + 1, the last
+        # row j < start_m + BLOCK_M + S - T.
+        full_end = tl.minimum(tl.maximum(start_m + S - T + 1, 0), S) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+    else:
+        full_end = S // BLOCK_N * BLOCK_N
+        hi = S
+    acc1, acc2, m1, m2, l1, l2 = _fwd_key_loop(
+        acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K1 + sk_h, Vg, sk_s, sk_d, sv_s, sv_d,
+        offs_m, offs_d, offs_dv, 0, full_end, T, S, qk_scale,
+        HEAD_D, CAUSAL, False, BLOCK_N, IEEE, INTERPRET)
+    acc1, acc2, m1, m2, l1, l2 = _fwd_key_loop(
+        acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K1 + sk_h, Vg, sk_s, sk_d, sv_s, sv_d,
+        offs_m, offs_d, offs_dv, full_end, hi, T, S, qk_scale,
+        HEAD_D, CAUSAL, True, BLOCK_N, IEEE, INTERPRET)
+
+    # A row that saw no key has l = 0 and acc = 0: it outputs zeros.
+    l1_safe = tl.where(l1 == 0.0, 1.0, l1)
+    l2_safe = tl.where(l2 == 0.0, 1.0, l2)
+    o1 = acc1 / l1_safe[:, None]
+    o2 = acc2 / l2_safe[:, None]
+    lam = tl.load(Lam).to(tl.float32)
+    out = o1 - lam * o2
+    o_ptrs = b * so_b + i * so_h + offs_m[:, None] * so_t + offs_dv[None, :] * so_d
+    o_mask = m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
+    tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+    tl.store(O2 + o_ptrs, o2.to(O2.dtype.element_ty), mask=o_mask)
+    # Natural-log LSE of the scaled scores, log(l) + m converted from log2 units; -inf when empty.
+    lse1 = tl.where(l1 == 0.0, float("-inf"), (m1 + tl.log2(l1_safe)) * 0.6931471805599453)
+    lse2 = tl.where(l2 == 0.0, float("-inf"), (m2 + tl.log2(l2_safe)) * 0.6931471805599453)
+    tl.store(LSE1 + pid_bh.to(tl.int64) * T + offs_m, lse1, mask=m_ok)
+    tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Out, O2, DO, Lam, D1, R2,
+                           so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T,
+                           HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Row dots: R2 = rowsum(dO * O2n) and D1 = rowsum(dO * O1n), with O1n = out + lam * O2n."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    i = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < T
+    mask = m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
+    o_ptrs = b * so_b + i * so_h + offs_m[:, None] * so_t + offs_dv[None, :] * so_d
+    out = tl.load(Out + o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o2 = tl.load(O2 + o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdo_b + i * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :] * sdo_d,
+                 mask=mask, other=0.0).to(tl.float32)
+    lam = tl.load(Lam).to(tl.float32)
+    r2 = tl.sum(do * o2, 1)
+    d1 = tl.sum(do * out, 1) + lam * r2
+    tl.store(D1 + pid_bh.to(tl.int64) * T + offs_m, d1, mask=m_ok)
+    tl.store(R2 + pid_bh.to(tl.int64) * T + offs_m, r2, mask=m_ok)
+
+
+@triton.jit
+def _load_row_stats(LSE1, LSE2, D1, R2, offs_m, T):
+    """Per-query LSEs in log2 units and row dots. Rows past T or with no visible key get
+    LSE = +inf, so exp2(s - LSE) = 0 there: they contribute nothing to any gradient."""
+    m_ok = offs_m < T
+    lse1 = tl.load(LSE1 + offs_m, mask=m_ok, other=float("inf"))
+    lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))
+    lse1 = tl.where(lse1 == float("-inf"), float("inf"), lse1) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2) * 1.4426950408889634
+    d1 = tl.load(D1 + offs_m, mask=m_ok, other=0.0)
+    r2 = tl.load(R2 + offs_m, mask=m_ok, other=0.0)
+    return lse1, lse2, d1, r2
+
+
+@triton.jit
+def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2,
+                    sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv, lo, hi, T, S, qk_scale,
+                    HEAD_D: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Accumulate dK1, dK2, dV of one key block over query blocks [lo, hi) of one head.
+
+    Tiles are transposed (keys x queries) so that each gradient is a plain dot:
+      dV  += (A1 - lam A2)^T dO
+      dP1  = dO V^T, dP2 = -lam dP1        (one product serves both maps)
+      dS1  = A1 * (dP1 - D1),  dS2 = A2 * (dP2 - D2) = -lam A2 * (dP1 - R2)   (D2 = -lam R2)
+      dK_c += dS_c^T Q_c                   (times scale, applied once at the end)
+    """
+    d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < 2 * HEAD_D
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < T
+        q_ptrs = offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
+        q1 = tl.load(Q1 + q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        q2 = tl.load(Q2 + q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * sdo_t + offs_dv[None, :] * sdo_d,
+                     mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+        lse1, lse2, d1, r2 = _load_row_stats(LSE1, LSE2, D1, R2, offs_m, T)
+        # Recompute the probabilities from the saved LSEs: A = exp2(s - lse).
+        p1t = tl.exp2(_dot(k1, tl.trans(q1), IEEE, INTERPRET) * qk_scale - lse1[None, :])
+        p2t = tl.exp2(_dot(k2, tl.trans(q2), IEEE, INTERPRET) * qk_scale - lse2[None, :])
+        if MASK:
+            vis = offs_n[:, None] <= offs_m[None, :] + (S - T)
+            p1t = tl.where(vis, p1t, 0.0)
+            p2t = tl.where(vis, p2t, 0.0)
+        dv += _dot((p1t - lam * p2t).to(do.dtype), do, IEEE, INTERPRET)
+        dpt = _dot(v, tl.trans(do), IEEE, INTERPRET)
+        ds1t = p1t * (dpt - d1[None, :])
+        ds2t = -lam * p2t * (dpt - r2[None, :])
+        dk1 += _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET)
+        dk2 += _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET)
+    return dk1, dk2, dv
+
+
+@triton.autotune(configs=_BWD_KV_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _diff_bwd_dkdv_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV,
+                          sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                          sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                          H_KV, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
+                          HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key block, batch * kv group): dK1, dK2, dV, summed over the group's
+    n_rep heads inside the program, in a fixed order (deterministic, no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // H_KV).to(tl.int64)
+    g = (pid_bg % H_KV).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < S
+    k_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    v_mask = n_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
+    # Key rows past S load as zeros; their (garbage) gradient rows are never stored.
+    K1 = K + b * sk_b + (2 * g) * sk_h
+    k_ptrs = offs_n[:, None] * sk_s + offs_d[None, :] * sk_d
+    k1 = tl.load(K1 + k_ptrs, mask=k_mask, other=0.0)
+    k2 = tl.load(K1 + sk_h + k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(V + b * sv_b + g * sv_h + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
+                mask=v_mask, other=0.0)
+    lam = tl.load(Lam).to(tl.float32)
+
+    dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # Query t sees key j iff j <= t + S - T. Queries before start_n + T - S see none of this block
+    # (skipped); from start_n + BLOCK_N - 1 + T - S on they see all of it (no mask).
+    if CAUSAL:
+        lo = tl.maximum(start_n + T - S, 0) // BLOCK_M * BLOCK_M
+        full_start = tl.maximum(start_n + BLOCK_N - 1 + T - S, 0)
+        full_start = tl.minimum((full_start + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+        full_start = tl.maximum(full_start, lo)
+    else:
+        lo = 0
+        full_start = 0
+    H = H_KV * N_REP
+    for r in range(N_REP):
+        i = g * N_REP + r
+        bh = b * H + i
+        Q1 = Q + b * sq_b + (2 * i) * sq_h
+        DOi = DO + b * sdo_b + i * sdo_h
+        dk1, dk2, dv = _bwd_query_loop(
+            dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
+            D1 + bh * T, R2 + bh * T, sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv,
+            lo, full_start, T, S, qk_scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET)
+        dk1, dk2, dv = _bwd_query_loop(
+            dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
+            D1 + bh * T, R2 + bh * T, sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv,
+            full_start, T, T, S, qk_scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET)
+
+    DK1 = DK + b * sdk_b + (2 * g) * sdk_h
+    dk_ptrs = offs_n[:, None] * sdk_s + offs_d[None, :] * sdk_d
+    tl.store(DK1 + dk_ptrs, (dk1 * scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DK1 + sdk_h + dk_ptrs, (dk2 * scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + b * sdv_b + g * sdv_h + offs_n[:, None] * sdv_s + offs_dv[None, :] * sdv_d,
+             dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K2, V,
+                  sk_s, sk_d, sv_s, sv_d, offs_m, offs_d, offs_dv, lo, hi, T, S, qk_scale,
+                  HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Accumulate dQ1, dQ2 of one query block over key blocks [lo, hi): dQ_c += dS_c K_c."""
+    d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < 2 * HEAD_D
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S
+        k_ptrs = offs_n[:, None] * sk_s + offs_d[None, :] * sk_d
+        k1 = tl.load(K1 + k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k2 = tl.load(K2 + k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        p1 = tl.exp2(_dot(q1, tl.trans(k1), IEEE, INTERPRET) * qk_scale - lse1[:, None])
+        p2 = tl.exp2(_dot(q2, tl.trans(k2), IEEE, INTERPRET) * qk_scale - lse2[:, None])
+        if MASK:
+            vis = n_ok[None, :]
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+            p1 = tl.where(vis, p1, 0.0)
+            p2 = tl.where(vis, p2, 0.0)
+        dp = _dot(do, tl.trans(v), IEEE, INTERPRET)
+        ds1 = p1 * (dp - d1[:, None])
+        ds2 = -lam * p2 * (dp - r2[:, None])
+        dq1 += _dot(ds1.to(k1.dtype), k1, IEEE, INTERPRET)
+        dq2 += _dot(ds2.to(k2.dtype), k2, IEEE, INTERPRET)
+    return dq1, dq2
+
+
+@triton.autotune(configs=_BWD_Q_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
+                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                        sdo_b, sdo_h, sdo_t, sdo_d, sdq_b, sdq_h, sdq_t, sdq_d,
+                        H, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
+                        HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query block, batch * head): dQ1, dQ2 (same key ranges as the forward)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    i = (pid_bh % H).to(tl.int64)
+    g = i // N_REP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < T
+    q_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    Q1 = Q + b * sq_b + (2 * i) * sq_h
+    q_ptrs = offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
+    q1 = tl.load(Q1 + q_ptrs, mask=q_mask, other=0.0)
+    q2 = tl.load(Q1 + sq_h + q_ptrs, mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdo_b + i * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :] * sdo_d,
+                 mask=m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D), other=0.0)
+    row = pid_bh.to(tl.int64) * T
+    lse1, lse2, d1, r2 = _load_row_stats(LSE1 + row, LSE2 + row, D1 + row, R2 + row, offs_m, T)
+    lam = tl.load(Lam).to(tl.float32)
+    K1 = K + b * sk_b + (2 * g) * sk_h
+    Vg = V + b * sv_b + g * sv_h
+
+    dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if CAUSAL:
+        full_end = tl.minimum(tl.maximum(start_m + S - T + 1, 0), S) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+    else:
+        full_end = S // BLOCK_N * BLOCK_N
+        hi = S
+    dq1, dq2 = _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K1 + sk_h, Vg,
+                             sk_s, sk_d, sv_s, sv_d, offs_m, offs_d, offs_dv, 0, full_end, T, S, qk_scale,
+                             HEAD_D, CAUSAL, False, BLOCK_N, IEEE, INTERPRET)
+    dq1, dq2 = _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K1 + sk_h, Vg,
+                             sk_s, sk_d, sv_s, sv_d, offs_m, offs_d, offs_dv, full_end, hi, T, S, qk_scale,
+                             HEAD_D, CAUSAL, True, BLOCK_N, IEEE, INTERPRET)
+
+    DQ1 = DQ + b * sdq_b + (2 * i) * sdq_h
+    dq_ptrs = offs_m[:, None] * sdq_t + offs_d[None, :] * sdq_d
+    tl.store(DQ1 + dq_ptrs, (dq1 * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(DQ1 + sdq_h + dq_ptrs, (dq2 * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side: custom ops (opaque to torch.compile) and the autograd.Function
+
+
+def _shapes(q, k, v):
+    B, two_h, T, d = q.shape
+    h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    return B, h, h_kv, T, S, d
+
+
+def _meta(q, d, T, S, causal):
+    """Constexpr and tuning arguments shared by all launches."""
+    return dict(HEAD_D=d, CAUSAL=causal, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                BLOCK_DV=max(16, triton.next_power_of_2(2 * d)), IEEE=q.dtype == torch.float32,
+                INTERPRET=_INTERPRET, LEN_BUCKET=min(triton.next_power_of_2(max(T, S, 1)), 16384))
+
+
+def _new_out(q, B, h, T, d):
+    """(B, h, T, 2d) stored as (B, T, h, 2d): the caller's transpose(1, 2).reshape(B, T, h*2d)
+    before the output projection is then free."""
+    return q.new_empty(B, T, h, 2 * d).transpose(1, 2)
+
+
+def _device_guard(t):
+    return torch.cuda.device(t.device) if t.is_cuda else _NullContext()
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=())
+def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+                    causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T))."""
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    out, o2 = _new_out(q, B, h, T, d), _new_out(q, B, h, T, d)
+    lse1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(lse1)
+    if out.numel() == 0:
+        return out, o2, lse1, lse2
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * h)  # noqa: E731
+    with _device_guard(q):
+        _diff_fwd_kernel[grid](q, k, v, lam, out, o2, lse1, lse2,
+                               *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                               h, h // h_kv, T, S, scale * _LOG2E, **_meta(q, d, T, S, causal))
+    return out, o2, lse1, lse2
+
+
+@_diff_flash_fwd.register_fake
+def _(q, k, v, lam, causal, scale):
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    lse = q.new_empty(B, h, T, dtype=torch.float32)
+    return _new_out(q, B, h, T, d), _new_out(q, B, h, T, d), lse, torch.empty_like(lse)
+
+
+@torch.library.custom_op("difftransformer::diff_flash_bwd", mutates_args=())
+def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+                    out: torch.Tensor, o2: torch.Tensor, lse1: torch.Tensor, lse2: torch.Tensor,
+                    causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv, dlam."""
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
+    r2 = torch.zeros_like(d1)
+    meta = _meta(q, d, T, S, causal)
+    with _device_guard(q):
+        if d1.numel():
+            pre_m = 16 if _INTERPRET else 64
+            _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), B * h)](
+                out, o2, do, lam, d1, r2, *out.stride(), *do.stride(), h, T,
+                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"])
+        if dk.numel():
+            grid_kv = lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * h_kv)  # noqa: E731
+            _diff_bwd_dkdv_kernel[grid_kv](q, k, v, lam, do, lse1, lse2, d1, r2, dk, dv,
+                                           *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                                           *dk.stride(), *dv.stride(),
+                                           h_kv, h // h_kv, T, S, scale * _LOG2E, scale, **meta)
+        if dq.numel():
+            grid_q = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h)  # noqa: E731
+            _diff_bwd_dq_kernel[grid_q](q, k, v, lam, do, lse1, lse2, d1, r2, dq,
+                                        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                                        h, h // h_kv, T, S, scale * _LOG2E, scale, **meta)
+    # d out / d lam = -O2n, so dlam = -sum(dO * O2n): a fixed-order torch reduction of the row dots.
+    dlam = -r2.sum()
+    return dq, dk, dv, dlam
+
+
+@_diff_flash_bwd.register_fake
+def _(do, q, k, v, lam, out, o2, lse1, lse2, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lam.new_empty(())
+
+
+class DiffFlashAttention(torch.autograd.Function):
+    """Autograd glue: the forward saves out, O2n and the LSEs; the backward returns dq, dk, dv, dlam."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, causal: bool, scale: float):
+        out, o2, lse1, lse2 = torch.ops.difftransformer.diff_flash_fwd(q, k, v, lam, causal, scale)
+        ctx.save_for_backward(q, k, v, lam, out, o2, lse1, lse2)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lam, out, o2, lse1, lse2 = ctx.saved_tensors
+        dq, dk, dv, dlam = torch.ops.difftransformer.diff_flash_bwd(
+            dout, q, k, v, lam, out, o2, lse1, lse2, ctx.causal, ctx.scale)
+        return dq, dk, dv, dlam, None, None
+
+
+def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | None = None):
+    """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every DIFF head, fused.
+
+    q (B, 2h, T, d), k (B, 2h_kv, S, d), v (B, h_kv, S, 2d), lam a 0-d fp32 tensor (it gets a
+    gradient). Views with any strides are read in place. Returns (B, h, T, 2d) in q's dtype.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D: (B, 2h, T, d), (B, 2h_kv, S, d), (B, h_kv, S, 2d)")
+    B, two_h, T, d = q.shape
+    if two_h % 2 or k.shape[1] % 2 or k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must carry two d-dim components per head")
+    h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    if v.shape != (B, h_kv, S, 2 * d):
+        raise ValueError(f"v must be {(B, h_kv, S, 2 * d)}, got {tuple(v.shape)}")
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(f"{h} heads do not split evenly over {h_kv} kv groups")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not _INTERPRET and not q.is_cuda:
+        raise RuntimeError("diff_flash_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
+    if lam.dim() != 0:
+        raise ValueError(f"lam must be a scalar, got shape {tuple(lam.shape)}")
+    scale = float(d ** -0.5 if scale is None else scale)
+    return DiffFlashAttention.apply(q, k, v, lam, bool(causal), scale)
