@@ -1,0 +1,134 @@
+"""The training run's typed configuration: every knob of the loop in one JSON-serialisable dataclass.
+
+Validation happens in __post_init__ so a bad value fails before any data is read or any model built,
+with a message that names the field, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("fp32", "bf16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+# Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
+# resumed with the same values (the rest, e.g. lr after a divergence, may change with a warning).
+RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed")
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters and I/O of one training run (see the field comments for units)."""
+
+    data_dir: str = "cache/data/sotu"  # a prepared-data folder (PreparedData.load)
+    out_dir: str = "runs/default"
+    seq_len: int = 256
+    batch_size: int = 16  # GLOBAL sequences per optimizer step (across ranks and accumulation)
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    lr_schedule: str = "cosine"  # cosine | linear | constant (warmup is linear from 0 in every case)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
+    decay_norms_and_lambdas: bool = False  # by default no weight decay on norms, λ vectors, embeddings
+    decay_embeddings: bool = False
+    eval_interval: int = 100
+    eval_batches: int = 20
+    log_interval: int = 10
+    ckpt_interval: int = 200
+    keep_last: int = 2
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    compile: bool = False  # torch.compile the model
+    activation_checkpointing: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    fsdp: bool = False  # FSDP2 (fully_shard) instead of DDP when distributed
+    tensorboard: bool = True
+    progress: bool = True  # tqdm bar with loss, tokens/s, ETA
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        positive = ("seq_len", "batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
+                    "log_interval", "ckpt_interval", "keep_last")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"TrainConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"TrainConfig.adam_eps must be > 0, got {self.adam_eps}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"TrainConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
+                             f"({self.grad_accum_steps}): every micro-batch has the same number of sequences")
+
+    def _check_types(self) -> None:
+        """JSON/YAML configs arrive untyped: reject "1e-3" strings and bools posing as ints early."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = f.type if isinstance(f.type, str) else f.type.__name__
+            if want == "float" and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f.name, float(value))
+                continue
+            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+                  "float": isinstance(value, float),
+                  "bool": isinstance(value, bool),
+                  "str": isinstance(value, str)}[want]
+            if not ok:
+                raise TypeError(f"TrainConfig.{f.name} must be a {want}, got {value!r} ({type(value).__name__})")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown TrainConfig key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def differences(self, other: TrainConfig) -> dict[str, tuple[Any, Any]]:
+        """{field: (self's value, other's value)} for every field that differs."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}

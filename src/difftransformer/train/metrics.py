@@ -1,0 +1,117 @@
+"""Where the numbers go: metrics.jsonl (the source of truth), TensorBoard, and a tqdm bar.
+
+Only rank 0 creates a MetricsWriter with enabled=True; the others get a silent one, so the loop
+never branches on rank to log. On resume, lines after the resumed step are dropped first, so the
+file ends up equal to an uninterrupted run's (timings aside) and TensorBoard purges the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger("difftransformer.train")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def truncate_metrics(path: Path, keep_through_step: int) -> None:
+    """Keep the lines whose step <= keep_through_step (and drop a torn last line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", math.inf) <= keep_through_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (optionally only "train" or "val")."""
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def _json_float(x: float | None) -> float | None:
+    """JSON has no NaN/Inf; write null rather than an unparseable token."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool, progress: bool, start_step: int,
+                 max_steps: int):
+        self.enabled = enabled
+        self.path = out_dir / METRICS_FILE
+        self._fh = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        truncate_metrics(self.path, start_step)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1)
+            except ImportError as e:  # tensorboard is an optional dependency
+                log.warning("TensorBoard logging disabled (%s); pip install tensorboard to enable it", e)
+        if progress:
+            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _write(self, row: dict[str, Any]) -> None:
+        assert self._fh is not None
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
+              elapsed_s: float, lambdas: list[float | None]) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "train", "step": step, "loss": _json_float(loss), "lr": lr,
+                     "grad_norm": _json_float(grad_norm), "tokens": tokens, "tokens_per_s": tokens_per_s,
+                     "elapsed_s": elapsed_s, "lambdas": lambdas})
+        if self._tb is not None:
+            for name, value in (("train/loss", loss), ("train/lr", lr), ("train/grad_norm", grad_norm),
+                                ("train/tokens_per_s", tokens_per_s)):
+                self._tb.add_scalar(name, value, step)
+            for i, lam in enumerate(lambdas):
+                if lam is not None:
+                    self._tb.add_scalar(f"lambda/layer_{i}", lam, step)
+        log.debug("step %d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s", step, loss, lr, grad_norm, tokens_per_s)
+
+    def val(self, step: int, loss: float, tokens: int) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "val", "step": step, "loss": _json_float(loss), "tokens": tokens})
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", loss, step)
+        msg = f"step {step}: val loss {loss:.4f}"
+        if self._bar is not None:
+            self._bar.write(msg)  # above the bar; logging would tear it
+            log.debug(msg)
+        else:
+            log.info(msg)
+
+    def progress(self, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._fh is not None:
+            self._fh.close()
+        self._fh = self._tb = self._bar = None
