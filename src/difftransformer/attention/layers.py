@@ -49,6 +49,14 @@ class _SelfAttention(nn.Module):
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
 
+    def _make_projections(self, q_dim: int, kv_dim: int, o_dim: int, out_name: str, device, dtype) -> None:
+        """q/k/v projections from embed_dim and the output projection back, all without bias."""
+        E, kw = self.embed_dim, dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(E, q_dim, **kw)
+        self.k_proj = nn.Linear(E, kv_dim, **kw)
+        self.v_proj = nn.Linear(E, kv_dim, **kw)
+        setattr(self, out_name, nn.Linear(o_dim, E, **kw))
+
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"{type(self).__name__} expects input of shape (batch, seq_len, {self.embed_dim}); "
@@ -106,11 +114,7 @@ class MultiheadDiffAttention(_SelfAttention):
                              f"for RoPE; change embed_dim or num_heads")
         E, d = embed_dim, embed_dim // num_heads // 2
         self.head_dim, self.scaling = d, d ** -0.5
-        kw = dict(bias=False, device=device, dtype=dtype)
-        self.q_proj = nn.Linear(E, E, **kw)
-        self.k_proj = nn.Linear(E, E // self.n_rep, **kw)
-        self.v_proj = nn.Linear(E, E // self.n_rep, **kw)
-        self.out_proj = nn.Linear(E, E, **kw)
+        self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=torch.float32)))
@@ -168,11 +172,7 @@ class MultiheadAttention(_SelfAttention):
                              f"into an even head_dim for RoPE")
         E, d = embed_dim, embed_dim // num_heads
         self.head_dim, self.scaling = d, d ** -0.5
-        kw = dict(bias=False, device=device, dtype=dtype)
-        self.q_proj = nn.Linear(E, E, **kw)
-        self.k_proj = nn.Linear(E, E // self.n_rep, **kw)
-        self.v_proj = nn.Linear(E, E // self.n_rep, **kw)
-        self.out_proj = nn.Linear(E, E, **kw)
+        self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.subln = RMSNorm(d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
         self.rotary = RotaryEmbedding(d, rope_theta)
 
@@ -210,12 +210,8 @@ class MultiheadDiffAttentionV2(_SelfAttention):
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
         E, H, d = embed_dim, num_heads, head_dim
         self.head_dim, self.scaling = d, d ** -0.5
-        kw = dict(bias=False, device=device, dtype=dtype)
-        self.q_proj = nn.Linear(E, 2 * H * d, **kw)
-        self.k_proj = nn.Linear(E, self.num_kv_heads * d, **kw)
-        self.v_proj = nn.Linear(E, self.num_kv_heads * d, **kw)
-        self.o_proj = nn.Linear(H * d, E, **kw)
-        self.lambda_proj = nn.Linear(E, H, **kw)
+        self._make_projections(2 * H * d, self.num_kv_heads * d, H * d, "o_proj", device, dtype)
+        self.lambda_proj = nn.Linear(E, H, bias=False, device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(d, rope_theta)
 
     def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
