@@ -190,16 +190,20 @@ def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
     # Component-major head order [c0 of every head, c1 of every head]: with GQA, query head
     # c*h + i then reads kv head (c*h + i) // n_rep = c*h_kv + i // n_rep, exactly its own group.
-    qc = q.view(B, h, 2, T, d).transpose(1, 2).reshape(B, two_h, T, d)
-    kc = k.view(B, h_kv, 2, S, d).transpose(1, 2).reshape(B, 2 * h_kv, S, d)
-    vc = v.unsqueeze(1).expand(B, 2, h_kv, S, 2 * d).reshape(B, 2 * h_kv, S, 2 * d)
+    qc = q.view(B, h, 2, T, d).transpose(1, 2)
+    kc = k.view(B, h_kv, 2, S, d).transpose(1, 2)
     if q.device.type == "cpu":
         # CPU flash needs equal head dims; zero-padding q and k leaves every score unchanged.
+        # The pad also does the reorder, so each of q and k is copied once.
         qc, kc = F.pad(qc, (0, d)), F.pad(kc, (0, d))
+    dq = qc.shape[-1]
+    qc, kc = qc.reshape(B, two_h, T, dq), kc.reshape(B, 2 * h_kv, S, dq)
+    vc = v.unsqueeze(1).expand(B, 2, h_kv, S, 2 * d).reshape(B, 2 * h_kv, S, 2 * d)
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     o = _sdpa(qc, kc, vc, mask, causal, scale, gqa=h != h_kv).view(B, 2, h, T, 2 * d)
-    out = o[:, 0].to(torch.float32) - lam * o[:, 1].to(torch.float32)
-    return out.to(q.dtype)
+    if o.dtype == torch.float32:
+        return torch.addcmul(o[:, 0], o[:, 1], lam, value=-1.0)  # o1 - lam * o2 in one pass
+    return (o[:, 0].float() - lam * o[:, 1].float()).to(q.dtype)
 
 
 def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,

@@ -13,6 +13,7 @@ All layers do causal self-attention with RoPE at positions 0..T-1 (or after the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from difftransformer.attention.cache import KVCache
@@ -126,6 +127,13 @@ class MultiheadDiffAttention(_SelfAttention):
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1)
 
+    def _head_norm_and_scale(self, o: torch.Tensor) -> torch.Tensor:
+        """(1 - lambda_init) * RMSNorm(o); the constant is folded into the 2d-element norm weight."""
+        scale = 1.0 - self.lambda_init
+        if self.subln is None:
+            return o * scale
+        return F.rms_norm(o.float(), (o.shape[-1],), self.subln.weight.float() * scale, self.subln.eps).to(o.dtype)
+
     def lambda_full(self) -> torch.Tensor:
         """The layer's current lambda, a differentiable fp32 scalar."""
         return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
@@ -145,9 +153,7 @@ class MultiheadDiffAttention(_SelfAttention):
         res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention)
         o, maps = res if return_attention else (res, None)
-        if self.subln is not None:
-            o = self.subln(o)
-        o = o * (1.0 - self.lambda_init)
+        o = self._head_norm_and_scale(o)
         out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
         return (out, maps) if return_attention else out
 
