@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,10 @@ class MetricsWriter:
             except ImportError as e:  # tensorboard is an optional dependency
                 log.warning("TensorBoard logging disabled (%s); pip install tensorboard to enable it", e)
         if progress:
-            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            # Redirected to a file or CI log, redraw every 30 s instead of flooding it with every step.
+            interval = 0.1 if sys.stderr.isatty() else 30.0
+            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                             mininterval=interval)
 
     def _write(self, row: dict[str, Any]) -> None:
         assert self._fh is not None
