@@ -27,12 +27,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.angles(positions)
-        if cos.dim() == 3:  # per-sequence positions (B, T, dim/2) -> broadcast over heads
-            cos, sin = cos[:, None], sin[:, None]
-        pairs = x.float().unflatten(-1, (-1, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        return out.to(x.dtype)
+        rotation = torch.complex(cos, sin)
+        if rotation.dim() == 3:  # per-sequence positions (B, T, dim/2) -> broadcast over heads
+            rotation = rotation[:, None]
+        # Pair (x[2i], x[2i+1]) is the complex number x[2i] + i x[2i+1]; rotating it is one complex
+        # multiply (x0 cos - x1 sin, x0 sin + x1 cos), far faster than strided real arithmetic.
+        xf = x.float()
+        if not torch.compiler.is_compiling() and not _pairs_adjacent(xf):
+            xf = xf.contiguous()  # view_as_complex needs pairs adjacent in memory
+        z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
+        return torch.view_as_real(z * rotation).flatten(-2).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}, layout=interleaved"
+
+
+def _pairs_adjacent(x: torch.Tensor) -> bool:
+    """Whether x's last axis can be viewed as complex pairs (the layers' q/k views always can)."""
+    return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1])
