@@ -249,11 +249,7 @@ def _from_preset(preset: Preset, overrides: dict[str, Any]) -> DiffTransformerCo
     head counts apply after conversion to the chosen kind, in that kind's units."""
     attention = overrides.pop("attention", "diff")
     heads = {k: overrides.pop(k) for k in _HEAD_KEYS if k in overrides}
-    base = dict(vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
-                num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.diff_heads,
-                num_key_value_heads=preset.diff_kv_heads, attention="diff",
-                intermediate_size=preset.intermediate_size,
-                max_position_embeddings=preset.max_position_embeddings, **preset.extra)
+    base = preset.fields()
     base.update(overrides)
     # Build the DIFF-unit spec with the requested heads already in place (halved when given in baseline
     # units), so a width that only divides by the new head count is accepted.

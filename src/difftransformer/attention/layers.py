@@ -18,12 +18,12 @@ from torch import nn
 
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
+    BACKENDS,
     AttentionMaps,
     differential_attention,
     lambda_init_fn,
     multihead_attention,
     reparameterized_lambda,
-    resolve_backend,
 )
 from difftransformer.attention.rope import RotaryEmbedding
 from difftransformer.norm import RMSNorm
@@ -44,7 +44,8 @@ class _SelfAttention(nn.Module):
                              f"so that every kv head serves the same number of query heads")
         if depth < 0:
             raise ValueError(f"depth is the 0-based layer index and must be >= 0; got {depth}")
-        resolve_backend(backend, torch.device("cpu"))  # validates the name early
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
@@ -85,9 +86,9 @@ class _SelfAttention(nn.Module):
     def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
         """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE, v (B, kv_v_heads, S, v_dim)."""
         B, T, _ = x.shape
-        pos = self._positions(x, position_ids, kv_cache)
-        q = self.rotary(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), pos)
-        k = self.rotary(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), pos)
+        rotation = self.rotary.rotation(self._positions(x, position_ids, kv_cache))  # shared by q and k
+        q = self.rotary.rotate(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), rotation)
+        k = self.rotary.rotate(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.depth, k, v)

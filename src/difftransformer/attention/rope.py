@@ -25,11 +25,14 @@ class RotaryEmbedding(nn.Module):
         ang = positions.to(torch.float64)[..., None] * inv_freq  # (..., T, dim/2)
         return ang.cos().float(), ang.sin().float()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """Unit complex numbers e^(i * pos * freq), (T, dim/2) or (B, 1, T, dim/2) for per-row positions."""
         cos, sin = self.angles(positions)
         rotation = torch.complex(cos, sin)
-        if rotation.dim() == 3:  # per-sequence positions (B, T, dim/2) -> broadcast over heads
-            rotation = rotation[:, None]
+        return rotation[:, None] if rotation.dim() == 3 else rotation
+
+    def rotate(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Apply a `rotation()` table to x (..., T, dim)."""
         # Pair (x[2i], x[2i+1]) is the complex number x[2i] + i x[2i+1]; rotating it is one complex
         # multiply (x0 cos - x1 sin, x0 sin + x1 cos), far faster than strided real arithmetic.
         xf = x.float()
@@ -37,6 +40,9 @@ class RotaryEmbedding(nn.Module):
             xf = xf.contiguous()  # view_as_complex needs pairs adjacent in memory
         z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
         return torch.view_as_real(z * rotation).flatten(-2).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x, self.rotation(positions))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}, layout=interleaved"

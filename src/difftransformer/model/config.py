@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,15 +151,17 @@ class Preset:
     vocab_size: int = PAPER_VOCAB_SIZE
     max_position_embeddings: int = 4096
     description: str = ""
-    extra: dict = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """The DiffTransformerConfig fields of this size spec, in DIFF-head units."""
+        return dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                    num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.diff_heads,
+                    num_key_value_heads=self.diff_kv_heads, attention="diff",
+                    intermediate_size=self.intermediate_size,
+                    max_position_embeddings=self.max_position_embeddings)
 
     def config(self, attention: str = "diff", **overrides) -> DiffTransformerConfig:
-        base = DiffTransformerConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.diff_heads, num_key_value_heads=self.diff_kv_heads, attention="diff",
-            intermediate_size=self.intermediate_size, max_position_embeddings=self.max_position_embeddings,
-            **self.extra)
-        cfg = base.matched(attention)
+        cfg = DiffTransformerConfig(**self.fields()).matched(attention)
         return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -169,9 +171,9 @@ PRESETS: dict[str, Preset] = {
     # Small CPU presets (vocab sized for a BPE trained on the bundled corpus).
     "tiny": Preset(64, 2, 2, vocab_size=512, max_position_embeddings=256, description="unit tests"),
     "cpu-small": Preset(256, 4, 4, vocab_size=8192, max_position_embeddings=256,
-                        description="~7M params, the CPU demo size"),
+                        description="5.2M params, the CPU demo size"),
     "cpu-medium": Preset(384, 6, 6, vocab_size=8192, max_position_embeddings=512,
-                         description="~16M params, a longer CPU run"),
+                         description="13.8M params, a longer CPU run"),
 }
 
 

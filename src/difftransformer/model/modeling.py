@@ -106,11 +106,7 @@ class DiffTransformerLM(nn.Module):
 
     def num_parameters(self, count_embedding_once: bool = True) -> int:
         """Parameter count; a tied embedding/LM head matrix counts once (as the paper counts)."""
-        seen, total = set(), 0
-        for p in self.parameters():  # parameters() already yields a tied tensor once
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
         if not count_embedding_once and self.config.tie_word_embeddings:
             total += self.embed_tokens.weight.numel()
         return total
