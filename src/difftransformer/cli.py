@@ -254,9 +254,11 @@ def _print_section(report: Path, heading: str) -> None:
 
 def _load_for_generation(path: Path, device: str):
     """(model, tokenizer path or None) from a final/ folder, a run folder or a checkpoint."""
+    from difftransformer.data.prepare import MANIFEST as DATA_MANIFEST
+    from difftransformer.eval.report import MANIFEST as COMPARE_MANIFEST
     from difftransformer.model import DiffTransformerLM
 
-    if (path / "compare.json").is_file():
+    if (path / COMPARE_MANIFEST).is_file():
         arms = sorted(p.parent.name for p in path.glob("*/metrics.jsonl")) or sorted(
             str(p.parent.relative_to(path)) for p in path.glob("seed*/*/metrics.jsonl"))
         raise ConfigError(f"{path} is a comparison folder; pick one arm, e.g. {path / (arms[0] if arms else 'diff')}"
@@ -274,7 +276,7 @@ def _load_for_generation(path: Path, device: str):
     data_dir = Path(ckpt["train_config"].data_dir)
     from difftransformer.data import PreparedData
 
-    tok = PreparedData.load(data_dir).tokenizer_path if (data_dir / "prepared.json").is_file() else None
+    tok = PreparedData.load(data_dir).tokenizer_path if (data_dir / DATA_MANIFEST).is_file() else None
     return model, tok
 
 

@@ -24,10 +24,11 @@ import torch
 
 from difftransformer.config_files import ConfigError, DataSpec, RunConfig, resolve_vocab
 from difftransformer.data import PreparedData, prepare_data
+from difftransformer.data.prepare import MANIFEST as DATA_MANIFEST
+from difftransformer.eval.report import MANIFEST
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 
 log = logging.getLogger("difftransformer.compare")
-MANIFEST = "compare.json"
 DONE = "done.json"
 
 
@@ -42,7 +43,7 @@ def ensure_data(spec: DataSpec, wait_s: float = 3600.0) -> PreparedData:
     the same files. An existing folder made from another corpus is an error, not a silent reuse.
     """
     data_dir = Path(spec.resolved_dir())
-    manifest = data_dir / "prepared.json"
+    manifest = data_dir / DATA_MANIFEST
     if not manifest.is_file():
         if _rank() == 0:
             log.info("preparing %s into %s (vocab %d)", spec.corpus, data_dir, spec.vocab_size)

@@ -344,7 +344,9 @@ def _duration(seconds: float) -> str:
 def _lambda_init(model: dict[str, Any], layer: int) -> float:
     if model.get("lambda_init") is not None:
         return float(model["lambda_init"])
-    return 0.8 - 0.6 * math.exp(-0.3 * layer)
+    from difftransformer.attention.functional import lambda_init_fn
+
+    return lambda_init_fn(layer)
 
 
 def write_report(compare_dir: str | Path, *, samples: bool = True) -> Path:

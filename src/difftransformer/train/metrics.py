@@ -16,6 +16,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from difftransformer.train.checkpoint import write_text_atomic
+
 log = logging.getLogger("difftransformer.train")
 
 METRICS_FILE = "metrics.jsonl"
@@ -33,7 +35,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
             continue
         if isinstance(row, dict) and row.get("step", math.inf) <= keep_through_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    write_text_atomic(path, "".join(line + "\n" for line in kept))  # a crash here keeps the old file
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from difftransformer.train.checkpoint import (
     CheckpointError,
     find_latest,
     list_checkpoints,
+    step_dir_name,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -285,7 +286,8 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
                 loss_sum += loss.detach()
             loss_t = env.all_reduce_sum(loss_sum / cfg.grad_accum_steps) / env.world_size
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            loss_val, grad_norm = float(loss_t), float(full_tensor(norm))
+            # One device-to-host sync per step for both numbers.
+            loss_val, grad_norm = torch.stack([loss_t.float(), full_tensor(norm).float()]).tolist()
             if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
                 what = f"loss {loss_val}" if not math.isfinite(loss_val) else f"gradient norm {grad_norm}"
                 raise TrainingDivergedError(
@@ -312,7 +314,7 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
                 metrics.val(done, val_loss, done * tokens_per_step)
             if done % cfg.ckpt_interval == 0 or last:
                 save(done)
-                last_good = f"step_{done:08d}"
+                last_good = step_dir_name(done)
 
         if start_step >= cfg.max_steps and val_ds is not None:  # nothing left to train: report only
             val_loss = evaluate(model, val_ds, cfg, micro, env, amp)
@@ -326,6 +328,7 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
         full = full_model_state(model, fsdp=True)
         model = DiffTransformerLM(model_config)
         model.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
+        model.to(device)
     if env.is_main:
         final = out_dir / "final"
         model.save_pretrained(final)
@@ -334,6 +337,6 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
         log.info("final weights in %s", final)
     env.barrier()
     trained = cfg.max_steps - start_step
-    return TrainResult(out_dir=out_dir, final_step=max(cfg.max_steps, start_step), final_val_loss=val_loss,
+    return TrainResult(out_dir=out_dir, final_step=cfg.max_steps, final_val_loss=val_loss,
                        tokens_per_s=trained * tokens_per_step / train_time if train_time > 0 else 0.0,
                        metrics_path=out_dir / METRICS_FILE, model=model)
