@@ -3,17 +3,20 @@
 For each backend and sequence length, both layers (same width; DIFF with h heads, the baseline
 with 2h heads of the same head_dim) run forward+backward on the same input. Time: the layers
 alternate in one process after a warm-up and the ratio is of the medians, so load on a shared
-machine hits both alike. Peak memory: the growth of peak RSS over one forward+backward, in a
-fresh process per (layer, backend, T). Prints a Markdown table of DIFF/baseline ratios.
+machine hits both alike. Peak memory: the peak of tensor memory allocated during one
+forward+backward (PyTorch profiler), in a fresh process per (layer, backend, T). Prints a
+Markdown table of DIFF/baseline ratios.
 
-    python benchmarks/attention_cpu.py                 # T = 512, 2048, 4096; sdpa and eager
+The baseline layer runs ordinary attention through SDPA under every backend (the fused kernels
+are differential-only), so the 'cpp' rows compare the fused C++ kernel with PyTorch's CPU flash.
+
+    python benchmarks/attention_cpu.py                 # T = 512, 2048, 4096; cpp, sdpa and eager
     python benchmarks/attention_cpu.py --seq-lens 1024 --backends sdpa --embed-dim 512
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -50,7 +53,8 @@ def _make(args):  # module-level so the memory probe can pickle it
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 4096])
-    p.add_argument("--backends", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    p.add_argument("--backends", nargs="+", default=["cpp", "sdpa", "eager"],
+                   choices=["cpp", "sdpa", "eager"])
     p.add_argument("--embed-dim", type=int, default=1024)
     p.add_argument("--diff-heads", type=int, default=4,
                    help="DIFF heads h; the baseline gets 2h (default: E=1024, h=4 -> head_dim 128 as in the paper)")

@@ -25,7 +25,7 @@ from reference import (
     rope_reference,
 )
 
-BACKENDS = ["eager", "sdpa"]
+BACKENDS = ["eager", "sdpa", "cpp"]
 
 
 def rel_err(a, b):
@@ -34,6 +34,14 @@ def rel_err(a, b):
     a, b = a.double(), b.double()
     floor = 0.1 * b.numel() ** 0.5
     return ((a - b).norm() / b.norm().clamp_min(floor)).item()
+
+
+def lambda_grad_error(got, want, grad_out, q, k, v, **mask_kwargs):
+    """|d lam - reference| over sum |dO * A2 V|: d lam = -sum(dO * A2 V) is a sum of B*h*T*2d terms
+    that can cancel to near zero, so float32 rounding is judged against the terms' magnitudes."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    a2v = diff_attention_reference(q, k, v, 0.0, **mask_kwargs) - diff_attention_reference(q, k, v, 1.0, **mask_kwargs)
+    return abs(got.item() - want.item()) / (grad_out.double().abs() * a2v.abs()).sum().clamp_min(1e-12).item()
 
 
 def random_inputs(B, h, h_kv, T, S, d, dtype=torch.float32, seed=0, grad=False):
@@ -86,7 +94,8 @@ def test_forward_and_gradients_match_reference(backend, n_rep, T, S, causal, pad
     (ref * grad_out).sum().backward()
     for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in[:3]):
         assert rel_err(got, want.grad) <= 1e-5, name
-    assert abs(lam.grad.item() - ref_in[3].grad.item()) <= 1e-5 * max(1.0, abs(ref_in[3].grad.item()))
+    assert lambda_grad_error(lam.grad, ref_in[3].grad, grad_out, q, k, v, causal=causal,
+                             key_padding_mask=mask) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,8 +111,9 @@ def test_long_padded_gqa_sequence_matches_reference(backend):
     g = torch.randn_like(ref)
     (out * g.float()).sum().backward()
     (ref * g).sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad, lam.grad), ref_in):
+    for got, want in zip((q.grad, k.grad, v.grad), ref_in):
         assert rel_err(got, want.grad) <= 1e-5
+    assert lambda_grad_error(lam.grad, ref_in[3].grad, g, q, k, v, key_padding_mask=mask) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 import difftransformer.train.checkpoint as ckpt_mod
+from difftransformer._io import atomic_path, atomic_write_text
 from difftransformer.data import BatchSampler, prepare_data
 from difftransformer.model import DiffTransformerLM, get_preset
 from difftransformer.train import (
@@ -34,6 +35,7 @@ from difftransformer.train import (
     train,
     verify_checkpoint,
 )
+from difftransformer.train.metrics import METRICS_FILE
 
 TIMING_KEYS = ("tokens_per_s", "elapsed_s")
 
@@ -289,6 +291,31 @@ def test_crash_mid_checkpoint_write_keeps_previous(data_dir, tmp_path, monkeypat
     assert load_checkpoint(tmp_path)["step"] == 2
     res = train(tiny(), make_cfg(data_dir, tmp_path, max_steps=4, ckpt_interval=2))  # cleans the stale tmp dir
     assert res.final_step == 4 and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_atomic_path_replaces_on_success_and_cleans_up_on_failure(tmp_path):
+    target = tmp_path / "latest"
+    atomic_write_text(target, "old\n", fsync=True)
+    with pytest.raises(OSError, match="simulated"):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise OSError("simulated crash")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    atomic_write_text(target, "new\n")
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_metrics_readers_skip_a_torn_last_line(tmp_path):
+    from difftransformer.eval.report import read_metrics as report_read_metrics
+
+    path = tmp_path / METRICS_FILE
+    rows = [{"kind": "train", "step": 1, "loss": 2.0}, {"kind": "val", "step": 1, "loss": 2.1},
+            {"kind": "train", "step": 2, "loss": 1.9}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "st')
+    assert read_metrics(path) == rows
+    assert read_metrics(path, "val") == rows[1:2]
+    assert report_read_metrics(path) == ([rows[0], rows[2]], [rows[1]])
+    assert report_read_metrics(tmp_path / "missing.jsonl") == ([], [])
 
 
 def test_corrupted_checkpoint_and_config_mismatch(data_dir, tmp_path):

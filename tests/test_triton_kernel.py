@@ -1,21 +1,14 @@
 """The fused Triton kernel against the float64 explicit-map reference: forward and every gradient.
 
-Without CUDA the kernels run on CPU through the Triton interpreter (TRITON_INTERPRET=1, set here
-before anything imports Triton), so shapes stay tiny and the interpreter uses 16 x 16 blocks:
+Without CUDA the kernels run on CPU through the Triton interpreter (TRITON_INTERPRET=1, set in
+conftest.py before anything imports Triton), so shapes stay tiny and the interpreter uses 16 x 16 blocks:
 lengths up to 70 still exercise several blocks, ragged tails and the causal block skipping.
 """
-
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
-sys.path.insert(0, os.path.dirname(__file__))
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

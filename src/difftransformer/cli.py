@@ -257,10 +257,11 @@ def _load_for_generation(path: Path, device: str):
     from difftransformer.data.prepare import MANIFEST as DATA_MANIFEST
     from difftransformer.eval.report import MANIFEST as COMPARE_MANIFEST
     from difftransformer.model import DiffTransformerLM
+    from difftransformer.train.metrics import METRICS_FILE
 
     if (path / COMPARE_MANIFEST).is_file():
-        arms = sorted(p.parent.name for p in path.glob("*/metrics.jsonl")) or sorted(
-            str(p.parent.relative_to(path)) for p in path.glob("seed*/*/metrics.jsonl"))
+        arms = sorted(p.parent.name for p in path.glob(f"*/{METRICS_FILE}")) or sorted(
+            str(p.parent.relative_to(path)) for p in path.glob(f"seed*/*/{METRICS_FILE}"))
         raise ConfigError(f"{path} is a comparison folder; pick one arm, e.g. {path / (arms[0] if arms else 'diff')}"
                           f" (arms: {', '.join(arms) or 'none yet'})")
     for final in (path, path / "final"):

@@ -8,7 +8,10 @@ Everything the layers compute goes through `differential_attention` (V1) or
               softmax maps. PyTorch's CPU flash kernel needs q, k and v to share a head dim, so
               on CPU q and k (dim d) are zero-padded to v's dim 2d: scores are unchanged and no
               T x S map is ever stored. On CUDA, v of dim 2d goes in as is.
-- ``triton``: the fused kernel in `difftransformer.kernels` (CUDA, or the Triton interpreter).
+- ``triton``: the fused Triton kernel in `difftransformer.kernels` (CUDA, or the Triton interpreter).
+- ``cpp``:    the fused C++ CPU kernel in `difftransformer.kernels.diff_flash_cpu`: both maps in
+              one pass, 1.5x the baseline's attention FLOPs forward and 1.0x backward, where the
+              padded `sdpa` layout pays 2x. Built on first use; 'auto' picks it on CPU.
 
 Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys, d comp. dim):
     q: (B, 2h, T, d)      component c of head i at index 2i + c ("striped")
@@ -27,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "eager", "sdpa", "triton")
+BACKENDS = ("auto", "eager", "sdpa", "triton", "cpp")
 
 
 class AttentionMaps(NamedTuple):
@@ -74,7 +77,7 @@ def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
 
 def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False,
                     has_padding: bool = False) -> str:
-    """Pick a concrete backend; 'auto' prefers the fused kernel on CUDA, else SDPA."""
+    """Pick a concrete backend; 'auto' prefers a fused kernel (Triton on CUDA, C++ on CPU), else SDPA."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     if need_maps:
@@ -87,10 +90,18 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
 
             if kernels.is_available():
                 return "triton"
+        if device.type == "cpu":
+            from difftransformer.kernels import diff_flash_cpu
+
+            if diff_flash_cpu.is_available():
+                return "cpp"
         return "sdpa"
     if backend == "triton" and has_padding:
         raise ValueError("the 'triton' backend supports causal/non-causal masks only, not key padding; "
                          "use backend='sdpa' (or 'auto') for padded batches")
+    if backend == "cpp" and device.type != "cpu":
+        raise ValueError(f"the 'cpp' backend is the fused CPU kernel; tensors on {device.type} need "
+                         "backend='triton', 'sdpa' or 'auto'")
     return backend
 
 
@@ -132,6 +143,10 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
         return (out, maps) if return_maps else out
     if which == "sdpa":
         return _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale)
+    if which == "cpp":
+        from difftransformer.kernels.diff_flash_cpu import diff_flash_attention_cpu
+
+        return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
     return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale)
@@ -224,6 +239,6 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
-    # The fused kernel is differential-only; ordinary attention is served by SDPA's own kernels.
+    # The fused kernels are differential-only; ordinary attention is served by SDPA's own kernels.
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)

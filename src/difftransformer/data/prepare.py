@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._io import atomic_write_text
 from .corpus import corpus_hash, load_corpus
 from .shards import TokenDataset, read_shard_meta, shard_paths, write_shard
 from .split import SPLITS, split_documents
@@ -65,11 +64,7 @@ class PreparedData:
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
         }
-        fd, tmp = tempfile.mkstemp(dir=self.out_dir, prefix=MANIFEST, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(manifest, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, self.out_dir / MANIFEST)
+        atomic_write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
     @classmethod
     def load(cls, out_dir: str | Path) -> PreparedData:

@@ -14,8 +14,6 @@ the .bin through np.memmap: no copy in RAM, and random windows cost one page rea
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from .._io import atomic_path
 from .corpus import Document
 from .corpus import corpus_hash as documents_hash
 from .tokenizer import Tokenizer
@@ -43,12 +42,6 @@ def shard_paths(path: str | Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".bin"), path.with_name(path.name + ".json")
 
 
-def _tmp(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    return Path(name)
-
-
 def write_shard(
     path: str | Path,
     docs: Sequence[Document],
@@ -66,8 +59,8 @@ def write_shard(
     bin_path, meta_path = shard_paths(path)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
-    tmp_bin, tmp_meta = _tmp(bin_path), _tmp(meta_path)
-    try:
+    # The inner context exits first, so the token file is in place before its metadata.
+    with atomic_path(meta_path) as tmp_meta, atomic_path(bin_path) as tmp_bin:
         num_tokens = 0
         with open(tmp_bin, "wb") as fh:
             bar = tqdm(total=len(docs), desc=f"tokenising {split}", unit="doc", disable=None)
@@ -95,11 +88,6 @@ def write_shard(
         }
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         meta_path.unlink(missing_ok=True)  # never leave old metadata beside a new token file
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_meta, meta_path)
-    finally:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_meta.unlink(missing_ok=True)
     return meta
 
 

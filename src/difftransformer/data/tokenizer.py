@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from .._io import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
 _CACHE_VERSION = "bpe-v1"  # bump when the training recipe changes, to invalidate old caches
@@ -82,15 +82,8 @@ class Tokenizer:
         """Write tokenizer.json atomically, so a crash never leaves a half-written file behind."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(self._tok.to_str())
-            os.replace(tmp, path)
-            self.path = path
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, self._tok.to_str())
+        self.path = path
 
     def __len__(self) -> int:
         return self.vocab_size

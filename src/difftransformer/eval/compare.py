@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from difftransformer._io import atomic_write_text
 from difftransformer.config_files import ConfigError, DataSpec, RunConfig, resolve_vocab
 from difftransformer.data import PreparedData, prepare_data
 from difftransformer.data.prepare import MANIFEST as DATA_MANIFEST
 from difftransformer.eval.report import MANIFEST
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
+from difftransformer.train.metrics import METRICS_FILE, read_metrics
 
 log = logging.getLogger("difftransformer.compare")
 DONE = "done.json"
@@ -118,11 +120,10 @@ def is_finished(run_dir: Path, max_steps: int) -> bool:
     done = run_dir / DONE
     if done.is_file():
         return int(json.loads(done.read_text()).get("final_step", -1)) >= max_steps
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         return False
-    steps = [json.loads(x).get("step", -1) for x in metrics.read_text().splitlines() if x.strip()]
-    return max(steps, default=-1) >= max_steps
+    return max((r.get("step", -1) for r in read_metrics(metrics)), default=-1) >= max_steps
 
 
 def arm_configs(base: DiffTransformerConfig, arms: list[str]) -> list[DiffTransformerConfig]:
@@ -171,15 +172,13 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
 def run_compare(cfg: RunConfig, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 resume: bool = True, command: str | None = None, report: bool = True) -> Path:
     """Train every arm for every seed (paired), then write <out_dir>/report.md; returns out_dir."""
-    from difftransformer.train import paired_init, train  # heavy import, only when training
+    from difftransformer.train import paired_init, train
 
     out_dir = Path(out_dir)
     arms = list(arms or cfg.compare.arms)

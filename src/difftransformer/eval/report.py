@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from difftransformer.train.metrics import METRICS_FILE
+from difftransformer.train.metrics import read_metrics as read_metric_rows
+
 MANIFEST = "compare.json"
 SAMPLES = "samples.json"
 LOSS_PNG, LAMBDA_PNG = "loss_curves.png", "lambda.png"
@@ -74,24 +77,19 @@ class Run:
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train rows, val rows) by step; a torn last line is skipped and a repeated step keeps its last row."""
     by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "val": {}}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("kind") in by_kind and "step" in row:
-                by_kind[row["kind"]][int(row["step"])] = row
+    for row in (read_metric_rows(path) if path.is_file() else []):
+        if row.get("kind") in by_kind and "step" in row:
+            by_kind[row["kind"]][int(row["step"])] = row
     return tuple([rows[s] for s in sorted(rows)] for rows in by_kind.values())  # type: ignore[return-value]
 
 
 def find_run_dir(root: Path, arm: str, seed: int) -> Path | None:
     """<root>/seed<s>/<arm> (several seeds) or <root>/<arm> (one seed, whose train_config says so)."""
     multi = root / f"seed{seed}" / arm
-    if (multi / "metrics.jsonl").is_file():
+    if (multi / METRICS_FILE).is_file():
         return multi
     single = root / arm
-    if (single / "metrics.jsonl").is_file():
+    if (single / METRICS_FILE).is_file():
         try:
             run_seed = json.loads((single / "train_config.json").read_text()).get("seed", seed)
         except (OSError, json.JSONDecodeError):
@@ -104,8 +102,8 @@ def find_run_dir(root: Path, arm: str, seed: int) -> Path | None:
 def _discover(root: Path) -> dict[str, Any]:
     """A manifest for a folder without compare.json: arms and seeds from its layout."""
     seeds = sorted(int(p.name[4:]) for p in root.glob("seed*") if p.name[4:].isdigit())
-    arm_dirs = ([p.parent for p in root.glob("seed*/*/metrics.jsonl")]
-                or [p.parent for p in root.glob("*/metrics.jsonl")])
+    arm_dirs = ([p.parent for p in root.glob(f"seed*/*/{METRICS_FILE}")]
+                or [p.parent for p in root.glob(f"*/{METRICS_FILE}")])
     arms = sorted({p.name for p in arm_dirs}, key=lambda a: (a != "diff", a == "transformer", a))
     if not seeds:
         seeds = sorted({json.loads((p / "train_config.json").read_text()).get("seed", 0)
@@ -120,7 +118,7 @@ def load_runs(root: Path, manifest: dict[str, Any]) -> dict[tuple[str, int], Run
             d = find_run_dir(root, arm, seed)
             if d is None:
                 continue
-            train, val = read_metrics(d / "metrics.jsonl")
+            train, val = read_metrics(d / METRICS_FILE)
             run = Run(arm, seed, d, train, val)
             if (d / "train_config.json").is_file():
                 run.max_steps = json.loads((d / "train_config.json").read_text()).get("max_steps")
@@ -356,12 +354,12 @@ def write_report(compare_dir: str | Path, *, samples: bool = True) -> Path:
     manifest = json.loads(mpath.read_text()) if mpath.is_file() else _discover(root)
     arms, seeds = list(manifest["arms"]), sorted(manifest["seeds"])
     if not arms:
-        raise FileNotFoundError(f"no runs in {root}: expected {MANIFEST} or <arm>/metrics.jsonl folders "
+        raise FileNotFoundError(f"no runs in {root}: expected {MANIFEST} or <arm>/{METRICS_FILE} folders "
                                 f"(run `difftransformer compare` first)")
     baseline = manifest.get("baseline") or ("transformer" if "transformer" in arms else arms[-1])
     runs = load_runs(root, manifest)
     if not runs:
-        raise FileNotFoundError(f"{root} lists arms {arms} but none has a metrics.jsonl yet")
+        raise FileNotFoundError(f"{root} lists arms {arms} but none has a {METRICS_FILE} yet")
     others = [a for a in arms if a != baseline]
     first_seed = seeds[0]
 
@@ -531,7 +529,7 @@ def write_report(compare_dir: str | Path, *, samples: bool = True) -> Path:
         L += [f"Started {manifest['started']}" + (f", finished {manifest['finished']}" if manifest.get("finished")
                                                     else "") + ".", ""]
     L += ["Run folders: " + ", ".join(f"`{r.dir.relative_to(root)}`" for r in runs.values())
-          + " (each has metrics.jsonl, TensorBoard logs in tb/, checkpoints/ and final/).", ""]
+          + f" (each has {METRICS_FILE}, TensorBoard logs in tb/, checkpoints/ and final/).", ""]
 
     out = root / "report.md"
     out.write_text("\n".join(L).rstrip() + "\n", encoding="utf-8")

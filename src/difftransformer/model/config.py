@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftransformer._io import atomic_write_text
+
 ATTENTION_KINDS = {
     "diff": "DIFF Transformer V1: differential heads, head-wise RMSNorm, (1 - lambda_init) scale",
     "diff_no_headnorm": "ablation: DIFF V1 without the head-wise RMSNorm",
@@ -43,7 +45,7 @@ class DiffTransformerConfig:
     tie_word_embeddings: bool = True
     lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a constant for ablations
     initializer_range: float = 0.02
-    attn_backend: str = "auto"  # auto | eager | sdpa | triton
+    attn_backend: str = "auto"  # auto | eager | sdpa | triton | cpp
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -113,7 +115,7 @@ class DiffTransformerConfig:
 
     def save(self, path: str | Path) -> None:
         payload = {"model_type": "difftransformer", "format_version": 1, **self.to_dict()}
-        Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "DiffTransformerConfig":

@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from difftransformer._io import atomic_path
 from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.model.modeling import DiffTransformerLM
 
@@ -20,9 +21,8 @@ def save_pretrained(model: DiffTransformerLM, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save(directory / CONFIG_NAME)
-    tmp = directory / (WEIGHTS_NAME + ".tmp")
-    save_model(model, str(tmp), metadata={"format": "pt", "model_type": "difftransformer"})
-    tmp.replace(directory / WEIGHTS_NAME)  # atomic: a crash never leaves a torn weights file
+    with atomic_path(directory / WEIGHTS_NAME) as tmp:  # a crash never leaves a torn weights file
+        save_model(model, str(tmp), metadata={"format": "pt", "model_type": "difftransformer"})
     return directory
 
 

@@ -9,7 +9,7 @@ Layout of out_dir/checkpoints/:
     latest          text file naming the newest complete step directory
 
 A checkpoint is written into step_X.tmp/, every file is fsynced, the directory is renamed into place
-(os.replace is atomic), and only then is `latest` replaced (write latest.tmp, fsync, os.replace).
+(os.replace is atomic), and only then is `latest` replaced (temp file, fsync, os.replace).
 A kill -9 at any moment therefore leaves `latest` naming a complete, verifiable checkpoint.
 """
 
@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from difftransformer._io import atomic_write_text, fsync_dir, fsync_file
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.train.config import TrainConfig
 
@@ -62,38 +63,8 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable; directories cannot be opened on Windows, where this is a no-op."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _json_digest(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write tmp + fsync + os.replace, so readers see the old or the new content, never a torn file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # -- model and optimizer state <-> flat tensors ----------------------------------------------------
@@ -250,7 +221,7 @@ def save_checkpoint(
     train_config.save(tmp / TRAIN_CONFIG_FILE)
     files = {}
     for name in (MODEL_FILE, OPTIM_FILE, MODEL_CONFIG_FILE, TRAIN_CONFIG_FILE):
-        _fsync_file(tmp / name)
+        fsync_file(tmp / name)
         files[name] = sha256_file(tmp / name)
     payload = {"format": FORMAT, "step": step, **state, "optimizer": optim_meta, "tied_weights": aliases,
                "files": files}
@@ -259,7 +230,7 @@ def save_checkpoint(
         json.dump(payload, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
     if final.exists():  # a complete copy from an interrupted earlier attempt at this step
         aside = root / (final.name + ".old")
@@ -269,8 +240,8 @@ def save_checkpoint(
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
-    write_text_atomic(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, final.name + "\n", fsync=True)
 
     for _, old in list_checkpoints(root)[:-keep_last]:
         if old != final:

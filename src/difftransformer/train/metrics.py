@@ -16,32 +16,36 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from difftransformer.train.checkpoint import write_text_atomic
+from difftransformer._io import atomic_write_text
 
 log = logging.getLogger("difftransformer.train")
 
 METRICS_FILE = "metrics.jsonl"
 
 
+def _parse(line: str) -> dict[str, Any] | None:
+    """One row, or None for a line that is not a JSON object (a torn last line after a crash)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def truncate_metrics(path: Path, keep_through_step: int) -> None:
     """Keep the lines whose step <= keep_through_step (and drop a torn last line)."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("step", math.inf) <= keep_through_step:
-            kept.append(line)
-    write_text_atomic(path, "".join(line + "\n" for line in kept))  # a crash here keeps the old file
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if (row := _parse(line)) is not None and row.get("step", math.inf) <= keep_through_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept), fsync=True)  # a crash here keeps the old file
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (optionally only "train" or "val")."""
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r.get("kind") == kind]
+    """The rows of a metrics.jsonl in file order (optionally only "train" or "val"); a torn line is skipped,
+    so a run that is still writing, or was killed mid-line, can be read."""
+    rows = (_parse(line) for line in Path(path).read_text(encoding="utf-8").splitlines())
+    return [r for r in rows if r is not None and (kind is None or r.get("kind") == kind)]
 
 
 def _json_float(x: float | None) -> float | None:

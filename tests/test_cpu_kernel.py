@@ -1,0 +1,122 @@
+"""The fused C++ CPU kernel (backend 'cpp') against the independent float64 reference.
+
+The shared backend tests in test_attention.py already run 'cpp' at small shapes; these add shapes
+that cross the kernel's query (64) and key (256) blocks, determinism, dtype handling, the 'auto'
+fallback when the extension cannot be built, and tracing under torch.compile.
+"""
+
+import pytest
+import torch
+
+from difftransformer import differential_attention
+from difftransformer.attention.functional import resolve_backend
+from difftransformer.kernels import diff_flash_cpu
+from reference import diff_attention_reference
+from test_attention import lambda_grad_error, padding_mask, random_inputs, rel_err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_extension():
+    if not diff_flash_cpu.is_available():
+        pytest.fail(f"the C++ kernel did not build: {diff_flash_cpu.build_error()}")
+
+
+def check_against_reference(B, h, h_kv, T, S, d, causal, lam, padded=False, seed=0):
+    q, k, v = random_inputs(B, h, h_kv, T, S, d, seed=seed, grad=True)
+    lam_t = torch.tensor(lam, requires_grad=True)
+    mask = padding_mask(B, S, seed) if padded else None
+    out = differential_attention(q, k, v, lam_t, causal=causal, key_padding_mask=mask, backend="cpp")
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam_t)]
+    ref = diff_attention_reference(*ref_in, causal=causal, key_padding_mask=mask)
+    assert out.shape == (B, h, T, 2 * d)
+    assert rel_err(out, ref) <= 1e-5
+    g = torch.randn_like(ref)
+    (out * g.float()).sum().backward()
+    (ref * g).sum().backward()
+    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
+        assert rel_err(got, want.grad) <= 1e-5, name
+    assert lambda_grad_error(lam_t.grad, ref_in[3].grad, g, q, k, v, causal=causal, key_padding_mask=mask) <= 1e-6
+
+
+# (B, h, h_kv, T, S, d, causal, lam, padded): lengths that are not multiples of the blocks, that
+# span several key blocks, T < S (cached decoding), T > S (causal rows that see no key), GQA 1/2/4.
+CASES = [
+    (1, 2, 2, 300, 300, 64, True, 0.5, False),
+    (2, 4, 1, 130, 600, 32, True, -0.6, True),
+    (1, 4, 2, 257, 513, 16, False, 1.4, False),
+    (2, 2, 1, 600, 200, 16, True, 0.3, False),
+    (1, 2, 2, 1, 700, 32, True, 0.8, True),
+    (1, 1, 1, 65, 65, 128, True, 0.2, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}h{}kv{}T{}S{}d{}{}lam{}{}".format(
+    *c[:6], "c" if c[6] else "n", c[7], "pad" if c[8] else ""))
+def test_block_crossing_shapes_match_reference(case):
+    check_against_reference(*case, seed=sum(case[:6]))
+
+
+def test_deterministic():
+    q, k, v = random_inputs(2, 4, 2, 200, 200, 32, seed=1, grad=True)
+    lam = torch.tensor(0.4, requires_grad=True)
+    do = torch.randn(2, 4, 200, 64)
+    runs = [torch.autograd.grad(differential_attention(q, k, v, lam, backend="cpp"), (q, k, v, lam), do)
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_low_precision_is_computed_in_fp32_and_cast_back():
+    q, k, v = random_inputs(1, 2, 2, 70, 70, 16, dtype=torch.bfloat16, seed=2)
+    out = differential_attention(q, k, v, torch.tensor(0.5), backend="cpp")
+    assert out.dtype == torch.bfloat16
+    full = differential_attention(q.float(), k.float(), v.float(), torch.tensor(0.5), backend="cpp")
+    assert torch.equal(out, full.to(torch.bfloat16))
+
+
+def test_auto_prefers_cpp_on_cpu_and_falls_back_when_unbuilt(monkeypatch):
+    assert resolve_backend("auto", torch.device("cpu")) == "cpp"
+    monkeypatch.setitem(diff_flash_cpu._state, "ok", False)
+    monkeypatch.setitem(diff_flash_cpu._state, "error", "simulated build failure")
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    q, k, v = random_inputs(1, 1, 1, 4, 4, 8)
+    with pytest.raises(RuntimeError, match="simulated build failure.*backend='sdpa'"):
+        differential_attention(q, k, v, 0.5, backend="cpp")
+
+
+def test_cpp_backend_rejects_other_devices():
+    with pytest.raises(ValueError, match="fused CPU kernel"):
+        resolve_backend("cpp", torch.device("cuda"))
+
+
+def test_traces_under_torch_compile():
+    q, k, v = random_inputs(1, 2, 1, 50, 50, 16, seed=4, grad=True)
+    lam = torch.tensor(0.5, requires_grad=True)
+
+    def f(q, k, v, lam):
+        return differential_attention(q, k, v, lam, backend="cpp").square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v, lam), (q, k, v, lam))
+    want = torch.autograd.grad(f(q, k, v, lam), (q, k, v, lam))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_transposed_views_are_read_in_place():
+    """The layer hands over (B, T, H, d) projections viewed as (B, H, T, d); results and gradients
+    must not depend on the layout, and dq comes back in the same layout as q."""
+    q, k, v = random_inputs(2, 4, 2, 90, 90, 16, seed=5)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
+    dense = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    do = torch.randn(2, 4, 90, 32)
+    lam = torch.tensor(0.7)
+    outs, grads = [], []
+    for inputs in (views, dense):
+        out = differential_attention(*inputs, lam, backend="cpp")
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, inputs, do))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert grads[0][0].stride() == views[0].stride()
