@@ -7,8 +7,8 @@ machine hits both alike. Peak memory: the peak of tensor memory allocated during
 forward+backward (PyTorch profiler), in a fresh process per (layer, backend, T). Prints a
 Markdown table of DIFF/baseline ratios.
 
-The baseline layer runs ordinary attention through SDPA under every backend (the fused kernels
-are differential-only), so the 'cpp' rows compare the fused C++ kernel with PyTorch's CPU flash.
+Both layers of a row use the same backend: under 'cpp' the baseline runs the C++ kernel's
+ordinary-attention path, under 'sdpa' PyTorch's CPU flash kernel.
 
     python benchmarks/attention_cpu.py                 # T = 512, 2048, 4096; cpp, sdpa and eager
     python benchmarks/attention_cpu.py --seq-lens 1024 --backends sdpa --embed-dim 512

@@ -8,7 +8,7 @@ ratios. Same attention backend for both arms.
 
     python benchmarks/train_throughput.py                        # cpu-small preset, T=256, batch 8
     python benchmarks/train_throughput.py --preset cpu-medium --seq-len 512 --backend sdpa
-    (default backend 'auto': the fused C++ kernel for DIFF on CPU; the baseline uses SDPA)
+    (default backend 'auto': on CPU both arms run the fused C++ kernels, if they build)
 """
 
 from __future__ import annotations

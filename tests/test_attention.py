@@ -191,12 +191,19 @@ def test_bad_functional_shapes():
 @pytest.mark.parametrize("n_rep", [1, 2])
 def test_ordinary_attention_matches_reference(backend, n_rep):
     g = torch.Generator().manual_seed(n_rep)
-    q = torch.randn(2, 4, 17, 8, generator=g)
-    k = torch.randn(2, 4 // n_rep, 17, 8, generator=g)
-    v = torch.randn(2, 4 // n_rep, 17, 8, generator=g)
+    q = torch.randn(2, 4, 17, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 4 // n_rep, 17, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 4 // n_rep, 17, 8, generator=g, requires_grad=True)
     mask = padding_mask(2, 17, 5)
     out = multihead_attention(q, k, v, key_padding_mask=mask, backend=backend)
-    assert rel_err(out, mha_reference(q, k, v, key_padding_mask=mask)) <= 1e-5
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = mha_reference(*ref_in, key_padding_mask=mask)
+    assert rel_err(out, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    (out * grad_out.float()).sum().backward()
+    (ref * grad_out).sum().backward()
+    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
+        assert rel_err(got, want.grad) <= 1e-5, name
 
 
 # ---------------------------------------------------------------- RoPE and lambda

@@ -1,24 +1,26 @@
 """The fused C++ CPU kernel (backend 'cpp') against the independent float64 reference.
 
-The shared backend tests in test_attention.py already run 'cpp' at small shapes; these add shapes
-that cross the kernel's query (64) and key (256) blocks, determinism, dtype handling, the 'auto'
-fallback when the extension cannot be built, and tracing under torch.compile.
+The shared backend tests in test_attention.py already run 'cpp' at small shapes, for both the
+differential kernel and the ordinary one (the matched baseline's); these add shapes that cross the
+kernels' query (64) and key (256) blocks, determinism, dtype handling, the 'auto' fallback when the
+extension cannot be built, and tracing under torch.compile.
 """
 
 import pytest
 import torch
 
 from difftransformer import differential_attention
+from difftransformer.attention import multihead_attention
 from difftransformer.attention.functional import resolve_backend
-from difftransformer.kernels import diff_flash_cpu
-from reference import diff_attention_reference
+from difftransformer.kernels import flash_cpu
+from reference import diff_attention_reference, mha_reference
 from test_attention import lambda_grad_error, padding_mask, random_inputs, rel_err
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built_extension():
-    if not diff_flash_cpu.is_available():
-        pytest.fail(f"the C++ kernel did not build: {diff_flash_cpu.build_error()}")
+    if not flash_cpu.is_available():
+        pytest.fail(f"the C++ kernel did not build: {flash_cpu.build_error()}")
 
 
 def check_against_reference(B, h, h_kv, T, S, d, causal, lam, padded=False, seed=0):
@@ -56,6 +58,25 @@ def test_block_crossing_shapes_match_reference(case):
     check_against_reference(*case, seed=sum(case[:6]))
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}h{}kv{}T{}S{}d{}{}{}".format(
+    *c[:6], "c" if c[6] else "n", "pad" if c[8] else ""))
+def test_ordinary_attention_block_crossing_shapes_match_reference(case):
+    B, h, h_kv, T, S, d, causal, _, padded = case
+    g = torch.Generator().manual_seed(sum(case[:6]))
+    q = torch.randn(B, 2 * h, T, d, generator=g, requires_grad=True)  # the baseline has 2h heads
+    k, v = (torch.randn(B, 2 * h_kv, S, d, generator=g, requires_grad=True) for _ in range(2))
+    mask = padding_mask(B, S, T) if padded else None
+    out = multihead_attention(q, k, v, causal=causal, key_padding_mask=mask, backend="cpp")
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = mha_reference(*ref_in, causal=causal, key_padding_mask=mask)
+    assert rel_err(out, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    (out * grad_out.float()).sum().backward()
+    (ref * grad_out).sum().backward()
+    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
+        assert rel_err(got, want.grad) <= 1e-5, name
+
+
 def test_deterministic():
     q, k, v = random_inputs(2, 4, 2, 200, 200, 32, seed=1, grad=True)
     lam = torch.tensor(0.4, requires_grad=True)
@@ -76,8 +97,8 @@ def test_low_precision_is_computed_in_fp32_and_cast_back():
 
 def test_auto_prefers_cpp_on_cpu_and_falls_back_when_unbuilt(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "cpp"
-    monkeypatch.setitem(diff_flash_cpu._state, "ok", False)
-    monkeypatch.setitem(diff_flash_cpu._state, "error", "simulated build failure")
+    monkeypatch.setitem(flash_cpu._state, "ok", False)
+    monkeypatch.setitem(flash_cpu._state, "error", "simulated build failure")
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
     q, k, v = random_inputs(1, 1, 1, 4, 4, 8)
     with pytest.raises(RuntimeError, match="simulated build failure.*backend='sdpa'"):

@@ -9,9 +9,10 @@ Everything the layers compute goes through `differential_attention` (V1) or
               on CPU q and k (dim d) are zero-padded to v's dim 2d: scores are unchanged and no
               T x S map is ever stored. On CUDA, v of dim 2d goes in as is.
 - ``triton``: the fused Triton kernel in `difftransformer.kernels` (CUDA, or the Triton interpreter).
-- ``cpp``:    the fused C++ CPU kernel in `difftransformer.kernels.diff_flash_cpu`: both maps in
-              one pass, 1.5x the baseline's attention FLOPs forward and 1.0x backward, where the
-              padded `sdpa` layout pays 2x. Built on first use; 'auto' picks it on CPU.
+- ``cpp``:    the fused C++ CPU kernels in `difftransformer.kernels.flash_cpu`: both maps in one
+              pass, 1.5x the baseline's attention FLOPs forward and 1.0x backward, where the
+              padded `sdpa` layout pays 2x; ordinary attention (the baseline) runs through the
+              same C++ template. Built on first use; 'auto' picks it on CPU.
 
 Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys, d comp. dim):
     q: (B, 2h, T, d)      component c of head i at index 2i + c ("striped")
@@ -91,9 +92,9 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
             if kernels.is_available():
                 return "triton"
         if device.type == "cpu":
-            from difftransformer.kernels import diff_flash_cpu
+            from difftransformer.kernels import flash_cpu
 
-            if diff_flash_cpu.is_available():
+            if flash_cpu.is_available():
                 return "cpp"
         return "sdpa"
     if backend == "triton" and has_padding:
@@ -144,7 +145,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     if which == "sdpa":
         return _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale)
     if which == "cpp":
-        from difftransformer.kernels.diff_flash_cpu import diff_flash_attention_cpu
+        from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu
 
         return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     from difftransformer.kernels.diff_flash import diff_flash_attention
@@ -239,6 +240,10 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
-    # The fused kernels are differential-only; ordinary attention is served by SDPA's own kernels.
+    if which == "cpp":
+        from difftransformer.kernels.flash_cpu import flash_attention_cpu
+
+        return flash_attention_cpu(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    # The Triton kernel is differential-only; ordinary attention on CUDA is served by SDPA's kernels.
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)

@@ -419,9 +419,10 @@ def write_report(compare_dir: str | Path, *, samples: bool = True) -> Path:
     L += ["Δ is the per-seed difference arm − baseline (both arms share the initial weights and the batches of "
           "that seed), averaged over seeds; ± is the sample std over seeds. Tokens/s is the median over logged "
           "windows of training (forward, backward, optimizer step; evaluation excluded), arms run one after the "
-          "other on the same machine (other processes running at the same time distort it). On CPU it "
-          "reflects PyTorch's generic kernels, not the paper's fused GPU "
-          "kernels (the paper reports DIFF about 5-10% slower than the Transformer on H100).", ""]
+          "other on the same machine (other processes running at the same time distort it). It depends on "
+          "the attention backend of the run (config `attn_backend`; on CPU 'auto' runs both arms through this "
+          "project's fused C++ kernels); the paper reports DIFF about 5-10% slower than the Transformer on H100 "
+          "with its fused GPU kernels.", ""]
 
     # -- curves ---------------------------------------------------------------------------------
     L += ["## Loss curves", "", f"![validation and training loss]({LOSS_PNG})", ""]

@@ -1,0 +1,421 @@
+// Flash attention for CPU, fp32, fused forward and backward: the differential kind (two softmax
+// maps per head, C = 2) and the ordinary kind (C = 1, the matched baseline), from one template.
+//
+// Why: PyTorch's CPU flash kernel needs q, k and v to share one head dim, so the `sdpa` backend
+// zero-pads DIFF's q/k (dim d) to v's dim 2d and pays 2x the baseline's attention FLOPs. Here each
+// (batch, head, query block) keeps C online-softmax states and multiplies all C maps with one read
+// of each V tile, in one BLAS call. The backward uses dP2 = -lam * dP1 and dV = (A1 - lam A2)^T dO,
+// so a DIFF backward costs what one baseline backward costs. Block products go to the BLAS PyTorch
+// uses (MKL here); the row-wise softmax work is vectorised with ATen's Vectorized<float>. The
+// baseline runs through the same code, so DIFF/baseline ratios compare like with like.
+//
+// Layout (B batch, h heads, h_kv kv groups, n_rep = h / h_kv, T queries, S keys, d, C maps):
+//   q (B, C h, T, d): map c of head i at C i + c ("striped");  k (B, C h_kv, S, d);  v (B, h_kv, S, C d)
+//   out (B, h, T, C d) = sum_c coef_c A_c V with coef = (1, -lam); for C = 2 also o2 = A2 V
+//   lse (C, B, h, T): log-sum-exp of each map's scaled scores; +inf for a row that sees no key
+// Any (batch, head, length) strides are read in place as long as the last dim is dense (the
+// layers' q, k, v are transposed views of the projections); out is written as (B, T, h, C d).
+// Causal masks are bottom-right aligned: query t sees keys j <= t + S - T. key_mask (B, S) bool,
+// True = keep. A query that sees no key outputs zeros.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The BLAS PyTorch is linked against (MKL on x86 wheels) exports the Fortran sgemm_; ATen's own
+// float gemm wrapper is not exported to extensions. Weak, so a build without it still loads and
+// falls back to at::mm on the same memory.
+extern "C" __attribute__((weak)) void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                                             const int* k, const float* alpha, const float* a, const int* lda,
+                                             const float* b, const int* ldb, const float* beta, float* c,
+                                             const int* ldc);
+
+// Row-major C (M x N) = alpha * op(A) op(B) + beta * C, through column-major BLAS (C^T = B^T A^T).
+inline void mm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (sgemm_ != nullptr) {
+    const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+    const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+    const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+    sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto a = trans_a ? at::from_blob(const_cast<float*>(A), {K, M}, {lda, 1}, opts).t()
+                   : at::from_blob(const_cast<float*>(A), {M, K}, {lda, 1}, opts);
+  auto b = trans_b ? at::from_blob(const_cast<float*>(B), {N, K}, {ldb, 1}, opts).t()
+                   : at::from_blob(const_cast<float*>(B), {K, N}, {ldb, 1}, opts);
+  auto c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
+  if (beta == 0.f) {
+    at::mm_out(c, a, b);
+    if (alpha != 1.f) c.mul_(alpha);
+  } else {
+    c.addmm_(a, b, beta, alpha);
+  }
+}
+
+inline float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = kNegInf;
+  if (n >= Vec::size()) {
+    Vec vm(kNegInf);
+    for (; j + Vec::size() <= n; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(x + j));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// x = exp(x - m) in place; returns the sum. Entries at -inf become 0.
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  const Vec vm(m);
+  Vec vs(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec e = (Vec::loadu(x + j) - vm).exp_u20();
+    e.store(x + j);
+    vs = vs + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vs);
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    s += x[j];
+  }
+  return s;
+}
+
+// x = exp(x - m) in place (no sum), m may be +inf (row sees nothing): then all zeros.
+inline void exp_sub(float* x, int64_t n, float m) {
+  if (m == kInf) {
+    std::fill(x, x + n, 0.f);
+    return;
+  }
+  const Vec vm(m);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) - vm).exp_u20().store(x + j);
+  for (; j < n; ++j) x[j] = std::exp(x[j] - m);
+}
+
+// dst = a * x
+inline void scale_into(float* dst, const float* x, float a, int64_t n) {
+  const Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * va).store(dst + j);
+  for (; j < n; ++j) dst[j] = a * x[j];
+}
+
+// dst = a * x + b * y
+inline void axpby_into(float* dst, const float* x, float a, const float* y, float b, int64_t n) {
+  const Vec va(a), vb(b);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * va + Vec::loadu(y + j) * vb).store(dst + j);
+  for (; j < n; ++j) dst[j] = a * x[j] + b * y[j];
+}
+
+// p = coef * p * (dp - D): softmax backward of one row, p holding the probabilities.
+inline void ds_row(float* p, const float* dp, float D, float coef, int64_t n) {
+  const Vec vD(D), vc(coef);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size())
+    (vc * Vec::loadu(p + j) * (Vec::loadu(dp + j) - vD)).store(p + j);
+  for (; j < n; ++j) p[j] = coef * p[j] * (dp[j] - D);
+}
+
+// Number of keys in [j0, j0 + bk) that query t may see (causal part only).
+inline int64_t causal_visible(bool causal, int64_t t, int64_t T, int64_t S, int64_t j0, int64_t bk) {
+  if (!causal) return bk;
+  return std::clamp<int64_t>(t + S - T + 1 - j0, 0, bk);
+}
+
+// Set the scores of invisible keys of one row (bk scores for keys j0..j0+bk) to -inf.
+inline void mask_row(float* row, int64_t nvis, int64_t bk, const bool* keep, int64_t j0) {
+  std::fill(row + nvis, row + bk, kNegInf);
+  if (keep != nullptr)
+    for (int64_t j = 0; j < nvis; ++j)
+      if (!keep[j0 + j]) row[j] = kNegInf;
+}
+
+// One past the last key any query in [t0, t0 + bq) may see.
+inline int64_t key_end(bool causal, int64_t t0, int64_t bq, int64_t T, int64_t S) {
+  return causal ? std::clamp<int64_t>(t0 + bq + S - T, 0, S) : S;
+}
+
+// Strides (in elements) of a (batch, head, length, dim) tensor whose last dim is dense.
+struct Strides {
+  int64_t b, h, t;
+  explicit Strides(const at::Tensor& x) : b(x.stride(0)), h(x.stride(1)), t(x.stride(2)) {}
+  int64_t at(int64_t bi, int64_t hi, int64_t ti) const { return bi * b + hi * h + ti * t; }
+};
+
+struct Shape {
+  int64_t B, h, h_kv, n_rep, T, S, d;
+};
+
+inline bool rows_dense(const at::Tensor& x) { return x.size(-1) <= 1 || x.stride(-1) == 1; }
+
+template <int C>
+Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& key_mask) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "flash_cpu: q, k, v must be CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "flash_cpu: q, k, v must be float32 (the Python wrapper upcasts other dtypes)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "flash_cpu: q, k, v must be 4-D");
+  TORCH_CHECK(rows_dense(q) && rows_dense(k) && rows_dense(v),
+              "flash_cpu: the last dim of q, k, v must be contiguous (stride 1)");
+  Shape s{q.size(0), q.size(1) / C, k.size(1) / C, 0, q.size(2), k.size(2), q.size(3)};
+  TORCH_CHECK(q.size(1) % C == 0 && k.size(1) % C == 0 && s.h_kv > 0 && s.h % s.h_kv == 0,
+              "flash_cpu: head axes must hold whole heads and h must split evenly over h_kv");
+  TORCH_CHECK(k.size(0) == s.B && k.size(3) == s.d && v.size(0) == s.B && v.size(1) == s.h_kv &&
+                  v.size(2) == s.S && v.size(3) == C * s.d,
+              "flash_cpu: expected k (B, C h_kv, S, d) and v (B, h_kv, S, C d)");
+  if (key_mask.has_value()) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->is_contiguous() && key_mask->dim() == 2 &&
+                    key_mask->size(0) == s.B && key_mask->size(1) == s.S,
+                "flash_cpu: key_mask must be a contiguous bool (B, S) tensor");
+  }
+  s.n_rep = s.h / s.h_kv;
+  return s;
+}
+
+// (B, h, T, C d) stored as (B, T, h, C d): the layer's transpose(1, 2).reshape(B, T, h * C d)
+// before the output projection is then free.
+at::Tensor new_out(const Shape& s, int64_t width, const at::TensorOptions& opts) {
+  return at::empty({s.B, s.T, s.h, width}, opts).transpose(1, 2);
+}
+
+// Query and key block sizes: large enough for efficient BLAS calls, small enough that the
+// score tiles of both maps (2 * BQ * BK floats) stay in L2.
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 256;
+
+// Forward. coef = (1, -lam); o2 (C = 2 only) receives A2 V; lse is (C, B, h, T).
+template <int C>
+void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
+                    bool causal, float sc, const std::optional<at::Tensor>& key_mask, at::Tensor& out,
+                    at::Tensor* o2, at::Tensor& lse) {
+  const Shape s = check_inputs<C>(q, k, v, key_mask);
+  const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S;
+  const Strides sq(q), sk(k), sv(v), so(out);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = key_mask.has_value() ? key_mask->data_ptr<bool>() : nullptr;
+  float* outp = out.data_ptr<float>();
+  float* o2p = o2 == nullptr ? nullptr : o2->data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const int64_t lse_map = s.B * s.h * T;  // stride between the maps' log-sum-exps
+  const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
+
+  at::parallel_for(0, s.B * s.h * nqb, 1, [&](int64_t begin, int64_t end) {
+    // Scores of all maps as one (C bq, BK) matrix and their accumulators as one (C bq, C d)
+    // matrix, so that P V is a single BLAS call per key block.
+    std::vector<float> sbuf(C * kBlockQ * kBlockK), acc(C * kBlockQ * dv), mrow(C * kBlockQ), lrow(C * kBlockQ);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / (s.h * nqb), i = (idx / nqb) % s.h, t0 = (idx % nqb) * kBlockQ;
+      const int64_t bq = std::min(kBlockQ, T - t0), g = i / s.n_rep;
+      const float* vv = vp + sv.at(b, g, 0);
+      const bool* keep = mp == nullptr ? nullptr : mp + b * S;
+      std::fill(mrow.begin(), mrow.begin() + C * bq, kNegInf);
+      std::fill(lrow.begin(), lrow.begin() + C * bq, 0.f);
+      std::fill(acc.begin(), acc.begin() + C * bq * dv, 0.f);
+      const int64_t kend = key_end(causal, t0, bq, T, S);
+      for (int64_t j0 = 0; j0 < kend; j0 += kBlockK) {
+        const int64_t bk = std::min(kBlockK, kend - j0);
+        for (int c = 0; c < C; ++c)
+          mm(false, true, bq, bk, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, j0), sk.t,
+             0.f, sbuf.data() + c * bq * kBlockK, kBlockK);
+        for (int64_t r = 0; r < C * bq; ++r) {
+          float* row = sbuf.data() + r * kBlockK;
+          const int64_t nvis = causal_visible(causal, t0 + (r % bq), T, S, j0, bk);
+          if (nvis < bk || keep != nullptr) mask_row(row, nvis, bk, keep, j0);
+          const float m_new = std::max(mrow[r], row_max(row, bk));
+          if (m_new == kNegInf) {  // nothing visible to this row so far
+            std::fill(row, row + bk, 0.f);
+            continue;
+          }
+          const float rescale = std::exp(mrow[r] - m_new);
+          lrow[r] = lrow[r] * rescale + exp_sub_sum(row, bk, m_new);
+          if (rescale != 1.f) scale_into(acc.data() + r * dv, acc.data() + r * dv, rescale, dv);
+          mrow[r] = m_new;
+        }
+        mm(false, false, C * bq, dv, bk, 1.f, sbuf.data(), kBlockK, vv + j0 * sv.t, sv.t, 1.f, acc.data(), dv);
+      }
+      for (int64_t r = 0; r < bq; ++r) {
+        float w[C];  // coef_c / l_c: each map's normaliser and its sign/weight in the output
+        for (int c = 0; c < C; ++c) {
+          const float l = lrow[c * bq + r];
+          w[c] = l > 0.f ? coef[c] / l : 0.f;
+          lsep[c * lse_map + (b * s.h + i) * T + t0 + r] = l > 0.f ? mrow[c * bq + r] + std::log(l) : kInf;
+        }
+        float* o = outp + so.at(b, i, t0 + r);
+        const float* a0 = acc.data() + r * dv;
+        if constexpr (C == 1) {
+          scale_into(o, a0, w[0], dv);
+        } else {
+          const float* a1 = acc.data() + (bq + r) * dv;
+          const float l2 = lrow[bq + r];
+          scale_into(o2p + so.at(b, i, t0 + r), a1, l2 > 0.f ? 1.f / l2 : 0.f, dv);
+          axpby_into(o, a0, w[0], a1, w[1], dv);
+        }
+      }
+    }
+  });
+}
+
+// Backward. Gradients of q, and of k and v per head (dk_h (B, h, C, S, d), dv_h (B, h, S, C d)):
+// each (batch, head) task owns its slices, so there are no races and the result is
+// deterministic; the caller sums dk_h and dv_h over the n_rep heads of a kv group.
+// drow (C, B, h, T): D_c = rowsum(dO * A_c V).
+template <int C>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_impl(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
+    const at::Tensor& lse, const at::Tensor& drow, bool causal, float sc, const std::optional<at::Tensor>& key_mask) {
+  const Shape s = check_inputs<C>(q, k, v, key_mask);
+  const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S;
+  TORCH_CHECK(dout.scalar_type() == at::kFloat && dout.dim() == 4 && rows_dense(dout) && dout.size(0) == s.B &&
+                  dout.size(1) == s.h && dout.size(2) == T && dout.size(3) == dv,
+              "flash_cpu: dout must be float32 (B, h, T, C d) with a contiguous last dim");
+  TORCH_CHECK(lse.is_contiguous() && drow.is_contiguous() && lse.numel() == C * s.B * s.h * T &&
+                  drow.numel() == lse.numel(),
+              "flash_cpu: lse and row statistics must be contiguous (C, B, h, T)");
+  auto dq = at::zeros({s.B, T, C * s.h, d}, q.options()).transpose(1, 2);  // the layers' q layout
+  auto dk = at::zeros({s.B, s.h, C, S, d}, q.options());
+  auto dvh = at::zeros({s.B, s.h, S, dv}, q.options());
+  if (dq.numel() == 0 || dk.numel() == 0) return {dq, dk, dvh};
+  const Strides sq(q), sk(k), sv(v), sdo(dout), sdq(dq);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* dop = dout.data_ptr<float>();
+  const float* lsep = lse.data_ptr<float>();
+  const float* drp = drow.data_ptr<float>();
+  const bool* mp = key_mask.has_value() ? key_mask->data_ptr<bool>() : nullptr;
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dvh.data_ptr<float>();
+  const int64_t stat_map = s.B * s.h * T;
+
+  at::parallel_for(0, s.B * s.h, 1, [&](int64_t begin, int64_t end) {
+    // p: the C probability tiles, overwritten in place by dS_c; dp = dO V^T; pd = sum_c coef_c P_c.
+    std::vector<float> p(C * kBlockQ * kBlockK), dp(kBlockQ * kBlockK), pd(C == 2 ? kBlockQ * kBlockK : 0);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / s.h, i = idx % s.h, g = i / s.n_rep;
+      const float* vv = vp + sv.at(b, g, 0);
+      float* dvv = dvp + (b * s.h + i) * S * dv;
+      const bool* keep = mp == nullptr ? nullptr : mp + b * S;
+      for (int64_t t0 = 0; t0 < T; t0 += kBlockQ) {
+        const int64_t bq = std::min(kBlockQ, T - t0);
+        const float* dO = dop + sdo.at(b, i, t0);
+        const int64_t row0 = (b * s.h + i) * T + t0;
+        const int64_t kend = key_end(causal, t0, bq, T, S);
+        for (int64_t j0 = 0; j0 < kend; j0 += kBlockK) {
+          const int64_t bk = std::min(kBlockK, kend - j0);
+          for (int c = 0; c < C; ++c)
+            mm(false, true, bq, bk, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, j0), sk.t,
+               0.f, p.data() + c * kBlockQ * kBlockK, kBlockK);
+          mm(false, true, bq, bk, dv, 1.f, dO, sdo.t, vv + j0 * sv.t, sv.t, 0.f, dp.data(), kBlockK);
+          for (int64_t r = 0; r < bq; ++r) {
+            const int64_t nvis = causal_visible(causal, t0 + r, T, S, j0, bk);
+            for (int c = 0; c < C; ++c) {
+              float* rc = p.data() + c * kBlockQ * kBlockK + r * kBlockK;
+              if (nvis < bk || keep != nullptr) mask_row(rc, nvis, bk, keep, j0);
+              exp_sub(rc, bk, lsep[c * stat_map + row0 + r]);
+            }
+            if constexpr (C == 2)  // the map dV needs, P1 - lam P2, before P becomes dS
+              axpby_into(pd.data() + r * kBlockK, p.data() + r * kBlockK, coef[0],
+                         p.data() + kBlockQ * kBlockK + r * kBlockK, coef[1], bk);
+          }
+          mm(true, false, bk, dv, bq, 1.f, C == 1 ? p.data() : pd.data(), kBlockK, dO, sdo.t, 1.f, dvv + j0 * dv,
+             dv);
+          for (int c = 0; c < C; ++c)
+            for (int64_t r = 0; r < bq; ++r)  // dS_c = coef_c P_c (dP - D_c), in place
+              ds_row(p.data() + c * kBlockQ * kBlockK + r * kBlockK, dp.data() + r * kBlockK,
+                     drp[c * stat_map + row0 + r], coef[c], bk);
+          for (int c = 0; c < C; ++c) {
+            const float* ds = p.data() + c * kBlockQ * kBlockK;
+            mm(false, false, bq, d, bk, sc, ds, kBlockK, kp + sk.at(b, C * g + c, j0), sk.t, 1.f,
+               dqp + sdq.at(b, C * i + c, t0), sdq.t);
+            mm(true, false, bk, d, bq, sc, ds, kBlockK, qp + sq.at(b, C * i + c, t0), sq.t, 1.f,
+               dkp + ((b * s.h + i) * C + c) * S * d + j0 * d, d);
+          }
+        }
+      }
+    }
+  });
+  return {dq, dk, dvh};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_flash_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& lam,
+                                                              bool causal, double scale,
+                                                              const std::optional<at::Tensor>& key_mask) {
+  const Shape s = check_inputs<2>(q, k, v, key_mask);
+  auto out = new_out(s, 2 * s.d, q.options());
+  auto o2 = new_out(s, 2 * s.d, q.options());
+  auto lse = at::full({2, s.B, s.h, s.T}, kInf, q.options());
+  if (out.numel() == 0) return {out.zero_(), o2.zero_(), lse};
+  const float coef[2] = {1.f, -lam.item<float>()};
+  flash_fwd_impl<2>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, &o2, lse);
+  return {out, o2, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_flash_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& lam, const at::Tensor& lse,
+                                                              const at::Tensor& drow, bool causal, double scale,
+                                                              const std::optional<at::Tensor>& key_mask) {
+  const float coef[2] = {1.f, -lam.item<float>()};
+  return flash_bwd_impl<2>(dout, q, k, v, coef, lse, drow, causal, static_cast<float>(scale), key_mask);
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool causal, double scale,
+                                             const std::optional<at::Tensor>& key_mask) {
+  const Shape s = check_inputs<1>(q, k, v, key_mask);
+  auto out = new_out(s, s.d, q.options());
+  auto lse = at::full({s.B, s.h, s.T}, kInf, q.options());
+  if (out.numel() == 0) return {out.zero_(), lse};
+  const float coef[1] = {1.f};
+  flash_fwd_impl<1>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, nullptr, lse);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                         const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& lse, const at::Tensor& drow, bool causal,
+                                                         double scale, const std::optional<at::Tensor>& key_mask) {
+  const float coef[1] = {1.f};
+  return flash_bwd_impl<1>(dout, q, k, v, coef, lse, drow, causal, static_cast<float>(scale), key_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(difftransformer_cpu, m) {
+  m.def("diff_flash_fwd(Tensor q, Tensor k, Tensor v, Tensor lam, bool causal, float scale, Tensor? key_mask)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("diff_flash_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lam, Tensor lse, Tensor drow,"
+        " bool causal, float scale, Tensor? key_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("flash_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? key_mask) -> (Tensor, Tensor)");
+  m.def("flash_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor drow, bool causal, float scale,"
+        " Tensor? key_mask) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
+  m.impl("diff_flash_fwd", &diff_flash_fwd);
+  m.impl("diff_flash_bwd", &diff_flash_bwd);
+  m.impl("flash_fwd", &flash_fwd);
+  m.impl("flash_bwd", &flash_bwd);
+}
