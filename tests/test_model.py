@@ -123,7 +123,7 @@ def test_training_reduces_loss(kind):
 
 # ---------------------------------------------------------------- cached decoding
 @pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "cpp"])
 def test_cached_decoding_equals_full_recompute(kind, backend):
     torch.manual_seed(1)
     model = DiffTransformerLM(tiny(kind, num_key_value_heads=1, attn_backend=backend)).eval()
