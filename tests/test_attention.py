@@ -36,6 +36,18 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(floor)).item()
 
 
+def check_forward_and_grads(out, ref, inputs, ref_inputs, names="qkv"):
+    """out vs its float64 reference, then the gradients of one random projection of both, for each
+    input; returns that projection (dO), which the caller may need for further checks."""
+    assert rel_err(out, ref) <= 1e-5
+    grad_out = torch.randn_like(ref)
+    (out * grad_out.float()).sum().backward()
+    (ref * grad_out).sum().backward()
+    for name, got, want in zip(names, inputs, ref_inputs):
+        assert rel_err(got.grad, want.grad) <= 1e-5, name
+    return grad_out
+
+
 def lambda_grad_error(got, want, grad_out, q, k, v, **mask_kwargs):
     """|d lam - reference| over sum |dO * A2 V|: d lam = -sum(dO * A2 V) is a sum of B*h*T*2d terms
     that can cancel to near zero, so float32 rounding is judged against the terms' magnitudes."""
@@ -197,13 +209,7 @@ def test_ordinary_attention_matches_reference(backend, n_rep):
     mask = padding_mask(2, 17, 5)
     out = multihead_attention(q, k, v, key_padding_mask=mask, backend=backend)
     ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = mha_reference(*ref_in, key_padding_mask=mask)
-    assert rel_err(out, ref) <= 1e-5
-    grad_out = torch.randn_like(ref)
-    (out * grad_out.float()).sum().backward()
-    (ref * grad_out).sum().backward()
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
-        assert rel_err(got, want.grad) <= 1e-5, name
+    check_forward_and_grads(out, mha_reference(*ref_in, key_padding_mask=mask), (q, k, v), ref_in)
 
 
 # ---------------------------------------------------------------- RoPE and lambda

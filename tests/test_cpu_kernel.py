@@ -14,7 +14,7 @@ from difftransformer.attention import multihead_attention
 from difftransformer.attention.functional import resolve_backend
 from difftransformer.kernels import flash_cpu
 from reference import diff_attention_reference, mha_reference
-from test_attention import lambda_grad_error, padding_mask, random_inputs, rel_err
+from test_attention import check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,12 +31,7 @@ def check_against_reference(B, h, h_kv, T, S, d, causal, lam, padded=False, seed
     ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam_t)]
     ref = diff_attention_reference(*ref_in, causal=causal, key_padding_mask=mask)
     assert out.shape == (B, h, T, 2 * d)
-    assert rel_err(out, ref) <= 1e-5
-    g = torch.randn_like(ref)
-    (out * g.float()).sum().backward()
-    (ref * g).sum().backward()
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
-        assert rel_err(got, want.grad) <= 1e-5, name
+    g = check_forward_and_grads(out, ref, (q, k, v), ref_in[:3])
     assert lambda_grad_error(lam_t.grad, ref_in[3].grad, g, q, k, v, causal=causal, key_padding_mask=mask) <= 1e-6
 
 
@@ -68,13 +63,7 @@ def test_ordinary_attention_block_crossing_shapes_match_reference(case):
     mask = padding_mask(B, S, T) if padded else None
     out = multihead_attention(q, k, v, causal=causal, key_padding_mask=mask, backend="cpp")
     ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = mha_reference(*ref_in, causal=causal, key_padding_mask=mask)
-    assert rel_err(out, ref) <= 1e-5
-    grad_out = torch.randn_like(ref)
-    (out * grad_out.float()).sum().backward()
-    (ref * grad_out).sum().backward()
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in):
-        assert rel_err(got, want.grad) <= 1e-5, name
+    check_forward_and_grads(out, mha_reference(*ref_in, causal=causal, key_padding_mask=mask), (q, k, v), ref_in)
 
 
 def test_deterministic():
