@@ -14,7 +14,7 @@ from difftransformer.attention import multihead_attention
 from difftransformer.attention.functional import resolve_backend
 from difftransformer.kernels import flash_cpu
 from reference import diff_attention_reference, mha_reference
-from test_attention import check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs
+from test_attention import check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs, rel_err
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,3 +130,15 @@ def test_transposed_views_are_read_in_place():
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert grads[0][0].stride() == views[0].stride()
+
+
+def test_broadcast_and_odd_strides_are_handled():
+    """Expanded (stride-0) length axes and a size-1 last dim must not reach BLAS as invalid matrices."""
+    q, k, v = random_inputs(1, 2, 1, 9, 9, 8, seed=6)
+    k_row, v_row = k[:, :, :1].expand(1, 2, 9, 8), v[:, :, :1].expand(1, 1, 9, 16)  # every key the same
+    out = differential_attention(q, k_row, v_row, torch.tensor(0.3), backend="cpp")
+    ref = diff_attention_reference(q, k_row.contiguous(), v_row.contiguous(), 0.3)
+    assert rel_err(out, ref) <= 1e-5
+    q1, k1, v1 = (torch.randn(2, 3, 5, 1), torch.randn(2, 3, 5, 1), torch.randn(2, 3, 5, 1))
+    out = multihead_attention(q1.transpose(2, 3).transpose(2, 3), k1, v1, backend="cpp")
+    assert rel_err(out, mha_reference(q1, k1, v1)) <= 1e-5

@@ -121,8 +121,11 @@ def _register_fakes() -> None:
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """The kernel reads any (batch, head, length) strides; only the last dim must be dense."""
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+    """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
+    so its rows must be dense and must not overlap (no broadcast length axis)."""
+    if t.stride(-1) == 1 and t.stride(-2) >= max(t.shape[-1], 1):
+        return t
+    return t.contiguous()
 
 
 def _sum_over_group(dk_h, dv_h, k):

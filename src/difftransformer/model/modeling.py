@@ -127,11 +127,14 @@ class DiffTransformerLM(nn.Module):
             raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = hi if hi >= self.config.vocab_size else lo
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
-                             f"was the input encoded with this model's tokenizer?")
+        # The range check reads the ids on the host, which would break a torch.compile graph;
+        # compiled, the embedding's own bounds check has to do.
+        if not torch.compiler.is_compiling():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = hi if hi >= self.config.vocab_size else lo
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
+                                 f"was the input encoded with this model's tokenizer?")
         total = past + input_ids.shape[1]
         if total > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {total} exceeds max_position_embeddings "

@@ -163,7 +163,10 @@ struct Shape {
   int64_t B, h, h_kv, n_rep, T, S, d;
 };
 
-inline bool rows_dense(const at::Tensor& x) { return x.size(-1) <= 1 || x.stride(-1) == 1; }
+// BLAS reads a (length, dim) slice as a matrix: its rows must be dense and must not overlap.
+inline bool rows_dense(const at::Tensor& x) {
+  return x.stride(-1) == 1 && x.stride(-2) >= std::max<int64_t>(x.size(-1), 1);
+}
 
 template <int C>
 Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -174,7 +177,7 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "flash_cpu: q, k, v must be float32 (the Python wrapper upcasts other dtypes)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "flash_cpu: q, k, v must be 4-D");
   TORCH_CHECK(rows_dense(q) && rows_dense(k) && rows_dense(v),
-              "flash_cpu: the last dim of q, k, v must be contiguous (stride 1)");
+              "flash_cpu: q, k, v rows must be dense: stride(-1) == 1 and stride(-2) >= size(-1)");
   Shape s{q.size(0), q.size(1) / C, k.size(1) / C, 0, q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(q.size(1) % C == 0 && k.size(1) % C == 0 && s.h_kv > 0 && s.h % s.h_kv == 0,
               "flash_cpu: head axes must hold whole heads and h must split evenly over h_kv");
@@ -287,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_impl(
   const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S;
   TORCH_CHECK(dout.scalar_type() == at::kFloat && dout.dim() == 4 && rows_dense(dout) && dout.size(0) == s.B &&
                   dout.size(1) == s.h && dout.size(2) == T && dout.size(3) == dv,
-              "flash_cpu: dout must be float32 (B, h, T, C d) with a contiguous last dim");
+              "flash_cpu: dout must be float32 (B, h, T, C d) with dense rows");
   TORCH_CHECK(lse.is_contiguous() && drow.is_contiguous() && lse.numel() == C * s.B * s.h * T &&
                   drow.numel() == lse.numel(),
               "flash_cpu: lse and row statistics must be contiguous (C, B, h, T)");
