@@ -133,12 +133,57 @@ def test_transposed_views_are_read_in_place():
 
 
 def test_broadcast_and_odd_strides_are_handled():
-    """Expanded (stride-0) length axes and a size-1 last dim must not reach BLAS as invalid matrices."""
+    """Expanded (stride-0) length axes, size-1 dims with odd strides (which `.contiguous()` keeps)
+    and empty inputs must not reach BLAS as invalid matrices."""
     q, k, v = random_inputs(1, 2, 1, 9, 9, 8, seed=6)
     k_row, v_row = k[:, :, :1].expand(1, 2, 9, 8), v[:, :, :1].expand(1, 1, 9, 16)  # every key the same
     out = differential_attention(q, k_row, v_row, torch.tensor(0.3), backend="cpp")
-    ref = diff_attention_reference(q, k_row.contiguous(), v_row.contiguous(), 0.3)
-    assert rel_err(out, ref) <= 1e-5
-    q1, k1, v1 = (torch.randn(2, 3, 5, 1), torch.randn(2, 3, 5, 1), torch.randn(2, 3, 5, 1))
-    out = multihead_attention(q1.transpose(2, 3).transpose(2, 3), k1, v1, backend="cpp")
-    assert rel_err(out, mha_reference(q1, k1, v1)) <= 1e-5
+    assert rel_err(out, diff_attention_reference(q, k_row.contiguous(), v_row.contiguous(), 0.3)) <= 1e-5
+    q1 = torch.randn(1, 2, 8, 1).transpose(-1, -2)  # T = 1 with stride(-2) = 1 < d: "contiguous" to PyTorch
+    assert q1.is_contiguous() and q1.stride(-2) < q1.shape[-1]
+    out = differential_attention(q1, k, v, torch.tensor(0.3), backend="cpp")
+    assert rel_err(out, diff_attention_reference(q1, k, v, 0.3)) <= 1e-5
+    d1 = [torch.randn(2, 3, 5, 2)[..., :1] for _ in range(3)]  # d = 1 with stride(-1) = 1, stride(-2) = 2
+    assert rel_err(multihead_attention(*d1, backend="cpp"), mha_reference(*d1)) <= 1e-5
+    q0, k0, v0 = random_inputs(1, 2, 1, 0, 5, 8, grad=True)  # T = 0: empty output, empty gradients
+    differential_attention(q0, k0, v0, 0.5, backend="cpp").sum().backward()
+    assert q0.grad.shape == q0.shape and k0.grad.abs().sum() == 0
+
+
+def test_value_dim_other_than_query_dim_uses_sdpa():
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    v = torch.randn(1, 2, 5, 8)
+    out = multihead_attention(q, k, v, backend="cpp")
+    assert rel_err(out, mha_reference(q, k, v)) <= 1e-5
+
+
+def test_non_finite_scores_give_nan_like_softmax():
+    """A NaN in q must surface as NaN (the trainer's divergence check relies on it), not as zeros."""
+    q, k, v = random_inputs(1, 2, 1, 70, 300, 16, seed=8)
+    q[0, 1, 40, 3] = float("nan")
+    out = differential_attention(q, k, v, torch.tensor(0.5), backend="cpp")
+    eager = differential_attention(q, k, v, torch.tensor(0.5), backend="eager")
+    assert torch.equal(out.isnan(), eager.isnan()) and out.isnan().any()
+    assert torch.isfinite(out[0, 1, :40]).all()
+
+
+def test_double_backward_is_refused():
+    q, k, v = random_inputs(1, 2, 1, 6, 6, 8, grad=True)
+    (dq,) = torch.autograd.grad(differential_attention(q, k, v, 0.5, backend="cpp").sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dq.sum().backward()
+
+
+def test_layers_build_the_kernel_when_made(monkeypatch):
+    """So that a first forward under torch.compile (which cannot build) still gets the kernel."""
+    from difftransformer import MultiheadAttention, MultiheadDiffAttention
+
+    builds = []
+    monkeypatch.setattr(flash_cpu, "_state", {})
+    monkeypatch.setattr(flash_cpu, "_build", lambda: builds.append(1))
+    monkeypatch.setattr(flash_cpu, "_register_fakes", lambda: None)
+    MultiheadDiffAttention(32, 0, 2, backend="sdpa")
+    MultiheadAttention(32, 0, 2, backend="cpp", device="meta")
+    assert builds == []
+    MultiheadDiffAttention(32, 0, 2, backend="cpp")
+    assert builds == [1] and flash_cpu._state["ok"] is True

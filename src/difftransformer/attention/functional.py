@@ -240,7 +240,7 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
-    if which == "cpp":
+    if which == "cpp" and v.shape[-1] == d:  # the C++ kernel's ordinary path has v's dim = q's dim
         from difftransformer.kernels.flash_cpu import flash_attention_cpu
 
         return flash_attention_cpu(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)

@@ -26,14 +26,25 @@ from difftransformer.attention.functional import (
     reparameterized_lambda,
 )
 from difftransformer.attention.rope import RotaryEmbedding
+from difftransformer.kernels import flash_cpu
 from difftransformer.norm import RMSNorm
+
+
+def _build_cpu_kernel_early(backend: str, device) -> None:
+    """Build the fused C++ kernel when the layer is made, not at its first forward: that forward
+    may be traced by torch.compile, where no build can happen and 'auto' would fall back to SDPA.
+    Skipped on machines with CUDA unless 'cpp' is asked for, and on non-CPU default devices."""
+    if (torch.device(device) if device is not None else torch.get_default_device()).type != "cpu":
+        return
+    if backend == "cpp" or (backend == "auto" and not torch.cuda.is_available()):
+        flash_cpu.is_available()
 
 
 class _SelfAttention(nn.Module):
     """Input checks, positions and KV-cache plumbing shared by every attention kind."""
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None,
-                 backend: str, max_seq_len: int | None):
+                 backend: str, max_seq_len: int | None, device=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
@@ -47,6 +58,7 @@ class _SelfAttention(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
         self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
+        _build_cpu_kernel_early(backend, device)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
@@ -107,7 +119,7 @@ class MultiheadDiffAttention(_SelfAttention):
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
                  norm_eps: float = 1e-5, backend: str = "auto", max_seq_len: int | None = None,
                  device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
         if embed_dim % (2 * num_heads):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
                              f"each of the {num_heads} DIFF heads splits into two components of equal dim")
@@ -173,7 +185,7 @@ class MultiheadAttention(_SelfAttention):
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, head_norm: bool = False, norm_eps: float = 1e-5,
                  backend: str = "auto", max_seq_len: int | None = None, device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
         if embed_dim % num_heads or (embed_dim // num_heads) % 2:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
                              f"into an even head_dim for RoPE")
@@ -208,7 +220,7 @@ class MultiheadDiffAttentionV2(_SelfAttention):
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  head_dim: int | None = None, rope_theta: float = 10000.0, backend: str = "auto",
                  max_seq_len: int | None = None, device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")

@@ -83,9 +83,13 @@ def build_error() -> str | None:
 
 
 def _require() -> None:
-    if not is_available():
-        raise RuntimeError(f"the fused CPU kernel could not be built ({build_error()}); use backend='sdpa', "
-                           "or install a C++ compiler and ninja (`make venv` does) and retry")
+    if is_available():
+        return
+    if "ok" not in _state:  # only possible while torch.compile traces
+        raise RuntimeError("the fused CPU kernel is not built yet and cannot be built while torch.compile "
+                           "traces; call difftransformer.kernels.flash_cpu.is_available() once before compiling")
+    raise RuntimeError(f"the fused CPU kernel could not be built ({build_error()}); use backend='sdpa', "
+                       "or install a C++ compiler and ninja (`make venv` does) and retry")
 
 
 def _out_like(q, heads: int, width: int):
@@ -122,10 +126,11 @@ def _register_fakes() -> None:
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
-    so its rows must be dense and must not overlap (no broadcast length axis)."""
-    if t.stride(-1) == 1 and t.stride(-2) >= max(t.shape[-1], 1):
+    so its rows must be dense, must not overlap (no broadcast length axis) and their stride must
+    fit in 32 bits. Otherwise copy. (`.contiguous()` would keep odd strides of size-1 dims.)"""
+    if t.numel() == 0 or (t.stride(-1) == 1 and max(t.shape[-1], 1) <= t.stride(-2) < 2**31):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _sum_over_group(dk_h, dv_h, k):
@@ -150,6 +155,7 @@ class DiffFlashAttentionCPU(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: say so instead of a wrong answer
     def backward(ctx, dout):
         q, k, v, lam, out, o2, lse, key_mask = ctx.saved_tensors
         dout = _dense_rows(dout)
@@ -172,6 +178,7 @@ class FlashAttentionCPU(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, key_mask = ctx.saved_tensors
         dout = _dense_rows(dout)

@@ -66,6 +66,7 @@ inline void mm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
   }
 }
 
+// Row maximum; NaN if the row holds a NaN (at::vec::maximum propagates it, std::max would not).
 inline float row_max(const float* x, int64_t n) {
   int64_t j = 0;
   float m = kNegInf;
@@ -74,7 +75,7 @@ inline float row_max(const float* x, int64_t n) {
     for (; j + Vec::size() <= n; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(x + j));
     m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
   }
-  for (; j < n; ++j) m = std::max(m, x[j]);
+  for (; j < n; ++j) m = std::isnan(x[j]) ? x[j] : std::max(m, x[j]);
   return m;
 }
 
@@ -96,10 +97,11 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   return s;
 }
 
-// x = exp(x - m) in place (no sum), m may be +inf (row sees nothing): then all zeros.
+// x = exp(x - m) in place (no sum). m = +inf (the row sees nothing) gives zeros; m = NaN (the
+// forward met a NaN or +inf score) gives NaN, which exp_u20 alone would clamp to a finite value.
 inline void exp_sub(float* x, int64_t n, float m) {
-  if (m == kInf) {
-    std::fill(x, x + n, 0.f);
+  if (m == kInf || std::isnan(m)) {
+    std::fill(x, x + n, m == kInf ? 0.f : m);
     return;
   }
   const Vec vm(m);
@@ -163,9 +165,11 @@ struct Shape {
   int64_t B, h, h_kv, n_rep, T, S, d;
 };
 
-// BLAS reads a (length, dim) slice as a matrix: its rows must be dense and must not overlap.
+// BLAS reads a (length, dim) slice as a matrix: its rows must be dense, must not overlap, and
+// their stride must fit the 32-bit BLAS interface.
 inline bool rows_dense(const at::Tensor& x) {
-  return x.stride(-1) == 1 && x.stride(-2) >= std::max<int64_t>(x.size(-1), 1);
+  return x.numel() == 0 || (x.stride(-1) == 1 && x.stride(-2) >= std::max<int64_t>(x.size(-1), 1) &&
+                            x.stride(-2) <= std::numeric_limits<int>::max());
 }
 
 template <int C>
@@ -177,7 +181,7 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "flash_cpu: q, k, v must be float32 (the Python wrapper upcasts other dtypes)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "flash_cpu: q, k, v must be 4-D");
   TORCH_CHECK(rows_dense(q) && rows_dense(k) && rows_dense(v),
-              "flash_cpu: q, k, v rows must be dense: stride(-1) == 1 and stride(-2) >= size(-1)");
+              "flash_cpu: q, k, v rows must be dense: stride(-1) == 1 and size(-1) <= stride(-2) < 2^31");
   Shape s{q.size(0), q.size(1) / C, k.size(1) / C, 0, q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(q.size(1) % C == 0 && k.size(1) % C == 0 && s.h_kv > 0 && s.h % s.h_kv == 0,
               "flash_cpu: head axes must hold whole heads and h must split evenly over h_kv");
@@ -244,7 +248,15 @@ void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           float* row = sbuf.data() + r * kBlockK;
           const int64_t nvis = causal_visible(causal, t0 + (r % bq), T, S, j0, bk);
           if (nvis < bk || keep != nullptr) mask_row(row, nvis, bk, keep, j0);
-          const float m_new = std::max(mrow[r], row_max(row, bk));
+          const float row_m = row_max(row, bk);
+          if (std::isnan(row_m) || row_m == kInf || std::isnan(mrow[r])) {
+            // A NaN or +inf score: poison the row (as softmax would) so the output is NaN, not
+            // silently finite, and the trainer's non-finite-loss check sees it.
+            mrow[r] = lrow[r] = std::numeric_limits<float>::quiet_NaN();
+            std::fill(row, row + bk, 0.f);
+            continue;
+          }
+          const float m_new = std::max(mrow[r], row_m);
           if (m_new == kNegInf) {  // nothing visible to this row so far
             std::fill(row, row + bk, 0.f);
             continue;
@@ -260,8 +272,8 @@ void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         float w[C];  // coef_c / l_c: each map's normaliser and its sign/weight in the output
         for (int c = 0; c < C; ++c) {
           const float l = lrow[c * bq + r];
-          w[c] = l > 0.f ? coef[c] / l : 0.f;
-          lsep[c * lse_map + (b * s.h + i) * T + t0 + r] = l > 0.f ? mrow[c * bq + r] + std::log(l) : kInf;
+          w[c] = l == 0.f ? 0.f : coef[c] / l;  // NaN stays NaN
+          lsep[c * lse_map + (b * s.h + i) * T + t0 + r] = l == 0.f ? kInf : mrow[c * bq + r] + std::log(l);
         }
         float* o = outp + so.at(b, i, t0 + r);
         const float* a0 = acc.data() + r * dv;
@@ -270,7 +282,7 @@ void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         } else {
           const float* a1 = acc.data() + (bq + r) * dv;
           const float l2 = lrow[bq + r];
-          scale_into(o2p + so.at(b, i, t0 + r), a1, l2 > 0.f ? 1.f / l2 : 0.f, dv);
+          scale_into(o2p + so.at(b, i, t0 + r), a1, l2 == 0.f ? 0.f : 1.f / l2, dv);
           axpby_into(o, a0, w[0], a1, w[1], dv);
         }
       }
