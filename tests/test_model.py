@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import CPP_KERNEL_DISABLED
 
 from difftransformer import ATTENTION_KINDS, DiffTransformerConfig, DiffTransformerLM, KVCache, get_preset
 from difftransformer.model import filter_logits, sample_next_token
@@ -123,7 +124,7 @@ def test_training_reduces_loss(kind):
 
 # ---------------------------------------------------------------- cached decoding
 @pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "cpp"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"] + ([] if CPP_KERNEL_DISABLED else ["cpp"]))
 def test_cached_decoding_equals_full_recompute(kind, backend):
     torch.manual_seed(1)
     model = DiffTransformerLM(tiny(kind, num_key_value_heads=1, attn_backend=backend)).eval()
