@@ -208,6 +208,17 @@ at::Tensor new_out(const Shape& s, int64_t width, const at::TensorOptions& opts)
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 256;
 
+// Scaled scores Q_c K_c^T of every map c of head i (kv group g) for queries [t0, t0 + bq) and keys
+// [j0, j0 + bk), as (bq, kBlockK)-strided tiles, map c at tiles + c * map_stride.
+template <int C>
+inline void score_tiles(const float* qp, const Strides& sq, const float* kp, const Strides& sk, int64_t b, int64_t i,
+                        int64_t g, int64_t t0, int64_t bq, int64_t j0, int64_t bk, int64_t d, float sc, float* tiles,
+                        int64_t map_stride) {
+  for (int c = 0; c < C; ++c)
+    mm(false, true, bq, bk, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, j0), sk.t, 0.f,
+       tiles + c * map_stride, kBlockK);
+}
+
 // Forward. coef = (1, -lam); o2 (C = 2 only) receives A2 V; lse is (C, B, h, T).
 template <int C>
 void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
@@ -241,9 +252,7 @@ void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t kend = key_end(causal, t0, bq, T, S);
       for (int64_t j0 = 0; j0 < kend; j0 += kBlockK) {
         const int64_t bk = std::min(kBlockK, kend - j0);
-        for (int c = 0; c < C; ++c)
-          mm(false, true, bq, bk, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, j0), sk.t,
-             0.f, sbuf.data() + c * bq * kBlockK, kBlockK);
+        score_tiles<C>(qp, sq, kp, sk, b, i, g, t0, bq, j0, bk, d, sc, sbuf.data(), bq * kBlockK);
         for (int64_t r = 0; r < C * bq; ++r) {
           float* row = sbuf.data() + r * kBlockK;
           const int64_t nvis = causal_visible(causal, t0 + (r % bq), T, S, j0, bk);
@@ -338,9 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_impl(
         const int64_t kend = key_end(causal, t0, bq, T, S);
         for (int64_t j0 = 0; j0 < kend; j0 += kBlockK) {
           const int64_t bk = std::min(kBlockK, kend - j0);
-          for (int c = 0; c < C; ++c)
-            mm(false, true, bq, bk, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, j0), sk.t,
-               0.f, p.data() + c * kBlockQ * kBlockK, kBlockK);
+          score_tiles<C>(qp, sq, kp, sk, b, i, g, t0, bq, j0, bk, d, sc, p.data(), kBlockQ * kBlockK);
           mm(false, true, bq, bk, dv, 1.f, dO, sdo.t, vv + j0 * sv.t, sv.t, 0.f, dp.data(), kBlockK);
           for (int64_t r = 0; r < bq; ++r) {
             const int64_t nvis = causal_visible(causal, t0 + r, T, S, j0, bk);
