@@ -101,12 +101,7 @@ def test_forward_and_gradients_match_reference(backend, n_rep, T, S, causal, pad
     ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
     ref = diff_attention_reference(*ref_in, causal=causal, key_padding_mask=mask)
     assert out.shape == (B, h, T, 2 * d) and out.dtype == torch.float32
-    assert rel_err(out, ref) <= 1e-5
-    grad_out = torch.randn_like(ref)
-    (out * grad_out.float()).sum().backward()
-    (ref * grad_out).sum().backward()
-    for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref_in[:3]):
-        assert rel_err(got, want.grad) <= 1e-5, name
+    grad_out = check_forward_and_grads(out, ref, (q, k, v), ref_in[:3])
     assert lambda_grad_error(lam.grad, ref_in[3].grad, grad_out, q, k, v, causal=causal,
                              key_padding_mask=mask) <= 1e-6
 
@@ -120,12 +115,7 @@ def test_long_padded_gqa_sequence_matches_reference(backend):
     out = differential_attention(q, k, v, lam, key_padding_mask=mask, backend=backend)
     ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
     ref = diff_attention_reference(*ref_in, key_padding_mask=mask)
-    assert rel_err(out, ref) <= 1e-5
-    g = torch.randn_like(ref)
-    (out * g.float()).sum().backward()
-    (ref * g).sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad), ref_in):
-        assert rel_err(got, want.grad) <= 1e-5
+    g = check_forward_and_grads(out, ref, (q, k, v), ref_in[:3])
     assert lambda_grad_error(lam.grad, ref_in[3].grad, g, q, k, v, key_padding_mask=mask) <= 1e-6
 
 
@@ -289,14 +279,8 @@ def test_layer_matches_reference_forward_and_grads(backend, E, h, h_kv, depth):
     sd = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
     xr = x.detach().double().requires_grad_(True)
     ref = diff_layer_reference(sd, xr, depth=depth, num_heads=h, num_kv_heads=h_kv, key_padding_mask=mask)
-    assert rel_err(y, ref) <= 1e-5
-    g = torch.randn_like(ref)
-    (y * g.float()).sum().backward()
-    (ref * g).sum().backward()
-    assert rel_err(x.grad, xr.grad) <= 1e-5
     params = dict(layer.named_parameters())
-    for name, p in sd.items():
-        assert rel_err(params[name].grad, p.grad) <= 1e-5, name
+    check_forward_and_grads(y, ref, [x, *(params[n] for n in sd)], [xr, *sd.values()], names=["x", *sd])
 
 
 def test_layer_constant_lambda_init_and_no_headnorm():

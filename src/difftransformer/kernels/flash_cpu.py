@@ -58,7 +58,8 @@ def _build() -> None:
 
 
 def is_available() -> bool:
-    """True once the extension is built and loaded (the first call builds it, ~10-60 s; cached on disk)."""
+    """True once the extension is built and loaded (the first call builds it: about 10 s on a 2-core
+    machine; then it is cached on disk)."""
     if "ok" in _state:
         return bool(_state["ok"])
     if torch.compiler.is_compiling():  # never build inside a trace; the first eager call does

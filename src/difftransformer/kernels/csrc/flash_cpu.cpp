@@ -219,12 +219,12 @@ inline void score_tiles(const float* qp, const Strides& sq, const float* kp, con
        tiles + c * map_stride, kBlockK);
 }
 
-// Forward. coef = (1, -lam); o2 (C = 2 only) receives A2 V; lse is (C, B, h, T).
+// Forward, on inputs already checked into `s`. coef = (1, -lam); o2 (C = 2 only) receives A2 V;
+// lse is (C, B, h, T).
 template <int C>
-void flash_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
-                    bool causal, float sc, const std::optional<at::Tensor>& key_mask, at::Tensor& out,
-                    at::Tensor* o2, at::Tensor& lse) {
-  const Shape s = check_inputs<C>(q, k, v, key_mask);
+void flash_fwd_impl(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const float (&coef)[C], bool causal, float sc, const std::optional<at::Tensor>& key_mask,
+                    at::Tensor& out, at::Tensor* o2, at::Tensor& lse) {
   const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S;
   const Strides sq(q), sk(k), sv(v), so(out);
   const float* qp = q.data_ptr<float>();
@@ -390,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_flash_fwd(const at::Tensor& 
   auto lse = at::full({2, s.B, s.h, s.T}, kInf, q.options());
   if (out.numel() == 0) return {out.zero_(), o2.zero_(), lse};
   const float coef[2] = {1.f, -lam.item<float>()};
-  flash_fwd_impl<2>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, &o2, lse);
+  flash_fwd_impl<2>(s, q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, &o2, lse);
   return {out, o2, lse};
 }
 
@@ -411,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd(const at::Tensor& q, const at::Tens
   auto lse = at::full({s.B, s.h, s.T}, kInf, q.options());
   if (out.numel() == 0) return {out.zero_(), lse};
   const float coef[1] = {1.f};
-  flash_fwd_impl<1>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, nullptr, lse);
+  flash_fwd_impl<1>(s, q, k, v, coef, causal, static_cast<float>(scale), key_mask, out, nullptr, lse);
   return {out, lse};
 }
 
