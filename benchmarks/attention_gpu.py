@@ -1,7 +1,8 @@
 """GPU benchmark: the fused differential kernel against SDPA layouts and the matched baseline.
 
 Layouts timed (DIFF: h heads, q/k components of dim d, V of dim 2d; baseline: 2h heads of dim d):
-  (a) fused     difftransformer.kernels.diff_flash.diff_flash_attention
+  (a) fused     difftransformer.kernels.diff_flash.diff_flash_attention (deterministic backward)
+  (a1) fused, one-pass backward: deterministic=False (dQ added with atomics, no dQ pass)
   (b) two-call  SDPA(Q1, K1, V) - lam * SDPA(Q2, K2, V), V of dim 2d
   (c) four-call V split in its two d-halves, each half through both softmaxes, outputs concatenated
   (d) baseline  one SDPA call over 2h heads of dim d (flash / cuDNN)
@@ -11,7 +12,8 @@ FLOPs (2 per multiply-add), causal counted as half of T * S:
   baseline fwd+bwd 3.5 F                                              (bwd: S, dP, dV, dK, dQ = 2.5 F)
   DIFF fwd         1.5 F   (S1, S2 of width d; A1 V, A2 V of width 2d)
   DIFF fwd+bwd     4.0 F   (bwd as the baseline's: dP2 = -lam dP1, dV = (A1 - lam A2)^T dO)
-All three DIFF layouts are credited with the same DIFF FLOPs, so their TFLOP/s is useful work per
+All DIFF layouts are credited with the same DIFF FLOPs (the deterministic backward of (a) actually
+recomputes the scores and dP for its dQ pass, 1.4x the one-pass backward's work), so their TFLOP/s is useful work per
 second (the four-call layout actually computes every score twice). Ratios are time / time of (d).
 
     python benchmarks/attention_gpu.py                       # T 1K..16K, d 64 and 128, bf16
@@ -110,7 +112,7 @@ def measure(fn, inputs, grad_out, warmup, repeats):
 
 
 def check_fused(diff_flash_attention, dtype):
-    """The fused kernel against the two-call layout run in fp32, forward and all gradients."""
+    """The fused kernel (both backwards) against the two-call layout run in fp32, forward and all gradients."""
     g = torch.Generator(device="cuda").manual_seed(0)
     B, h, h_kv, T, d = 2, 4, 2, 300, 64
     q = torch.randn(B, 2 * h, T, d, device="cuda", generator=g)
@@ -119,10 +121,10 @@ def check_fused(diff_flash_attention, dtype):
     do = torch.randn(B, h, T, 2 * d, device="cuda", generator=g)
     lam = torch.tensor(0.7, device="cuda")
     worst = 0.0
-    for causal in (True, False):
+    for causal, deterministic in ((True, True), (False, True), (True, False), (False, False)):
         ins = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [lam.clone().requires_grad_()]
         ref_ins = [x.detach().float().requires_grad_() for x in ins]
-        out = diff_flash_attention(*ins, causal=causal)
+        out = diff_flash_attention(*ins, causal=causal, deterministic=deterministic)
         ref = two_call(*ref_ins, causal)
         got = [out, *torch.autograd.grad(out, ins, do.to(dtype))]
         want = [ref, *torch.autograd.grad(ref, ref_ins, do)]
@@ -171,6 +173,8 @@ def main(argv=None):
             flops = 4 * B * (2 * h) * T * T * d * (0.5 if causal else 1.0)
             runs = {
                 "(a) fused": (lambda: diff_flash_attention(q, k, v, lam, causal=causal), 1.5, 4.0),
+                "(a1) fused, one-pass bwd": (
+                    lambda: diff_flash_attention(q, k, v, lam, causal=causal, deterministic=False), 1.5, 4.0),
                 "(b) two-call": (lambda: two_call(q, k, v, lam, causal), 1.5, 4.0),
                 "(c) four-call": (lambda: four_call(q, k, v, lam, causal), 1.5, 4.0),
             }
@@ -195,6 +199,19 @@ def main(argv=None):
         r_fb = f"{t_fb / base[1]:.2f}x" if base else "-"
         print(f"| {T} | {d} | {B} | {name} | {t_f:.3f} | {f_fwd / t_f / 1e9:.1f} | {r_f} | "
               f"{t_fb:.3f} | {f_all / t_fb / 1e9:.1f} | {r_fb} |")
+    print_tuning_choices()
+
+
+def print_tuning_choices():
+    """The config the autotuner picked per kernel and key: what to keep when the tile lists in
+    diff_flash.py are next revised (benchmarks/kernel_resources.py shows what each one costs)."""
+    from difftransformer.kernels import diff_flash as df
+
+    print("\nautotuner choices (key: HEAD_D, CAUSAL, IEEE, LEN_BUCKET, dtypes...):")
+    for name in ("_diff_fwd_kernel", "_diff_bwd_dkdv_kernel", "_diff_bwd_dq_kernel", "_diff_bwd_dkdvq_kernel"):
+        for key, config in getattr(getattr(df, name), "cache", {}).items():
+            tile = (config.kwargs.get("BLOCK_M"), config.kwargs.get("BLOCK_N"), config.num_warps, config.num_stages)
+            print(f"  {name} {key[:4]}: BLOCK_M, BLOCK_N, warps, stages = {tile}")
 
 
 if __name__ == "__main__":

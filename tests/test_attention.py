@@ -428,3 +428,18 @@ def test_layer_triton_backend_matches_reference():
     assert rel_err(layer.lambda_q1.grad, sd["lambda_q1"].grad) <= 1e-5
     with pytest.raises(ValueError, match="not key padding"):
         layer(x, attention_mask=torch.ones(1, 19, dtype=torch.bool))
+
+
+def test_auto_takes_triton_on_cuda_for_half_precision_only(monkeypatch):
+    from difftransformer import kernels
+    from difftransformer.attention.functional import resolve_backend
+
+    monkeypatch.setattr(kernels, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", cuda, dtype=torch.bfloat16) == "triton"
+    assert resolve_backend("auto", cuda, dtype=torch.float16) == "triton"
+    assert resolve_backend("auto", cuda, dtype=torch.float32) == "sdpa"  # no tensor-core fp32 path
+    assert resolve_backend("auto", cuda, dtype=torch.bfloat16, has_padding=True) == "sdpa"
+    assert resolve_backend("triton", cuda, dtype=torch.float32) == "triton"  # asked for: runs exact fp32
+    monkeypatch.setattr(kernels, "is_available", lambda: False)
+    assert resolve_backend("auto", cuda, dtype=torch.bfloat16) == "sdpa"

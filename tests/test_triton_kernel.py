@@ -50,10 +50,11 @@ def rel_err(got, want):
     return ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
-def run_and_compare(B, h, h_kv, T, S, d, causal, lam, dtype=torch.float32, seed=0, strided=False, scale=None):
+def run_and_compare(B, h, h_kv, T, S, d, causal, lam, dtype=torch.float32, seed=0, strided=False, scale=None,
+                    deterministic=True):
     q, k, v, do = make_inputs(B, h, h_kv, T, S, d, dtype, seed, strided)
     lam_t = torch.tensor(lam, dtype=torch.float32, device=DEVICE, requires_grad=True)
-    out = diff_flash_attention(q, k, v, lam_t, causal=causal, scale=scale)
+    out = diff_flash_attention(q, k, v, lam_t, causal=causal, scale=scale, deterministic=deterministic)
     assert out.shape == (B, h, T, 2 * d) and out.dtype == dtype
     out.backward(do)
 
@@ -101,6 +102,20 @@ def test_fp32_matches_reference(case):
     run_and_compare(*case, seed=sum(case[:6]))
 
 
+# The one-pass backward (dQ added with atomics in the key-block pass) on the cases that stress it:
+# several key blocks and both mask phases adding into each dQ row, GQA n_rep 2/4, T = 1, T > S
+# (rows that see no key), ragged lengths, d = 96 padded to 128, causal and not.
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 3, 4, 6, 7, 9, 10)],
+                         ids=lambda c: "B{}h{}kv{}T{}S{}d{}{}lam{}".format(*c[:6], "causal" if c[6] else "full", c[7]))
+def test_one_pass_backward_matches_reference(case):
+    run_and_compare(*case, seed=sum(case[:6]) + 1, deterministic=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_pass_backward_half_precision(dtype):
+    run_and_compare(1, 4, 2, 45, 45, 64, True, 0.8, dtype=dtype, seed=11, deterministic=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", [(1, 2, 1, 35, 35, 64, True, 0.8), (2, 2, 2, 19, 41, 32, False, -0.4),
                                   (1, 2, 2, 40, 24, 96, True, 1.5)])
@@ -144,13 +159,34 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+def test_deterministic_algorithms_mode_forces_the_two_pass_backward():
+    """Under torch.use_deterministic_algorithms(True), deterministic=False gives the two-pass
+    backward's gradients bit for bit."""
+    q, k, v, do = make_inputs(1, 4, 2, 37, 45, 32, torch.float32, seed=12)
+    lam = torch.tensor(0.6, device=DEVICE, requires_grad=True)
+
+    def grads(deterministic):
+        return torch.autograd.grad(diff_flash_attention(q, k, v, lam, deterministic=deterministic), (q, k, v, lam), do)
+
+    two_pass = grads(True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        forced = grads(False)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, b in zip(two_pass, forced):
+        assert torch.equal(a, b)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), n_rep=st.sampled_from([1, 2, 4]),
        T=st.integers(1, 70), S=st.integers(1, 70), d=st.sampled_from([32, 64, 96]),
-       causal=st.booleans(), lam=st.floats(-1.5, 2.0), seed=st.integers(0, 2**31 - 1))
-def test_random_shapes_match_reference(B, h_kv, n_rep, T, S, d, causal, lam, seed):
+       causal=st.booleans(), lam=st.floats(-1.5, 2.0), seed=st.integers(0, 2**31 - 1),
+       deterministic=st.booleans())
+def test_random_shapes_match_reference(B, h_kv, n_rep, T, S, d, causal, lam, seed, deterministic):
     h_kv = min(h_kv, 4 // n_rep)  # at most 4 heads under the interpreter
-    run_and_compare(B, h_kv * n_rep, h_kv, T, S, d, causal, lam, seed=seed)
+    run_and_compare(B, h_kv * n_rep, h_kv, T, S, d, causal, lam, seed=seed, deterministic=deterministic)
 
 
 def test_torch_compile_fullgraph():
@@ -183,7 +219,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(ops.diff_flash_fwd.default, (q, k, v, lam, True, 0.2))
     out, o2, lse1, lse2 = ops.diff_flash_fwd(q, k, v, lam, True, 0.2)
     do = torch.randn_like(out)
-    torch.library.opcheck(ops.diff_flash_bwd.default, (do, q, k, v, lam, out, o2, lse1, lse2, True, 0.2))
+    for deterministic in (True, False):
+        torch.library.opcheck(ops.diff_flash_bwd.default, (do, q, k, v, lam, out, o2, lse1, lse2, True, 0.2,
+                                                           deterministic))
 
 
 def test_rejects_bad_shapes():
@@ -199,13 +237,14 @@ def test_rejects_bad_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_long_sequence_bf16(d):
+def test_gpu_long_sequence_bf16(d, deterministic):
     """At training-like lengths (several tuned blocks) bf16 agrees with an fp32 explicit map."""
     B, h, h_kv, T = 1, 4, 2, 1000
     q, k, v, do = make_inputs(B, h, h_kv, T, T, d, torch.bfloat16, seed=10)
     lam = torch.tensor(0.7, device=DEVICE, requires_grad=True)
-    out = diff_flash_attention(q, k, v, lam, causal=True)
+    out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=deterministic)
     grads = torch.autograd.grad(out, (q, k, v, lam), do)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     lf = lam.detach().clone().requires_grad_()

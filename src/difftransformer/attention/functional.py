@@ -77,8 +77,12 @@ def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
 
 
 def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False,
-                    has_padding: bool = False) -> str:
-    """Pick a concrete backend; 'auto' prefers a fused kernel (Triton on CUDA, C++ on CPU), else SDPA."""
+                    has_padding: bool = False, dtype: torch.dtype | None = None) -> str:
+    """Pick a concrete backend; 'auto' prefers a fused kernel (Triton on CUDA, C++ on CPU), else SDPA.
+
+    On CUDA, 'auto' takes Triton for half-precision inputs only: exact fp32 products have no
+    tensor-core path there, and SDPA's fp32 kernels are the better choice. backend='triton' still
+    runs fp32 (exactly, with small tiles)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     if need_maps:
@@ -86,7 +90,7 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
             raise ValueError(f"attention maps can only be returned by the 'eager' backend, not {backend!r}")
         return "eager"
     if backend == "auto":
-        if device.type == "cuda" and not has_padding:
+        if device.type == "cuda" and not has_padding and dtype in (None, torch.float16, torch.bfloat16):
             from difftransformer import kernels
 
             if kernels.is_available():
@@ -138,7 +142,8 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
     lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
-    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None)
+    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
+                            dtype=q.dtype)
     if which == "eager":
         out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale)
         return (out, maps) if return_maps else out
@@ -232,7 +237,8 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     H_kv, S = k.shape[1], k.shape[2]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
-    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None)
+    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
+                            dtype=q.dtype)
     if which == "eager":
         n_rep = H // H_kv
         f = torch.float32

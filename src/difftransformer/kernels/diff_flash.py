@@ -26,6 +26,8 @@ splits the backward into a key-block pass (dK1, dK2, dV) and a query-block pass 
 recomputes S1, S2 and dP, costing 14d per pair in all. That is 1.4x the one-pass minimum, and
 exactly 1.0x a baseline flash backward split the same deterministic way (2 x 7d); one-pass
 backwards (FlashAttention-2/3) reach 10d only by adding dQ with atomics, in a nondeterministic order.
+deterministic=False does the same here: the key-block pass also adds dS_c K_c into fp32 dQ sums
+and the query-block pass is skipped, so the backward is 10d, exactly the baseline's 2 x 5d.
 
 Memory: besides `out`, the forward saves O2n = A2 V (same size as `out`, input dtype) and two
 fp32 log-sum-exps per query. The backward needs the row dots D1 = rowsum(dO * A1 V) and
@@ -45,20 +47,63 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(gpu_configs):
-    """Autotune configs: the GPU list, or one small config for the interpreter (fast, multi-block)."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_configs]
-
-
-# (BLOCK_M queries, BLOCK_N keys, warps, stages). The forward holds two (BLOCK_M, 2d) fp32
-# accumulators, so large d favours BLOCK_M = 64; autotuning picks per d and length bucket.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 2),
-                         (32, 64, 4, 2)])
-_BWD_KV_CONFIGS = _configs([(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 32, 4, 2)])
-_BWD_Q_CONFIGS = _configs([(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)])
+# Tiles (BLOCK_M queries, BLOCK_N keys, warps, stages) per class: bf16/fp16 with d <= 64 and with
+# d <= 128, and exact fp32. Chosen from what ptxas reports for sm_90 (benchmarks/kernel_resources.py;
+# table in docs/benchmarks.md): no serialised wgmma, at most a few hundred bytes spilled, shared
+# memory well under the 227 KiB an H100 block can have. A DIFF head carries two maps and a 2d-wide
+# V, so its fp32 accumulators are twice a baseline head's: above d = 64 only 64-row tiles with 8
+# warps fit (every 128-row tile spills kilobytes there), and the key-block kernel trades wgmma with
+# small spills (BLOCK_N 64) against clean mma.sync (BLOCK_N 32); the autotuner settles it on the GPU.
+# Exact fp32 products run on CUDA cores, where tiles larger than these spill tens of kilobytes.
+FWD_TILES = {64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+             128: [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
+             "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 1)]}
+BWD_KV_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)],
+                128: [(16, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+                "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
+BWD_Q_TILES = {64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
+               128: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 16, 8, 2), (128, 16, 8, 2), (64, 64, 8, 2)],
+               "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 2), (16, 16, 8, 1)]}
+# The one-pass key-block kernel (deterministic=False) also holds a dQ tile per step, which makes
+# 64-query steps use wgmma at d = 128 with only ~16 bytes spilled.
+BWD_KVQ_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (16, 128, 8, 2), (64, 32, 8, 2)],
+                 128: [(64, 32, 8, 2), (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 2), (32, 32, 8, 2)],
+                 "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
 _TUNE_KEY = ["HEAD_D", "CAUSAL", "IEEE", "LEN_BUCKET"]
+
+
+def tiles_for(tiles_by_class, d, ieee=False):
+    """The tiles of a launch's class: exact fp32, else by head dim (the largest class for d > 128)."""
+    return tiles_by_class["ieee" if ieee else 64 if d <= 64 else 128]
+
+
+def _tile(config):
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+def _autotune(tiles_by_class, reset_to_zero=None):
+    """Autotune over the tiles of the launch's class; one small tile in the interpreter
+    (fast, and still several blocks per dimension at the test shapes)."""
+    if _INTERPRET:
+        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)],
+                               key=_TUNE_KEY, reset_to_zero=reset_to_zero)
+    every = sorted({t for tiles in tiles_by_class.values() for t in tiles}, reverse=True)
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
+    return triton.autotune(configs, key=_TUNE_KEY, reset_to_zero=reset_to_zero,
+                           prune_configs_by={"early_config_prune": _class_pruner(tiles_by_class)})
+
+
+def _class_pruner(tiles_by_class):
+    """Autotuner hook: keep the configs of the launch's class (HEAD_D and IEEE are launch keywords)."""
+
+    def keep_class(configs, named_args, **kwargs):
+        meta = {**named_args, **kwargs}
+        allowed = set(tiles_for(tiles_by_class, meta["HEAD_D"], meta["IEEE"]))
+        return [c for c in configs if _tile(c) in allowed]
+
+    return keep_class
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -129,7 +174,7 @@ def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
     return acc1, acc2, m1, m2, l1, l2
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)
+@_autotune(FWD_TILES)
 @triton.jit
 def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
                      sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
@@ -245,10 +290,10 @@ def _load_row_stats(LSE1, LSE2, D1, R2, offs_m, T):
 
 
 @triton.jit
-def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2,
-                    sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv, lo, hi, T, S, qk_scale,
+def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2, DQ1, DQ2,
+                    sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv, lo, hi, T, S, qk_scale, scale,
                     HEAD_D: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Accumulate dK1, dK2, dV of one key block over query blocks [lo, hi) of one head.
 
     Tiles are transposed (keys x queries) so that each gradient is a plain dot:
@@ -256,6 +301,8 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
       dP1  = dO V^T, dP2 = -lam dP1        (one product serves both maps)
       dS1  = A1 * (dP1 - D1),  dS2 = A2 * (dP2 - D2) = -lam A2 * (dP1 - R2)   (D2 = -lam R2)
       dK_c += dS_c^T Q_c                   (times scale, applied once at the end)
+    With ATOMIC_DQ, dQ_c += dS_c K_c is added here too, into fp32 rows shared by every key block
+    (the one-pass backward: no dQ kernel, no recomputation, but an unordered sum).
     """
     d_ok = offs_d < HEAD_D
     dv_ok = offs_dv < 2 * HEAD_D
@@ -281,20 +328,28 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
         ds2t = -lam * p2t * (dpt - r2[None, :])
         dk1 += _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET)
         dk2 += _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET)
+        if ATOMIC_DQ:
+            dq_ptrs = offs_m[:, None] * sdq_t + offs_d[None, :]
+            dq_mask = m_ok[:, None] & d_ok[None, :]
+            # Key rows past S were loaded as zeros, so they add nothing here.
+            dq1 = _dot(tl.trans(ds1t.to(k1.dtype)), k1, IEEE, INTERPRET) * scale
+            dq2 = _dot(tl.trans(ds2t.to(k2.dtype)), k2, IEEE, INTERPRET) * scale
+            tl.atomic_add(DQ1 + dq_ptrs, dq1, mask=dq_mask, sem="relaxed")
+            tl.atomic_add(DQ2 + dq_ptrs, dq2, mask=dq_mask, sem="relaxed")
     return dk1, dk2, dv
 
 
-@triton.autotune(configs=_BWD_KV_CONFIGS, key=_TUNE_KEY)
 @triton.jit
-def _diff_bwd_dkdv_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV,
-                          sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-                          sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
-                          H_KV, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
-                          HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                        sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                        sdq_b, sdq_h, sdq_t, H_KV, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
+                        HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key block, batch * kv group): dK1, dK2, dV, summed over the group's
-    n_rep heads inside the program, in a fixed order (deterministic, no atomics)."""
+    n_rep heads inside the program, in a fixed order (deterministic, no atomics). With ATOMIC_DQ
+    it also adds each tile's dQ into the fp32 buffer DQ (B, 2h, T, d), unit stride in d."""
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // H_KV).to(tl.int64)
@@ -335,14 +390,15 @@ def _diff_bwd_dkdv_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV,
         bh = b * H + i
         Q1 = Q + b * sq_b + (2 * i) * sq_h
         DOi = DO + b * sdo_b + i * sdo_h
+        DQ1 = DQ + b * sdq_b + (2 * i) * sdq_h
         dk1, dk2, dv = _bwd_query_loop(
             dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
-            D1 + bh * T, R2 + bh * T, sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv,
-            lo, full_start, T, S, qk_scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET)
+            D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv,
+            lo, full_start, T, S, qk_scale, scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
         dk1, dk2, dv = _bwd_query_loop(
             dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
-            D1 + bh * T, R2 + bh * T, sq_t, sq_d, sdo_t, sdo_d, offs_n, offs_d, offs_dv,
-            full_start, T, T, S, qk_scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET)
+            D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv,
+            full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
 
     DK1 = DK + b * sdk_b + (2 * g) * sdk_h
     dk_ptrs = offs_n[:, None] * sdk_s + offs_d[None, :] * sdk_d
@@ -350,6 +406,11 @@ def _diff_bwd_dkdv_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV,
     tl.store(DK1 + sdk_h + dk_ptrs, (dk2 * scale).to(DK.dtype.element_ty), mask=k_mask)
     tl.store(DV + b * sdv_b + g * sdv_h + offs_n[:, None] * sdv_s + offs_dv[None, :] * sdv_d,
              dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+_diff_bwd_dkdv_kernel = _autotune(BWD_KV_TILES)(_diff_bwd_dkdv_body)
+# The one-pass backward: the autotuner must zero the shared dQ sums before each trial launch.
+_diff_bwd_dkdvq_kernel = _autotune(BWD_KVQ_TILES, reset_to_zero=["DQ"])(_diff_bwd_dkdv_body)
 
 
 @triton.jit
@@ -384,7 +445,7 @@ def _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K2, V,
     return dq1, dq2
 
 
-@triton.autotune(configs=_BWD_Q_CONFIGS, key=_TUNE_KEY)
+@_autotune(BWD_Q_TILES)
 @triton.jit
 def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
                         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
@@ -455,6 +516,39 @@ def _meta(q, d, T, S, causal):
                 INTERPRET=_INTERPRET, LEN_BUCKET=min(triton.next_power_of_2(max(T, S, 1)), 16384))
 
 
+# The launches of the three tuned kernels: (kernel, grid, positional args, keyword args). The ops
+# below run them; benchmarks/kernel_resources.py compiles exactly these for a GPU it does not have.
+
+
+def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale):
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    args = (q, k, v, lam, out, o2, lse1, lse2, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            h, h // h_kv, T, S, scale * _LOG2E)
+    return _diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h), args, _meta(q, d, T, S, causal)
+
+
+def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale, dq_sum=None):
+    """dq_sum: an fp32 (B, 2h, T, d) zeroed buffer to receive dQ in the same pass, or None."""
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    atomic = dq_sum is not None
+    if atomic and (dq_sum.dtype != torch.float32 or dq_sum.shape != q.shape or dq_sum.stride(3) != 1):
+        raise ValueError("dq_sum must be fp32, shaped like q, with unit stride in d")
+    dq_sum = dq_sum if atomic else dk  # never touched without ATOMIC_DQ
+    args = (q, k, v, lam, do, lse1, lse2, d1, r2, dk, dv, dq_sum, *q.stride(), *k.stride(), *v.stride(),
+            *do.stride(), *dk.stride(), *dv.stride(), *dq_sum.stride()[:3], h_kv, h // h_kv, T, S,
+            scale * _LOG2E, scale)
+    kernel = _diff_bwd_dkdvq_kernel if atomic else _diff_bwd_dkdv_kernel
+    return (kernel, lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * h_kv), args,
+            dict(_meta(q, d, T, S, causal), ATOMIC_DQ=atomic))
+
+
+def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
+    B, h, h_kv, T, S, d = _shapes(q, k, v)
+    args = (q, k, v, lam, do, lse1, lse2, d1, r2, dq, *q.stride(), *k.stride(), *v.stride(),
+            *do.stride(), *dq.stride(), h, h // h_kv, T, S, scale * _LOG2E, scale)
+    return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h), args, _meta(q, d, T, S, causal)
+
+
 def _new_out(q, B, h, T, d):
     """(B, h, T, 2d) stored as (B, T, h, 2d): the caller's transpose(1, 2).reshape(B, T, h*2d)
     before the output projection is then free."""
@@ -483,11 +577,9 @@ def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torc
     lse2 = torch.empty_like(lse1)
     if out.numel() == 0:
         return out, o2, lse1, lse2
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * h)  # noqa: E731
+    kernel, grid, args, meta = fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale)
     with _device_guard(q):
-        _diff_fwd_kernel[grid](q, k, v, lam, out, o2, lse1, lse2,
-                               *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                               h, h // h_kv, T, S, scale * _LOG2E, **_meta(q, d, T, S, causal))
+        kernel[grid](*args, **meta)
     return out, o2, lse1, lse2
 
 
@@ -501,37 +593,36 @@ def _(q, k, v, lam, causal, scale):
 @torch.library.custom_op("difftransformer::diff_flash_bwd", mutates_args=())
 def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
                     out: torch.Tensor, o2: torch.Tensor, lse1: torch.Tensor, lse2: torch.Tensor,
-                    causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    causal: bool, scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor]:
     """Returns dq, dk, dv, dlam."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_sum = None if deterministic else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
     r2 = torch.zeros_like(d1)
-    meta = _meta(q, d, T, S, causal)
     with _device_guard(q):
         if d1.numel():
             pre_m = 16 if _INTERPRET else 64
             _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), B * h)](
                 out, o2, do, lam, d1, r2, *out.stride(), *do.stride(), h, T,
-                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"])
+                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, triton.next_power_of_2(2 * d)))
         if dk.numel():
-            grid_kv = lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * h_kv)  # noqa: E731
-            _diff_bwd_dkdv_kernel[grid_kv](q, k, v, lam, do, lse1, lse2, d1, r2, dk, dv,
-                                           *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                                           *dk.stride(), *dv.stride(),
-                                           h_kv, h // h_kv, T, S, scale * _LOG2E, scale, **meta)
-        if dq.numel():
-            grid_q = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h)  # noqa: E731
-            _diff_bwd_dq_kernel[grid_q](q, k, v, lam, do, lse1, lse2, d1, r2, dq,
-                                        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                                        h, h // h_kv, T, S, scale * _LOG2E, scale, **meta)
+            kernel, grid, args, meta = bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
+                                                       dq_sum)
+            kernel[grid](*args, **meta)
+        if dq_sum is not None:
+            dq.copy_(dq_sum)
+        elif dq.numel():
+            kernel, grid, args, meta = bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale)
+            kernel[grid](*args, **meta)
     # d out / d lam = -O2n, so dlam = -sum(dO * O2n): a fixed-order torch reduction of the row dots.
     dlam = -r2.sum()
     return dq, dk, dv, dlam
 
 
 @_diff_flash_bwd.register_fake
-def _(do, q, k, v, lam, out, o2, lse1, lse2, causal, scale):
+def _(do, q, k, v, lam, out, o2, lse1, lse2, causal, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lam.new_empty(())
 
 
@@ -539,25 +630,33 @@ class DiffFlashAttention(torch.autograd.Function):
     """Autograd glue: the forward saves out, O2n and the LSEs; the backward returns dq, dk, dv, dlam."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, causal: bool, scale: float):
+    def forward(ctx, q, k, v, lam, causal: bool, scale: float, deterministic: bool):
         out, o2, lse1, lse2 = torch.ops.difftransformer.diff_flash_fwd(q, k, v, lam, causal, scale)
         ctx.save_for_backward(q, k, v, lam, out, o2, lse1, lse2)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lam, out, o2, lse1, lse2 = ctx.saved_tensors
+        deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv, dlam = torch.ops.difftransformer.diff_flash_bwd(
-            dout, q, k, v, lam, out, o2, lse1, lse2, ctx.causal, ctx.scale)
-        return dq, dk, dv, dlam, None, None
+            dout, q, k, v, lam, out, o2, lse1, lse2, ctx.causal, ctx.scale, deterministic)
+        return dq, dk, dv, dlam, None, None, None
 
 
-def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | None = None):
+def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | None = None,
+                         deterministic: bool = True):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every DIFF head, fused.
 
     q (B, 2h, T, d), k (B, 2h_kv, S, d), v (B, h_kv, S, 2d), lam a 0-d fp32 tensor (it gets a
     gradient). Views with any strides are read in place. Returns (B, h, T, 2d) in q's dtype.
+
+    deterministic=True (default) computes dQ in its own pass, bit-identical from run to run.
+    deterministic=False adds dQ with fp32 atomics inside the dK/dV pass instead: the one-pass
+    backward with the baseline's attention FLOPs (10d vs 14d per query-key pair, see the module
+    docstring), whose dQ rounding depends on the order the GPU runs the key blocks in.
+    torch.use_deterministic_algorithms(True) forces the deterministic pass.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D: (B, 2h, T, d), (B, 2h_kv, S, d), (B, h_kv, S, 2d)")
@@ -577,4 +676,4 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
     if lam.dim() != 0:
         raise ValueError(f"lam must be a scalar, got shape {tuple(lam.shape)}")
     scale = float(d ** -0.5 if scale is None else scale)
-    return DiffFlashAttention.apply(q, k, v, lam, bool(causal), scale)
+    return DiffFlashAttention.apply(q, k, v, lam, bool(causal), scale, bool(deterministic))
