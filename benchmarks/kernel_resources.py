@@ -49,6 +49,7 @@ def parse_args(argv=None):
 def launch(kernel_name, d, dtype, causal, h=8, h_kv=8, B=2, T=4096):
     """The kernel, its launch arguments and constexprs, from the real launch helpers."""
     from difftransformer.kernels import diff_flash as df
+    from difftransformer.kernels import token_major_empty
 
     meta_dev = dict(device="meta")
     # The layer's layouts: q/k are transposed views of (B, T, 2h, d) projections, v of (B, S, h_kv, 2d).
@@ -56,7 +57,7 @@ def launch(kernel_name, d, dtype, causal, h=8, h_kv=8, B=2, T=4096):
     k = torch.empty(B, T, 2 * h_kv, d, dtype=dtype, **meta_dev).transpose(1, 2)
     v = torch.empty(B, T, h_kv, 2 * d, dtype=dtype, **meta_dev).transpose(1, 2)
     lam = torch.empty((), dtype=torch.float32, **meta_dev)
-    out = df._new_out(q, B, h, T, d)
+    out = token_major_empty(q, h, 2 * d)
     rows = torch.empty(B, h, T, dtype=torch.float32, **meta_dev)
     scale = d ** -0.5
     if kernel_name == "fwd":
@@ -134,12 +135,13 @@ def jobs_for(args):
     from difftransformer.kernels import diff_flash as df
 
     tiles = dict(fwd=df.FWD_TILES, bwd_dkdv=df.BWD_KV_TILES, bwd_dq=df.BWD_Q_TILES, bwd_dkdvq=df.BWD_KVQ_TILES)
-    chosen = lambda name, d: df.tiles_for(tiles[name], d, ieee=args.dtype == "fp32")  # noqa: E731
-    if args.tiles:
-        explore = [tuple(map(int, t.split(","))) for t in args.tiles.split(";")]
-        chosen = lambda name, d: explore  # noqa: E731
-    return [(name, d, args.dtype, not args.non_causal, args.arch, tile)
-            for name in args.kernels.split(",") for d in map(int, args.head_dims.split(",")) for tile in chosen(name, d)]
+    explore = [tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles else None
+    jobs = []
+    for name in args.kernels.split(","):
+        for d in map(int, args.head_dims.split(",")):
+            for tile in explore or df.tiles_for(tiles[name], d, ieee=args.dtype == "fp32"):
+                jobs.append((name, d, args.dtype, not args.non_causal, args.arch, tile))
+    return jobs
 
 
 def compile_all(jobs, workers):

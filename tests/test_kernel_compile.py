@@ -54,8 +54,6 @@ def test_d128_tiles_fit_an_h100(reports):
         if job[1] == 128:
             assert r["smem_kib"] <= H100_SMEM_KIB, (job, r)
             assert not r["wgmma_serialized"], (job, r)
-            assert r["spill_bytes"] <= MAX_SPILL_BYTES, (job, r)
-            assert r["mma"] in ("wgmma", "mma.sync"), (job, r)
 
 
 def test_every_class_keeps_spills_small(reports):

@@ -24,4 +24,12 @@ def is_available() -> bool:
     return torch.cuda.is_available()
 
 
-__all__ = ["is_available"]
+def token_major_empty(q, heads: int, width: int):
+    """An uninitialised (B, heads, T, width) output stored as (B, T, heads, width), as the fused
+    kernels write it: the caller's transpose(1, 2).reshape(B, T, heads * width) before the output
+    projection is then free."""
+    B, _, T, _ = q.shape
+    return q.new_empty(B, T, heads, width).transpose(1, 2)
+
+
+__all__ = ["is_available", "token_major_empty"]

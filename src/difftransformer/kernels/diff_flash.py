@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from difftransformer.kernels import token_major_empty
+
 # Under TRITON_INTERPRET=1 kernels run on CPU with numpy, which has no bfloat16 matmul. There the
 # dot operands are upcast to fp32 after the same down-casts the GPU path makes.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -549,12 +551,6 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
     return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h), args, _meta(q, d, T, S, causal)
 
 
-def _new_out(q, B, h, T, d):
-    """(B, h, T, 2d) stored as (B, T, h, 2d): the caller's transpose(1, 2).reshape(B, T, h*2d)
-    before the output projection is then free."""
-    return q.new_empty(B, T, h, 2 * d).transpose(1, 2)
-
-
 def _device_guard(t):
     return torch.cuda.device(t.device) if t.is_cuda else _NullContext()
 
@@ -572,7 +568,7 @@ def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torc
                     causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T))."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
-    out, o2 = _new_out(q, B, h, T, d), _new_out(q, B, h, T, d)
+    out, o2 = token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d)
     lse1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(lse1)
     if out.numel() == 0:
@@ -587,7 +583,7 @@ def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torc
 def _(q, k, v, lam, causal, scale):
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     lse = q.new_empty(B, h, T, dtype=torch.float32)
-    return _new_out(q, B, h, T, d), _new_out(q, B, h, T, d), lse, torch.empty_like(lse)
+    return token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d), lse, torch.empty_like(lse)
 
 
 @torch.library.custom_op("difftransformer::diff_flash_bwd", mutates_args=())

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.kernels import token_major_empty
+
 _SOURCE = Path(__file__).parent / "csrc" / "flash_cpu.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -93,36 +95,31 @@ def _require() -> None:
                        "or install a C++ compiler and ninja (`make venv` does) and retry")
 
 
-def _out_like(q, heads: int, width: int):
-    """(B, heads, T, width) stored as (B, T, heads, width), as the kernel writes it."""
-    B, _, T, _ = q.shape
-    return q.new_empty(B, T, heads, width).transpose(1, 2)
-
-
 def _register_fakes() -> None:
     """Shape-only versions so torch.compile can trace through the ops."""
 
     @torch.library.register_fake("difftransformer_cpu::diff_flash_fwd")
     def _(q, k, v, lam, causal, scale, key_mask):
         B, two_h, T, d = q.shape
-        return _out_like(q, two_h // 2, 2 * d), _out_like(q, two_h // 2, 2 * d), q.new_empty(2, B, two_h // 2, T)
+        h = two_h // 2
+        return token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d), q.new_empty(2, B, h, T)
 
     @torch.library.register_fake("difftransformer_cpu::diff_flash_bwd")
     def _(dout, q, k, v, lam, lse, drow, causal, scale, key_mask):
         B, two_h, T, d = q.shape
         h, S = two_h // 2, k.shape[2]
-        return _out_like(q, two_h, d), q.new_empty(B, h, 2, S, d), q.new_empty(B, h, S, 2 * d)
+        return token_major_empty(q, two_h, d), q.new_empty(B, h, 2, S, d), q.new_empty(B, h, S, 2 * d)
 
     @torch.library.register_fake("difftransformer_cpu::flash_fwd")
     def _(q, k, v, causal, scale, key_mask):
         B, H, T, d = q.shape
-        return _out_like(q, H, d), q.new_empty(B, H, T)
+        return token_major_empty(q, H, d), q.new_empty(B, H, T)
 
     @torch.library.register_fake("difftransformer_cpu::flash_bwd")
     def _(dout, q, k, v, lse, drow, causal, scale, key_mask):
         B, H, T, d = q.shape
         S = k.shape[2]
-        return _out_like(q, H, d), q.new_empty(B, H, 1, S, d), q.new_empty(B, H, S, d)
+        return token_major_empty(q, H, d), q.new_empty(B, H, 1, S, d), q.new_empty(B, H, S, d)
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:

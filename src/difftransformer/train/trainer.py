@@ -32,11 +32,11 @@ from difftransformer.train.checkpoint import (
     CheckpointError,
     find_latest,
     list_checkpoints,
-    step_dir_name,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    step_dir_name,
 )
 from difftransformer.train.config import RESUME_MUST_MATCH, TrainConfig
 from difftransformer.train.distributed import (
