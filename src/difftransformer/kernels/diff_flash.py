@@ -122,6 +122,28 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     return c
 
 
+@triton.jit
+def _load_key_block(K1, K2, V, offs_n, offs_d, offs_dv, sk_s, sk_d, sv_s, sv_d, S, HEAD_D: tl.constexpr):
+    """K1, K2 (keys, d) and V (keys, 2d) tiles of one key block; rows past S and padded columns are 0."""
+    n_ok = offs_n < S
+    k_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    k_ptrs = offs_n[:, None] * sk_s + offs_d[None, :] * sk_d
+    k1 = tl.load(K1 + k_ptrs, mask=k_mask, other=0.0)
+    k2 = tl.load(K2 + k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(V + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
+                mask=n_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D), other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _visible(offs_m, offs_n, T, S, CAUSAL: tl.constexpr):
+    """(queries, keys) mask: the key exists and, if causal, query t sees it (j <= t + S - T)."""
+    vis = (offs_n < S)[None, :]
+    if CAUSAL:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+    return vis
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
 
@@ -132,24 +154,14 @@ def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
                   HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """Fold key blocks [lo, hi) into both online softmaxes. MASK=False blocks need no masking."""
-    d_ok = offs_d < HEAD_D
-    dv_ok = offs_dv < 2 * HEAD_D
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        # K tiles are loaded transposed (d, keys) so that S_c = Q_c @ K_c^T is a plain dot.
-        kt_ptrs = offs_d[:, None] * sk_d + offs_n[None, :] * sk_s
-        kt1 = tl.load(K1 + kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        kt2 = tl.load(K2 + kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(V + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        k1, k2, v = _load_key_block(K1, K2, V, offs_n, offs_d, offs_dv, sk_s, sk_d, sv_s, sv_d, S, HEAD_D)
         # Scores in log2 units (scale * log2(e) folded in) so exp2 can be used throughout.
-        s1 = _dot(q1, kt1, IEEE, INTERPRET) * qk_scale
-        s2 = _dot(q2, kt2, IEEE, INTERPRET) * qk_scale
+        s1 = _dot(q1, tl.trans(k1), IEEE, INTERPRET) * qk_scale
+        s2 = _dot(q2, tl.trans(k2), IEEE, INTERPRET) * qk_scale
         if MASK:
-            vis = n_ok[None, :]
-            if CAUSAL:
-                vis = vis & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+            vis = _visible(offs_m, offs_n, T, S, CAUSAL)
             s1 = tl.where(vis, s1, float("-inf"))
             s2 = tl.where(vis, s2, float("-inf"))
         # Two independent online softmaxes, one per map. For map c with running max m_c, running
@@ -365,11 +377,8 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
     v_mask = n_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
     # Key rows past S load as zeros; their (garbage) gradient rows are never stored.
     K1 = K + b * sk_b + (2 * g) * sk_h
-    k_ptrs = offs_n[:, None] * sk_s + offs_d[None, :] * sk_d
-    k1 = tl.load(K1 + k_ptrs, mask=k_mask, other=0.0)
-    k2 = tl.load(K1 + sk_h + k_ptrs, mask=k_mask, other=0.0)
-    v = tl.load(V + b * sv_b + g * sv_h + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
-                mask=v_mask, other=0.0)
+    k1, k2, v = _load_key_block(K1, K1 + sk_h, V + b * sv_b + g * sv_h, offs_n, offs_d, offs_dv,
+                                sk_s, sk_d, sv_s, sv_d, S, HEAD_D)
     lam = tl.load(Lam).to(tl.float32)
 
     dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -421,22 +430,13 @@ def _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K2, V,
                   HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dQ1, dQ2 of one query block over key blocks [lo, hi): dQ_c += dS_c K_c."""
-    d_ok = offs_d < HEAD_D
-    dv_ok = offs_dv < 2 * HEAD_D
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        k_ptrs = offs_n[:, None] * sk_s + offs_d[None, :] * sk_d
-        k1 = tl.load(K1 + k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        k2 = tl.load(K2 + k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + offs_n[:, None] * sv_s + offs_dv[None, :] * sv_d,
-                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        k1, k2, v = _load_key_block(K1, K2, V, offs_n, offs_d, offs_dv, sk_s, sk_d, sv_s, sv_d, S, HEAD_D)
         p1 = tl.exp2(_dot(q1, tl.trans(k1), IEEE, INTERPRET) * qk_scale - lse1[:, None])
         p2 = tl.exp2(_dot(q2, tl.trans(k2), IEEE, INTERPRET) * qk_scale - lse2[:, None])
         if MASK:
-            vis = n_ok[None, :]
-            if CAUSAL:
-                vis = vis & (offs_n[None, :] <= offs_m[:, None] + (S - T))
+            vis = _visible(offs_m, offs_n, T, S, CAUSAL)
             p1 = tl.where(vis, p1, 0.0)
             p2 = tl.where(vis, p2, 0.0)
         dp = _dot(do, tl.trans(v), IEEE, INTERPRET)
