@@ -144,6 +144,22 @@ def _visible(offs_m, offs_n, T, S, CAUSAL: tl.constexpr):
     return vis
 
 
+@triton.jit
+def _key_range(start_m, T, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_end, hi) for the query block at start_m: keys [0, full_end) are visible to every row
+    (no mask), keys [full_end, hi) need the causal / length mask, keys >= hi are invisible to the
+    whole block (skipped)."""
+    if CAUSAL:
+        # Row t sees keys j <= t + S - T: the first row sees j < start_m + S - T + 1, the last
+        # row j < start_m + BLOCK_M + S - T.
+        full_end = tl.minimum(tl.maximum(start_m + S - T + 1, 0), S) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
+    else:
+        full_end = S // BLOCK_N * BLOCK_N
+        hi = S
+    return full_end, hi
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
 
@@ -223,16 +239,7 @@ def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
     acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # Keys [0, full_end) are visible to every row of this block: no mask. Keys [full_end, hi)
-    # need the causal / length mask. Keys >= hi are invisible to the whole block: skipped.
-    if CAUSAL:
-        # Row t sees keys j <= t + S - T: the first row sees j < start_m + S - T + 1, the last
-        # row j < start_m + BLOCK_M + S - T.
-        full_end = tl.minimum(tl.maximum(start_m + S - T + 1, 0), S) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
-    else:
-        full_end = S // BLOCK_N * BLOCK_N
-        hi = S
+    full_end, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     acc1, acc2, m1, m2, l1, l2 = _fwd_key_loop(
         acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K1 + sk_h, Vg, sk_s, sk_d, sv_s, sv_d,
         offs_m, offs_d, offs_dv, 0, full_end, T, S, qk_scale,
@@ -482,12 +489,7 @@ def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
 
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        full_end = tl.minimum(tl.maximum(start_m + S - T + 1, 0), S) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + S - T, 0), S)
-    else:
-        full_end = S // BLOCK_N * BLOCK_N
-        hi = S
+    full_end, hi = _key_range(start_m, T, S, CAUSAL, BLOCK_M, BLOCK_N)
     dq1, dq2 = _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K1 + sk_h, Vg,
                              sk_s, sk_d, sv_s, sv_d, offs_m, offs_d, offs_dv, 0, full_end, T, S, qk_scale,
                              HEAD_D, CAUSAL, False, BLOCK_N, IEEE, INTERPRET)
