@@ -5,7 +5,11 @@ Layouts timed (DIFF: h heads, q/k components of dim d, V of dim 2d; baseline: 2h
   (a1) fused, one-pass backward: deterministic=False (dQ added with atomics, no dQ pass)
   (b) two-call  SDPA(Q1, K1, V) - lam * SDPA(Q2, K2, V), V of dim 2d
   (c) four-call V split in its two d-halves, each half through both softmaxes, outputs concatenated
-  (d) baseline  one SDPA call over 2h heads of dim d (flash / cuDNN)
+  (d) baseline  one SDPA call over 2h heads of dim d
+The SDPA layouts (b)-(d) are timed with each of SDPA's fused kernels pinned in turn (cuDNN, flash,
+memory-efficient; one that cannot take the shapes is skipped), and each column keeps the fastest:
+the "kernel" column names it for fwd / fwd+bwd. Flash needs q, k and v of one head dim, so
+the two-call layout (V of dim 2d) cannot use it; the four-call layout can.
 
 FLOPs (2 per multiply-add), causal counted as half of T * S:
   baseline fwd     F = 4 * B * (2h) * T * S * d * (1/2 if causal)     (Q K^T and P V)
@@ -16,22 +20,30 @@ All DIFF layouts are credited with the same DIFF FLOPs (the deterministic backwa
 recomputes the scores and dP for its dQ pass, 1.4x the one-pass backward's work), so their TFLOP/s is useful work per
 second (the four-call layout actually computes every score twice). Ratios are time / time of (d).
 
-    python benchmarks/attention_gpu.py                       # T 1K..16K, d 64 and 128, bf16
+    python benchmarks/attention_gpu.py                       # T 1K..16K, d 128 and 64, bf16
     python benchmarks/attention_gpu.py --seq-lens 2048 --head-dims 128 --repeats 50
 """
 
 import argparse
+import os
 import statistics
 import sys
+import time
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="comma-separated T (= S) values")
-    p.add_argument("--head-dims", default="64,128", help="comma-separated DIFF component dims d")
+    p.add_argument("--head-dims", default="128,64",
+                   help="comma-separated DIFF component dims d (128 first: the targets are judged there)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--tokens", type=int, default=16384, help="batch * T per measurement (B = tokens // T)")
     p.add_argument("--heads", type=int, default=8, help="DIFF heads h (the baseline gets 2h)")
@@ -40,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20, help="timed runs; the median is reported")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first (includes autotuning)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check of the fused kernel")
+    p.add_argument("--cpu-smoke-test", action="store_true",
+                   help="run every code path on CPU with the Triton interpreter (TRITON_INTERPRET=1) at tiny "
+                        "shapes: checks the script, measures nothing (CI runs this)")
     return p.parse_args(argv)
 
 
@@ -81,11 +96,19 @@ def baseline(q, k, v, causal):
 
 
 def median_ms(fn, warmup, repeats):
+    """Median time of fn in ms: CUDA events on the GPU, the wall clock in the CPU smoke test."""
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
+        if not cuda:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -107,19 +130,47 @@ def measure(fn, inputs, grad_out, warmup, repeats):
     try:
         return median_ms(fwd, warmup, repeats), median_ms(fwd_bwd, warmup, repeats)
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
+        free_cached_memory()
         return None
 
 
-def check_fused(diff_flash_attention, dtype):
+def free_cached_memory():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_sdpa(fn, inputs, grad_out, warmup, repeats):
+    """The best (fwd ms, fwd+bwd ms) over SDPA's fused kernels, each pinned in turn, and the
+    kernels that gave them ("fwd / fwd+bwd"); (None, reason) when none could run."""
+    best, skipped = [None, None], []
+    for name, kernel in SDPA_KERNELS.items():
+        try:
+            with sdpa_kernel([kernel]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "<kernel> not used because ..." for unsupported shapes
+                times = measure(fn, inputs, grad_out, warmup, repeats)
+        except RuntimeError as e:  # "No available kernel": this kernel cannot take these shapes
+            skipped.append(f"{name}: {str(e).splitlines()[0][:60]}")
+            continue
+        if times is None:
+            skipped.append(f"{name}: OOM")
+            continue
+        for i, t in enumerate(times):
+            if best[i] is None or t < best[i][0]:
+                best[i] = (t, name)
+    if best[0] is None:
+        return None, "; ".join(skipped) or "no kernel"
+    return (best[0][0], best[1][0]), f"{best[0][1]} / {best[1][1]}"
+
+
+def check_fused(diff_flash_attention, dtype, device, T=300):
     """The fused kernel (both backwards) against the two-call layout run in fp32, forward and all gradients."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, h, h_kv, T, d = 2, 4, 2, 300, 64
-    q = torch.randn(B, 2 * h, T, d, device="cuda", generator=g)
-    k = torch.randn(B, 2 * h_kv, T, d, device="cuda", generator=g)
-    v = torch.randn(B, h_kv, T, 2 * d, device="cuda", generator=g)
-    do = torch.randn(B, h, T, 2 * d, device="cuda", generator=g)
-    lam = torch.tensor(0.7, device="cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    B, h, h_kv, d = 2, 4, 2, 64
+    q = torch.randn(B, 2 * h, T, d, device=device, generator=g)
+    k = torch.randn(B, 2 * h_kv, T, d, device=device, generator=g)
+    v = torch.randn(B, h_kv, T, 2 * d, device=device, generator=g)
+    do = torch.randn(B, h, T, 2 * d, device=device, generator=g)
+    lam = torch.tensor(0.7, device=device)
     worst = 0.0
     for causal, deterministic in ((True, True), (False, True), (True, False), (False, False)):
         ins = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [lam.clone().requires_grad_()]
@@ -137,8 +188,16 @@ def check_fused(diff_flash_attention, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("attention_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here.")
+    if args.cpu_smoke_test:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--cpu-smoke-test needs TRITON_INTERPRET=1 in the environment (set before Triton loads)")
+        args.seq_lens, args.head_dims, args.tokens, args.heads, args.repeats, args.warmup = "40", "32", 80, 2, 1, 0
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        sys.exit("attention_gpu.py needs a CUDA device, and torch.cuda.is_available() is False here "
+                 "(--cpu-smoke-test runs the script's code paths on CPU without measuring anything).")
     from difftransformer import kernels
 
     if not kernels.is_available():
@@ -149,57 +208,69 @@ def main(argv=None):
     causal = not args.non_causal
     h = args.heads
     h_kv = args.kv_heads or h
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke test: timings mean nothing)"
+    print(f"device {name}, torch {torch.__version__}, {args.dtype}, "
           f"{'causal' if causal else 'non-causal'}, {args.tokens} tokens, DIFF {h} heads / {h_kv} kv groups, "
           f"baseline {2 * h} / {2 * h_kv}, median of {args.repeats}")
-    if not args.no_check and not check_fused(diff_flash_attention, dtype):
+    check_dtype = torch.float32 if device == "cpu" else dtype  # the interpreter has no bf16 matmul
+    if not args.no_check and not check_fused(diff_flash_attention, check_dtype, device, 300 if device == "cuda" else 20):
         sys.exit(1)
 
-    rows = []
+    print("| T | d | B | layout | kernel | fwd ms | fwd TFLOP/s | fwd / (d) | fwd+bwd ms | fwd+bwd TFLOP/s "
+          "| fwd+bwd / (d) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for d in [int(x) for x in args.head_dims.split(",")]:
         for T in [int(x) for x in args.seq_lens.split(",")]:
             B = max(1, args.tokens // T)
-            g = torch.Generator(device="cuda").manual_seed(T + d)
+            g = torch.Generator(device=device).manual_seed(T + d)
 
             def rnd(*shape):
-                return torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+                return torch.randn(*shape, device=device, dtype=dtype, generator=g).requires_grad_()
 
             q, k, v = rnd(B, 2 * h, T, d), rnd(B, 2 * h_kv, T, d), rnd(B, h_kv, T, 2 * d)
-            lam = torch.tensor(0.5, device="cuda", requires_grad=True)
-            do = torch.randn(B, h, T, 2 * d, device="cuda", dtype=dtype, generator=g)
+            lam = torch.tensor(0.5, device=device, requires_grad=True)
+            do = torch.randn(B, h, T, 2 * d, device=device, dtype=dtype, generator=g)
             qb, kb, vb = rnd(B, 2 * h, T, d), rnd(B, 2 * h_kv, T, d), rnd(B, 2 * h_kv, T, d)
-            dob = torch.randn(B, 2 * h, T, d, device="cuda", dtype=dtype, generator=g)
+            dob = torch.randn(B, 2 * h, T, d, device=device, dtype=dtype, generator=g)
 
             flops = 4 * B * (2 * h) * T * T * d * (0.5 if causal else 1.0)
-            runs = {
-                "(a) fused": (lambda: diff_flash_attention(q, k, v, lam, causal=causal), 1.5, 4.0),
-                "(a1) fused, one-pass bwd": (
-                    lambda: diff_flash_attention(q, k, v, lam, causal=causal, deterministic=False), 1.5, 4.0),
-                "(b) two-call": (lambda: two_call(q, k, v, lam, causal), 1.5, 4.0),
-                "(c) four-call": (lambda: four_call(q, k, v, lam, causal), 1.5, 4.0),
-            }
-            results = {name: (measure(fn, (q, k, v, lam), do, args.warmup, args.repeats), fw, fb)
-                       for name, (fn, fw, fb) in runs.items()}
-            results["(d) baseline"] = (measure(lambda: baseline(qb, kb, vb, causal), (qb, kb, vb), dob,
-                                               args.warmup, args.repeats), 1.0, 3.5)
-            base = results["(d) baseline"][0]
-            for name, (times, fw, fb) in results.items():
-                rows.append((T, d, B, name, times, fw * flops, fb * flops, base))
-            del q, k, v, qb, kb, vb, do, dob
-            torch.cuda.empty_cache()
-
-    print("| T | d | B | layout | fwd ms | fwd TFLOP/s | fwd / (d) | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd / (d) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for T, d, B, name, times, f_fwd, f_all, base in rows:
-        if times is None:
-            print(f"| {T} | {d} | {B} | {name} | OOM | | | OOM | | |")
-            continue
-        t_f, t_fb = times
-        r_f = f"{t_f / base[0]:.2f}x" if base else "-"
-        r_fb = f"{t_fb / base[1]:.2f}x" if base else "-"
-        print(f"| {T} | {d} | {B} | {name} | {t_f:.3f} | {f_fwd / t_f / 1e9:.1f} | {r_f} | "
-              f"{t_fb:.3f} | {f_all / t_fb / 1e9:.1f} | {r_fb} |")
+            diff_inputs = (q, k, v, lam)
+            # The baseline first: every other row is printed as soon as it is measured, with its ratio.
+            runs = [
+                ("(d) baseline", True, lambda: baseline(qb, kb, vb, causal), (qb, kb, vb), dob, 1.0, 3.5),
+                ("(a) fused", False, lambda: diff_flash_attention(q, k, v, lam, causal=causal),
+                 diff_inputs, do, 1.5, 4.0),
+                ("(a1) fused, one-pass bwd", False,
+                 lambda: diff_flash_attention(q, k, v, lam, causal=causal, deterministic=False),
+                 diff_inputs, do, 1.5, 4.0),
+                ("(b) two-call", True, lambda: two_call(q, k, v, lam, causal), diff_inputs, do, 1.5, 4.0),
+                ("(c) four-call", True, lambda: four_call(q, k, v, lam, causal), diff_inputs, do, 1.5, 4.0),
+            ]
+            base = None
+            for name, on_sdpa, fn, inputs, grad_out, fw, fb in runs:
+                try:
+                    if on_sdpa:
+                        times, kernel = measure_sdpa(fn, inputs, grad_out, args.warmup, args.repeats)
+                    else:
+                        times, kernel = measure(fn, inputs, grad_out, args.warmup, args.repeats), "(triton)"
+                except Exception as e:  # keep the rest of the table: one broken layout is a row, not a crash
+                    times, kernel = None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                if name.startswith("(d)"):
+                    base = times
+                print(table_row(T, d, B, name, kernel, times, fw * flops, fb * flops, base), flush=True)
+            free_cached_memory()
     print_tuning_choices()
+
+
+def table_row(T, d, B, name, kernel, times, f_fwd, f_all, base):
+    """One markdown row; times in ms, FLOPs per call, ratios to the baseline's times `base`."""
+    if times is None:
+        return f"| {T} | {d} | {B} | {name} | {kernel} | OOM / n.a. | | | | | |"
+    t_f, t_fb = times
+    r_f = f"{t_f / base[0]:.2f}x" if base else "-"
+    r_fb = f"{t_fb / base[1]:.2f}x" if base else "-"
+    return (f"| {T} | {d} | {B} | {name} | {kernel} | {t_f:.3f} | {f_fwd / t_f / 1e9:.1f} | {r_f} | "
+            f"{t_fb:.3f} | {f_all / t_fb / 1e9:.1f} | {r_fb} |")
 
 
 def print_tuning_choices():

@@ -413,9 +413,10 @@ def _triton_runs_here() -> bool:
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs CUDA or TRITON_INTERPRET=1")
-def test_layer_triton_backend_matches_reference():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_layer_triton_backend_matches_reference(deterministic):
     torch.manual_seed(9)
-    layer = MultiheadDiffAttention(64, 2, 2, 1, backend="triton")
+    layer = MultiheadDiffAttention(64, 2, 2, 1, backend="triton", deterministic=deterministic)
     x = torch.randn(1, 19, 64, requires_grad=True)
     y = layer(x)
     sd = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
@@ -428,6 +429,31 @@ def test_layer_triton_backend_matches_reference():
     assert rel_err(layer.lambda_q1.grad, sd["lambda_q1"].grad) <= 1e-5
     with pytest.raises(ValueError, match="not key padding"):
         layer(x, attention_mask=torch.ones(1, 19, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_model_config_chooses_the_kernel_backward(monkeypatch, deterministic):
+    """config.attn_deterministic reaches the fused kernel of every DIFF layer, in the forward that
+    records the backward to run."""
+    from difftransformer.kernels import diff_flash
+    from difftransformer.model import DiffTransformerLM, get_preset
+
+    calls = []
+    real = diff_flash.diff_flash_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(diff_flash, "diff_flash_attention", recording)
+    cfg = get_preset("tiny").config("diff", attn_backend="triton", attn_deterministic=deterministic,
+                                    num_hidden_layers=2)
+    model = DiffTransformerLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    model(ids, ids).loss.backward()
+    assert calls == [deterministic] * 2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_auto_takes_triton_on_cuda_for_half_precision_only(monkeypatch):

@@ -68,6 +68,8 @@ def test_config_errors():
         DiffTransformerConfig(hidden_size=100, num_attention_heads=4)
     with pytest.raises(ValueError, match="divisible by num_key_value_heads"):
         DiffTransformerConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="attn_deterministic must be true or false"):
+        DiffTransformerConfig(attn_deterministic="no")
     with pytest.raises(KeyError, match="unknown preset 'huge'"):
         get_preset("huge")
     with pytest.raises(ValueError, match="must be even"):

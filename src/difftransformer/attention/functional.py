@@ -131,11 +131,13 @@ def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
 
 def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
                            scale: float | None = None, backend: str = "auto",
-                           return_maps: bool = False):
+                           return_maps: bool = False, deterministic: bool = True):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every head; see the module doc.
 
     Returns the (B, h, T, 2d) output in q's dtype, and `AttentionMaps` when `return_maps`.
     A query that sees no key (fully padded) outputs zeros.
+    deterministic=False lets the Triton backend use its one-pass backward (dQ summed with atomics);
+    eager and cpp are deterministic anyway, sdpa follows torch.use_deterministic_algorithms.
     """
     h, h_kv, T = _check_diff_shapes(q, k, v, lam)
     B, S, d = q.shape[0], k.shape[2], q.shape[-1]
@@ -155,7 +157,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
         return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
-    return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale)
+    return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic)
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

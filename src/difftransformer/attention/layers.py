@@ -113,13 +113,16 @@ class MultiheadDiffAttention(_SelfAttention):
     num_heads: DIFF heads h (half the matched Transformer's); head_dim d = embed_dim // h // 2.
     lambda_init: a constant (ablations use 0.8 or 0.5); None uses 0.8 - 0.6 exp(-0.3 depth).
     head_norm: the head-wise RMSNorm over 2d with one shared weight (False only for ablation).
+    deterministic: False lets the fused Triton backend compute dQ with atomics in one backward pass
+    (see `diff_flash_attention`); the other backends are unaffected.
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
-                 norm_eps: float = 1e-5, backend: str = "auto", max_seq_len: int | None = None,
-                 device=None, dtype=None):
+                 norm_eps: float = 1e-5, backend: str = "auto", deterministic: bool = True,
+                 max_seq_len: int | None = None, device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
+        self.deterministic = bool(deterministic)
         if embed_dim % (2 * num_heads):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
                              f"each of the {num_heads} DIFF heads splits into two components of equal dim")
@@ -164,7 +167,8 @@ class MultiheadDiffAttention(_SelfAttention):
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
         res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
-                                     scale=self.scaling, backend=self.backend, return_maps=return_attention)
+                                     scale=self.scaling, backend=self.backend, return_maps=return_attention,
+                                     deterministic=self.deterministic)
         o, maps = res if return_attention else (res, None)
         o = self._head_norm_and_scale(o)
         out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
@@ -173,7 +177,7 @@ class MultiheadDiffAttention(_SelfAttention):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, depth={self.depth}, diff_heads={self.num_heads}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, lambda_init={self.lambda_init:.4f}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}" + ("" if self.deterministic else ", deterministic=False"))
 
 
 class MultiheadAttention(_SelfAttention):

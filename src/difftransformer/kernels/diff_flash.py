@@ -123,6 +123,15 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _batch_head(H):
+    """(b, head, b * H + head) of this program. Grid axis 1 is the head, axis 2 the batch: CUDA caps
+    both at 65535, so B * H on one axis would fail for large batches."""
+    head = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    return b, head, b * H + head
+
+
+@triton.jit
 def _load_key_block(K1, K2, V, offs_n, offs_d, offs_dv, sk_s, sk_d, sv_s, sv_d, S, HEAD_D: tl.constexpr):
     """K1, K2 (keys, d) and V (keys, 2d) tiles of one key block; rows past S and padded columns are 0."""
     n_ok = offs_n < S
@@ -212,11 +221,9 @@ def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
                      HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      IEEE: tl.constexpr, INTERPRET: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query block, batch * head): writes out, O2n = A2 V and both LSEs."""
+    """One program per (query block, head, batch): writes out, O2n = A2 V and both LSEs."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    i = (pid_bh % H).to(tl.int64)
+    b, i, bh = _batch_head(H)
     g = i // N_REP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -263,8 +270,8 @@ def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
     # Natural-log LSE of the scaled scores, log(l) + m converted from log2 units; -inf when empty.
     lse1 = tl.where(l1 == 0.0, float("-inf"), (m1 + tl.log2(l1_safe)) * 0.6931471805599453)
     lse2 = tl.where(l2 == 0.0, float("-inf"), (m2 + tl.log2(l2_safe)) * 0.6931471805599453)
-    tl.store(LSE1 + pid_bh.to(tl.int64) * T + offs_m, lse1, mask=m_ok)
-    tl.store(LSE2 + pid_bh.to(tl.int64) * T + offs_m, lse2, mask=m_ok)
+    tl.store(LSE1 + bh * T + offs_m, lse1, mask=m_ok)
+    tl.store(LSE2 + bh * T + offs_m, lse2, mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,9 +284,7 @@ def _bwd_preprocess_kernel(Out, O2, DO, Lam, D1, R2,
                            HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Row dots: R2 = rowsum(dO * O2n) and D1 = rowsum(dO * O1n), with O1n = out + lam * O2n."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    i = (pid_bh % H).to(tl.int64)
+    b, i, bh = _batch_head(H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < T
@@ -292,8 +297,8 @@ def _bwd_preprocess_kernel(Out, O2, DO, Lam, D1, R2,
     lam = tl.load(Lam).to(tl.float32)
     r2 = tl.sum(do * o2, 1)
     d1 = tl.sum(do * out, 1) + lam * r2
-    tl.store(D1 + pid_bh.to(tl.int64) * T + offs_m, d1, mask=m_ok)
-    tl.store(R2 + pid_bh.to(tl.int64) * T + offs_m, r2, mask=m_ok)
+    tl.store(D1 + bh * T + offs_m, d1, mask=m_ok)
+    tl.store(R2 + bh * T + offs_m, r2, mask=m_ok)
 
 
 @triton.jit
@@ -352,7 +357,11 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
         if ATOMIC_DQ:
             dq_ptrs = offs_m[:, None] * sdq_t + offs_d[None, :]
             dq_mask = m_ok[:, None] & d_ok[None, :]
-            # Key rows past S were loaded as zeros, so they add nothing here.
+            # Key rows past S are padding: their score is 0, so exp2(0 - lse) overflows to inf
+            # when a row's real scores are all far below 0, and inf * (k = 0) is NaN. Zero them.
+            n_ok = (offs_n < S)[:, None]
+            ds1t = tl.where(n_ok, ds1t, 0.0)
+            ds2t = tl.where(n_ok, ds2t, 0.0)
             dq1 = _dot(tl.trans(ds1t.to(k1.dtype)), k1, IEEE, INTERPRET) * scale
             dq2 = _dot(tl.trans(ds2t.to(k2.dtype)), k2, IEEE, INTERPRET) * scale
             tl.atomic_add(DQ1 + dq_ptrs, dq1, mask=dq_mask, sem="relaxed")
@@ -368,13 +377,11 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
                         HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
                         ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (key block, batch * kv group): dK1, dK2, dV, summed over the group's
+    """One program per (key block, kv group, batch): dK1, dK2, dV, summed over the group's
     n_rep heads inside the program, in a fixed order (deterministic, no atomics). With ATOMIC_DQ
     it also adds each tile's dQ into the fp32 buffer DQ (B, 2h, T, d), unit stride in d."""
     pid_n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // H_KV).to(tl.int64)
-    g = (pid_bg % H_KV).to(tl.int64)
+    b, g, _ = _batch_head(H_KV)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -463,11 +470,9 @@ def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
                         HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query block, batch * head): dQ1, dQ2 (same key ranges as the forward)."""
+    """One program per (query block, head, batch): dQ1, dQ2 (same key ranges as the forward)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    i = (pid_bh % H).to(tl.int64)
+    b, i, bh = _batch_head(H)
     g = i // N_REP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -481,7 +486,7 @@ def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
     q2 = tl.load(Q1 + sq_h + q_ptrs, mask=q_mask, other=0.0)
     do = tl.load(DO + b * sdo_b + i * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :] * sdo_d,
                  mask=m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D), other=0.0)
-    row = pid_bh.to(tl.int64) * T
+    row = bh * T
     lse1, lse2, d1, r2 = _load_row_stats(LSE1 + row, LSE2 + row, D1 + row, R2 + row, offs_m, T)
     lam = tl.load(Lam).to(tl.float32)
     K1 = K + b * sk_b + (2 * g) * sk_h
@@ -528,7 +533,7 @@ def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale):
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     args = (q, k, v, lam, out, o2, lse1, lse2, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             h, h // h_kv, T, S, scale * _LOG2E)
-    return _diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h), args, _meta(q, d, T, S, causal)
+    return _diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
 
 
 def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale, dq_sum=None):
@@ -542,7 +547,7 @@ def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
             *do.stride(), *dk.stride(), *dv.stride(), *dq_sum.stride()[:3], h_kv, h // h_kv, T, S,
             scale * _LOG2E, scale)
     kernel = _diff_bwd_dkdvq_kernel if atomic else _diff_bwd_dkdv_kernel
-    return (kernel, lambda m: (triton.cdiv(S, m["BLOCK_N"]), B * h_kv), args,
+    return (kernel, lambda m: (triton.cdiv(S, m["BLOCK_N"]), h_kv, B), args,
             dict(_meta(q, d, T, S, causal), ATOMIC_DQ=atomic))
 
 
@@ -550,7 +555,7 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     args = (q, k, v, lam, do, lse1, lse2, d1, r2, dq, *q.stride(), *k.stride(), *v.stride(),
             *do.stride(), *dq.stride(), h, h // h_kv, T, S, scale * _LOG2E, scale)
-    return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * h), args, _meta(q, d, T, S, causal)
+    return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
 
 
 def _device_guard(t):
@@ -602,7 +607,7 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     with _device_guard(q):
         if d1.numel():
             pre_m = 16 if _INTERPRET else 64
-            _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), B * h)](
+            _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), h, B)](
                 out, o2, do, lam, d1, r2, *out.stride(), *do.stride(), h, T,
                 HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, triton.next_power_of_2(2 * d)))
         if dk.numel():

@@ -26,6 +26,9 @@ ATTENTION_KINDS = {
     "transformer_headnorm": "ablation: the baseline with a head-wise RMSNorm",
 }
 _DIFF_HEAD_KINDS = ("diff", "diff_no_headnorm")  # kinds whose heads are differential (halved)
+# Fields that choose how attention is computed, not what the model is: a checkpoint resumes or
+# loads under other values of these.
+RUNTIME_FIELDS = ("attn_backend", "attn_deterministic")
 
 
 @dataclass
@@ -46,6 +49,9 @@ class DiffTransformerConfig:
     lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a constant for ablations
     initializer_range: float = 0.02
     attn_backend: str = "auto"  # auto | eager | sdpa | triton | cpp
+    # False lets the fused Triton backward add dQ with fp32 atomics: one pass, the baseline's
+    # attention FLOPs, but gradients that round differently from run to run (DIFF V1 only).
+    attn_deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -72,6 +78,8 @@ class DiffTransformerConfig:
 
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"unknown attn_backend {self.attn_backend!r}; choose one of {BACKENDS}")
+        if not isinstance(self.attn_deterministic, bool):
+            raise ValueError(f"attn_deterministic must be true or false, got {self.attn_deterministic!r}")
 
     @property
     def is_differential(self) -> bool:

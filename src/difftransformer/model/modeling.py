@@ -44,7 +44,8 @@ def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtyp
     kind = config.attention
     if kind in ("diff", "diff_no_headnorm"):
         return MultiheadDiffAttention(E, depth, H, KV, lambda_init=config.lambda_init, head_norm=kind == "diff",
-                                      norm_eps=config.rms_norm_eps, **common)
+                                      norm_eps=config.rms_norm_eps, deterministic=config.attn_deterministic,
+                                      **common)
     if kind == "diff_v2":
         return MultiheadDiffAttentionV2(E, depth, H, KV, **common)
     return MultiheadAttention(E, depth, H, KV, head_norm=kind == "transformer_headnorm",

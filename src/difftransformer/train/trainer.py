@@ -28,6 +28,7 @@ from difftransformer.attention import MultiheadDiffAttention
 from difftransformer.attention.functional import reparameterized_lambda
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
+from difftransformer.model.config import RUNTIME_FIELDS
 from difftransformer.train.checkpoint import (
     CheckpointError,
     find_latest,
@@ -134,7 +135,7 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
     path = ckpt["path"]
     hint = "use another out_dir, or start over with --no-resume (resume=False)"
     saved, wanted = ckpt["model_config"].to_dict(), model_config.to_dict()
-    diff = {k: (saved[k], wanted[k]) for k in saved if saved[k] != wanted[k] and k != "attn_backend"}
+    diff = {k: (saved[k], wanted[k]) for k in saved if saved[k] != wanted[k] and k not in RUNTIME_FIELDS}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {path} was trained with a different model config ({detail}); {hint}")
