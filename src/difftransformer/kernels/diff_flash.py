@@ -36,6 +36,7 @@ combination D1 - lam * D2'. Storing O2n makes them one cheap memory-bound pass
 (A1 V = out + lam * O2n), where recomputing A2 V would cost another half forward.
 """
 
+import math
 import os
 
 import torch
@@ -673,6 +674,11 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
         raise ValueError(f"{h} heads do not split evenly over {h_kv} kv groups")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        # Batch and head offsets are 64-bit; offsets inside one batch item are 32-bit, for speed.
+        if max(math.prod(x.shape[1:]), sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))) >= 2**31:
+            raise ValueError(f"{name} {tuple(x.shape)} holds 2^31 or more elements per batch item, past the "
+                             f"kernel's 32-bit offsets; split the sequence, or use backend='sdpa'")
     if not _INTERPRET and not q.is_cuda:
         raise RuntimeError("diff_flash_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
