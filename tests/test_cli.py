@@ -191,6 +191,11 @@ def test_compare_end_to_end(compared, capsys):
     assert "| `diff` |" in report and "| `transformer` |" in report and "final val loss" in report
     assert "cannot separate" in report  # a single seed
     assert "λ per layer" in report and "Samples" in report and "greedy" in report
+    # the "What was run" table: the DIFF arm's backward is deterministic, the baseline has no such option
+    assert "deterministic backward" in report
+    run_rows = [line for line in report.split("## What was run")[1].splitlines() if line.startswith("| `")]
+    assert run_rows[0].startswith("| `diff` |") and run_rows[0].split("|")[-3].strip() == "yes"
+    assert run_rows[1].startswith("| `transformer` |") and run_rows[1].split("|")[-3].strip() == "–"
     manifest = json.loads((compared / "compare.json").read_text())
     assert manifest["parameters"]["diff"] - manifest["parameters"]["transformer"] == 2 * 6 * 16  # 6d per layer
     # Paired init: every tensor the arms share by name and shape starts equal (checked via the λ-free FFN

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -319,7 +320,7 @@ def test_metrics_readers_skip_a_torn_last_line(tmp_path):
     assert report_read_metrics(tmp_path / "missing.jsonl") == ([], [])
 
 
-def test_corrupted_checkpoint_and_config_mismatch(data_dir, tmp_path):
+def test_corrupted_checkpoint_and_config_mismatch(data_dir, tmp_path, caplog):
     cfg = make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2)
     train(tiny(), cfg)
     # a different model config names the differing key
@@ -330,7 +331,9 @@ def test_corrupted_checkpoint_and_config_mismatch(data_dir, tmp_path):
     # how attention is computed is not part of the experiment: another backend or the
     # one-pass backward resumes the same run
     other_runtime = dataclasses.replace(tiny(), attn_backend="eager", attn_deterministic=False)
-    assert train(other_runtime, make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=3)).final_step == 3
+    with caplog.at_level(logging.INFO, logger="difftransformer.train"):
+        assert train(other_runtime, make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=3)).final_step == 3
+    assert "at step 2" in "\n".join(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
     # flip bytes in the weights
     weights = latest_dir(tmp_path) / "model.safetensors"
     blob = bytearray(weights.read_bytes())

@@ -171,12 +171,13 @@ def test_far_negative_scores_with_ragged_keys(deterministic):
         assert rel_err(got, want) <= 1e-5, name
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("B,T,S", [(0, 5, 5), (1, 0, 7), (1, 6, 0)])
-def test_empty_batch_and_lengths(B, T, S):
+def test_empty_batch_and_lengths(B, T, S, deterministic):
     """Zero-sized inputs launch nothing; with no keys at all (S = 0) every query outputs zeros."""
     q, k, v, do = make_inputs(B, 2, 1, T, S, 32, torch.float32, seed=14)
     lam = torch.tensor(0.5, device=DEVICE, requires_grad=True)
-    out = diff_flash_attention(q, k, v, lam, causal=False)
+    out = diff_flash_attention(q, k, v, lam, causal=False, deterministic=deterministic)
     assert out.shape == (B, 2, T, 64) and torch.all(out == 0)
     grads = torch.autograd.grad(out, (q, k, v, lam), do)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, lam.shape]
@@ -282,12 +283,17 @@ def test_rejects_bad_shapes():
         diff_flash_attention(q[:, :3], k, v, lam)
     with pytest.raises(ValueError):
         diff_flash_attention(q, k, v, torch.ones(2, device=DEVICE))
-    # 2^31 elements in one batch item: refused before any launch (meta tensors hold no memory)
-    T = 2**31 // (2 * 2 * 32)
+    # A token 2^31 elements into its head is refused before any launch (meta tensors hold no
+    # memory): through the output's token stride h * 2d, or through an input's own stride.
     big = dict(device="meta", dtype=torch.float32)
-    with pytest.raises(ValueError, match="32-bit offsets"):
+    T = 2**31 // (2 * 64) + 2
+    with pytest.raises(ValueError, match="out's last token .* 32-bit offsets"):
         diff_flash_attention(torch.empty(1, 4, T, 32, **big), torch.empty(1, 2, T, 32, **big),
                              torch.empty(1, 1, T, 64, **big), torch.tensor(0.5))
+    k_far = torch.empty(1, 2, 3, 32, **big).as_strided((1, 2, 3, 32), (2**32, 32, 2**30, 1))
+    with pytest.raises(ValueError, match="k's last token sits 2147483648 elements"):
+        diff_flash_attention(torch.empty(1, 4, 3, 32, **big), k_far, torch.empty(1, 1, 3, 64, **big),
+                             torch.tensor(0.5))
 
 
 @pytest.mark.gpu

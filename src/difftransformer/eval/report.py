@@ -477,20 +477,25 @@ def write_report(compare_dir: str | Path, *, samples: bool = True) -> Path:
                                                       if manifest.get("config_file") else ""), ""]
     models = manifest.get("models") or {a: runs[a, s].model for a in arms for s in seeds if (a, s) in runs}
     keys = ["attention", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size", "max_position_embeddings", "lambda_init", "attn_backend"]
+            "intermediate_size", "vocab_size", "max_position_embeddings", "lambda_init", "attn_backend",
+            "attn_deterministic"]
     def shown(arm: str, key: str) -> str:
         value = models.get(arm, {}).get(key, "–")
         if key == "lambda_init":  # only DIFF V1 kinds have a λ_init
             if models.get(arm, {}).get("attention") not in _DIFF_LAMBDA_KINDS:
                 return "–"
             return "0.8 − 0.6·exp(−0.3·layer)" if value is None else str(value)
+        if key == "attn_deterministic":  # only the fused DIFF V1 kernel has a nondeterministic option
+            if models.get(arm, {}).get("attention") not in _DIFF_LAMBDA_KINDS or value == "–":
+                return "–"
+            return "yes" if value else "no (atomic dQ)"
         return str(value)
 
 
     rows = [[f"`{a}`", *[shown(a, k) for k in keys],
              f"{params[a]:,}" if a in params else "–"] for a in arms]
     L += _table(["arm", "attention", "layers", "hidden", "heads", "kv heads", "FFN", "vocab", "context",
-                 "λ_init", "backend", "parameters"], rows) + [""]
+                 "λ_init", "backend", "deterministic backward", "parameters"], rows) + [""]
     L += ["Heads count the arm's own kind: a DIFF head holds two softmax maps, so DIFF has half the heads of its "
           "matched Transformer at the same head_dim; parameter counts differ only by the λ vectors and the "
           "head-wise norm.", ""]

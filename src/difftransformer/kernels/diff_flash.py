@@ -36,7 +36,6 @@ combination D1 - lam * D2'. Storing O2n makes them one cheap memory-bound pass
 (A1 V = out + lam * O2n), where recomputing A2 V would cost another half forward.
 """
 
-import math
 import os
 
 import torch
@@ -111,15 +110,16 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """a @ b accumulated in fp32; fp32 operands use true fp32 products, not tf32."""
+def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
+    """acc + a @ b in fp32, summed by the MMA itself (a new fp32 tile without acc); fp32 operands
+    use true fp32 products, not tf32."""
     if INTERPRET:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc=acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b)
+        c = tl.dot(a, b, acc=acc)
     return c
 
 
@@ -207,8 +207,8 @@ def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
         l1 = l1 * alpha1 + tl.sum(p1, 1)
         l2 = l2 * alpha2 + tl.sum(p2, 1)
         # The one V tile serves both accumulators.
-        acc1 = acc1 * alpha1[:, None] + _dot(p1.to(v.dtype), v, IEEE, INTERPRET)
-        acc2 = acc2 * alpha2[:, None] + _dot(p2.to(v.dtype), v, IEEE, INTERPRET)
+        acc1 = _dot(p1.to(v.dtype), v, IEEE, INTERPRET, acc1 * alpha1[:, None])
+        acc2 = _dot(p2.to(v.dtype), v, IEEE, INTERPRET, acc2 * alpha2[:, None])
         m1 = m1_new
         m2 = m2_new
     return acc1, acc2, m1, m2, l1, l2
@@ -349,12 +349,12 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
             vis = offs_n[:, None] <= offs_m[None, :] + (S - T)
             p1t = tl.where(vis, p1t, 0.0)
             p2t = tl.where(vis, p2t, 0.0)
-        dv += _dot((p1t - lam * p2t).to(do.dtype), do, IEEE, INTERPRET)
+        dv = _dot((p1t - lam * p2t).to(do.dtype), do, IEEE, INTERPRET, dv)
         dpt = _dot(v, tl.trans(do), IEEE, INTERPRET)
         ds1t = p1t * (dpt - d1[None, :])
         ds2t = -lam * p2t * (dpt - r2[None, :])
-        dk1 += _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET)
-        dk2 += _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET)
+        dk1 = _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET, dk1)
+        dk2 = _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET, dk2)
         if ATOMIC_DQ:
             dq_ptrs = offs_m[:, None] * sdq_t + offs_d[None, :]
             dq_mask = m_ok[:, None] & d_ok[None, :]
@@ -417,14 +417,24 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
         Q1 = Q + b * sq_b + (2 * i) * sq_h
         DOi = DO + b * sdo_b + i * sdo_h
         DQ1 = DQ + b * sdq_b + (2 * i) * sdq_h
-        dk1, dk2, dv = _bwd_query_loop(
-            dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
-            D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv,
-            lo, full_start, T, S, qk_scale, scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
-        dk1, dk2, dv = _bwd_query_loop(
-            dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
-            D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv,
-            full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+        if ATOMIC_DQ:
+            # Masked blocks first, then the rest without a mask.
+            dk1, dk2, dv = _bwd_query_loop(
+                dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
+                D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
+                offs_dv, lo, full_start, T, S, qk_scale, scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+            dk1, dk2, dv = _bwd_query_loop(
+                dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
+                D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
+                offs_dv, full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+        else:
+            # One loop, masked throughout when causal. Split in two like the above, Triton 3.6 (the
+            # GPU image's) makes ptxas serialise every wgmma of this kernel, and 3.9 spills more at
+            # d = 128; see docs/benchmarks.md. The one-pass kernel is the other way round.
+            dk1, dk2, dv = _bwd_query_loop(
+                dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
+                D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
+                offs_dv, lo, T, T, S, qk_scale, scale, HEAD_D, CAUSAL, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
 
     DK1 = DK + b * sdk_b + (2 * g) * sdk_h
     dk_ptrs = offs_n[:, None] * sdk_s + offs_d[None, :] * sdk_d
@@ -457,8 +467,8 @@ def _bwd_key_loop(dq1, dq2, q1, q2, do, lse1, lse2, d1, r2, lam, K1, K2, V,
         dp = _dot(do, tl.trans(v), IEEE, INTERPRET)
         ds1 = p1 * (dp - d1[:, None])
         ds2 = -lam * p2 * (dp - r2[:, None])
-        dq1 += _dot(ds1.to(k1.dtype), k1, IEEE, INTERPRET)
-        dq2 += _dot(ds2.to(k2.dtype), k2, IEEE, INTERPRET)
+        dq1 = _dot(ds1.to(k1.dtype), k1, IEEE, INTERPRET, dq1)
+        dq2 = _dot(ds2.to(k2.dtype), k2, IEEE, INTERPRET, dq2)
     return dq1, dq2
 
 
@@ -674,11 +684,13 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
         raise ValueError(f"{h} heads do not split evenly over {h_kv} kv groups")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        # Batch and head offsets are 64-bit; offsets inside one batch item are 32-bit, for speed.
-        if max(math.prod(x.shape[1:]), sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))) >= 2**31:
-            raise ValueError(f"{name} {tuple(x.shape)} holds 2^31 or more elements per batch item, past the "
-                             f"kernel's 32-bit offsets; split the sequence, or use backend='sdpa'")
+    # Batch and head offsets are 64-bit; a token's offset within its head (position x token stride)
+    # is 32-bit, for speed. The output is token-major: its token stride is h * 2d.
+    for name, offset in (("q", (T - 1) * q.stride(2)), ("k", (S - 1) * k.stride(2)), ("v", (S - 1) * v.stride(2)),
+                         ("out", (T - 1) * h * 2 * d)):
+        if offset >= 2**31:
+            raise ValueError(f"{name}'s last token sits {offset} elements into its head, past the kernel's 32-bit "
+                             f"offsets (T={T}, S={S}); split the sequence, or use backend='sdpa'")
     if not _INTERPRET and not q.is_cuda:
         raise RuntimeError("diff_flash_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
