@@ -1,6 +1,7 @@
 """Differential attention and its layers against the independent float64 reference (tests/reference.py)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -409,31 +410,35 @@ def test_bf16_layer_under_autocast_is_close_to_fp32():
 def _triton_runs_here() -> bool:
     from difftransformer import kernels
 
-    return kernels.is_available() and (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1")
+    return kernels.is_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# The Triton interpreter runs the kernels on CPU tensors; compiled, they need CUDA ones.
+TRITON_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_layer_triton_backend_matches_reference(deterministic):
     torch.manual_seed(9)
-    layer = MultiheadDiffAttention(64, 2, 2, 1, backend="triton", deterministic=deterministic)
-    x = torch.randn(1, 19, 64, requires_grad=True)
+    layer = MultiheadDiffAttention(64, 2, 2, 1, backend="triton", deterministic=deterministic, device=TRITON_DEVICE)
+    x = torch.randn(1, 19, 64, device=TRITON_DEVICE, requires_grad=True)
     y = layer(x)
-    sd = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
-    xr = x.detach().double().requires_grad_(True)
+    sd = {k: v.detach().cpu().double().requires_grad_(True) for k, v in layer.state_dict().items()}
+    xr = x.detach().cpu().double().requires_grad_(True)
     ref = diff_layer_reference(sd, xr, depth=2, num_heads=2, num_kv_heads=1)
-    assert rel_err(y, ref) <= 1e-5
+    assert rel_err(y.cpu(), ref) <= 1e-5
     y.sum().backward()
     ref.sum().backward()
-    assert rel_err(x.grad, xr.grad) <= 1e-5
-    assert rel_err(layer.lambda_q1.grad, sd["lambda_q1"].grad) <= 1e-5
+    assert rel_err(x.grad.cpu(), xr.grad) <= 1e-5
+    assert rel_err(layer.lambda_q1.grad.cpu(), sd["lambda_q1"].grad) <= 1e-5
     with pytest.raises(ValueError, match="not key padding"):
-        layer(x, attention_mask=torch.ones(1, 19, dtype=torch.bool))
+        layer(x, attention_mask=torch.ones(1, 19, dtype=torch.bool, device=TRITON_DEVICE))
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_model_config_chooses_the_kernel_backward(monkeypatch, deterministic):
+def test_model_config_chooses_the_triton_backward(monkeypatch, deterministic):
     """config.attn_deterministic reaches the fused kernel of every DIFF layer, in the forward that
     records the backward to run."""
     from difftransformer.kernels import diff_flash
@@ -449,8 +454,8 @@ def test_model_config_chooses_the_kernel_backward(monkeypatch, deterministic):
     monkeypatch.setattr(diff_flash, "diff_flash_attention", recording)
     cfg = get_preset("tiny").config("diff", attn_backend="triton", attn_deterministic=deterministic,
                                     num_hidden_layers=2)
-    model = DiffTransformerLM(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    model = DiffTransformerLM(cfg).to(TRITON_DEVICE)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), device=TRITON_DEVICE)
     model(ids, ids).loss.backward()
     assert calls == [deterministic] * 2
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
