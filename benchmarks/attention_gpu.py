@@ -6,8 +6,8 @@ Layouts timed (DIFF: h heads, q/k components of dim d, V of dim 2d; baseline: 2h
   (b) two-call  SDPA(Q1, K1, V) - lam * SDPA(Q2, K2, V), V of dim 2d
   (c) four-call V split in its two d-halves, each half through both softmaxes, outputs concatenated
   (d) baseline  one SDPA call over 2h heads of dim d
-The SDPA layouts (b)-(d) are timed with each of SDPA's fused kernels pinned in turn (cuDNN, flash,
-memory-efficient; one that cannot take the shapes is skipped), and each column keeps the fastest:
+The SDPA layouts (b)-(d) are timed with each of SDPA's fused kernels pinned in turn (flash,
+memory-efficient, cuDNN; one that cannot take the shapes is skipped), and each column keeps the fastest:
 the "kernel" column names it for fwd / fwd+bwd. Flash needs q, k and v of one head dim, so
 the two-call layout (V of dim 2d) cannot use it; the four-call layout can.
 
@@ -16,9 +16,9 @@ FLOPs (2 per multiply-add), causal counted as half of T * S:
   baseline fwd+bwd 3.5 F                                              (bwd: S, dP, dV, dK, dQ = 2.5 F)
   DIFF fwd         1.5 F   (S1, S2 of width d; A1 V, A2 V of width 2d)
   DIFF fwd+bwd     4.0 F   (bwd as the baseline's: dP2 = -lam dP1, dV = (A1 - lam A2)^T dO)
-All DIFF layouts are credited with the same DIFF FLOPs (the deterministic backward of (a) actually
-recomputes the scores and dP for its dQ pass, 1.4x the one-pass backward's work), so their TFLOP/s is useful work per
-second (the four-call layout actually computes every score twice). Ratios are time / time of (d).
+All DIFF layouts are credited with the same DIFF FLOPs, so their TFLOP/s is useful work per second:
+the deterministic backward of (a) recomputes the scores and dP for its dQ pass (1.4x the one-pass
+backward's work), and the four-call layout computes every score twice. Ratios are time / time of (d).
 
     python benchmarks/attention_gpu.py                       # T 1K..16K, d 128 and 64, bf16
     python benchmarks/attention_gpu.py --seq-lens 4096 --head-dims 128 --rep-ms 500
