@@ -74,11 +74,16 @@ def split_components(q, k):
     return q1, q2, k1, k2
 
 
-def two_call(q, k, v, lam, causal):
+def two_call_maps(q, k, v, causal):
+    """(A1 V, A2 V), one SDPA call each."""
     q1, q2, k1, k2 = split_components(q, k)
     gqa = q1.shape[1] != k1.shape[1]
-    o1 = F.scaled_dot_product_attention(q1, k1, v, is_causal=causal, enable_gqa=gqa)
-    o2 = F.scaled_dot_product_attention(q2, k2, v, is_causal=causal, enable_gqa=gqa)
+    return tuple(F.scaled_dot_product_attention(qc, kc, v, is_causal=causal, enable_gqa=gqa)
+                 for qc, kc in ((q1, k1), (q2, k2)))
+
+
+def two_call(q, k, v, lam, causal):
+    o1, o2 = two_call_maps(q, k, v, causal)
     return o1 - lam * o2
 
 
@@ -172,9 +177,7 @@ def check_fused(diff_flash_attention, dtype, device, B, h, h_kv, T, d, causal):
     do = torch.randn(B, h, T, 2 * d, device=device, generator=g).to(dtype)
     lam = torch.tensor(0.7, device=device)
     ref_ins = [x.float().requires_grad_() for x in (q, k, v)] + [lam.clone().requires_grad_()]
-    q1, q2, k1, k2 = split_components(*ref_ins[:2])
-    o1, o2 = (F.scaled_dot_product_attention(qc, kc, ref_ins[2], is_causal=causal, enable_gqa=h != h_kv)
-              for qc, kc in ((q1, k1), (q2, k2)))
+    o1, o2 = two_call_maps(*ref_ins[:3], causal)
     ref = o1 - ref_ins[3] * o2
     want = [ref, *torch.autograd.grad(ref, ref_ins, do.float())]
     dlam_scale = (do.float().abs() * o2.detach().abs()).sum().item()

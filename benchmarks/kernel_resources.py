@@ -4,8 +4,9 @@ each autotune config costs in registers, spills and shared memory.
 Triton compiles ahead of time without a driver (TTIR -> TTGIR -> LLVM -> PTX), and its wheel ships
 NVIDIA's `ptxas`, whose `-v` report is the same one a GPU build gets: registers per thread, bytes
 spilled to local memory, and whether Hopper's asynchronous tensor-core instructions (wgmma) had to
-be serialised for lack of registers. A config that spills or serialises wgmma is slow on the
-GPU whatever the autotuner measures for it; this tells us before any GPU time is spent.
+be serialised (for lack of registers, or because other instructions write their accumulators). A
+config that spills or serialises wgmma is slow on the GPU whatever the autotuner measures for it;
+this tells us before any GPU time is spent.
 
 The launch arguments are the real ones: `diff_flash.fwd_launch` / `bwd_dkdv_launch` /
 `bwd_dq_launch` are called with meta-device tensors in the attention layer's layouts, and every
@@ -30,7 +31,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdvq")
+from difftransformer.kernels import diff_flash as df  # noqa: E402
+from difftransformer.kernels import token_major_empty  # noqa: E402
+
+KERNELS = tuple(df.TILES)
 
 
 def parse_args(argv=None):
@@ -48,9 +52,6 @@ def parse_args(argv=None):
 
 def launch(kernel_name, d, dtype, causal, h=8, h_kv=8, B=2, T=4096):
     """The kernel, its launch arguments and constexprs, from the real launch helpers."""
-    from difftransformer.kernels import diff_flash as df
-    from difftransformer.kernels import token_major_empty
-
     meta_dev = dict(device="meta")
     # The layer's layouts: q/k are transposed views of (B, T, 2h, d) projections, v of (B, S, h_kv, 2d).
     q = torch.empty(B, T, 2 * h, d, dtype=dtype, **meta_dev).transpose(1, 2)
@@ -132,14 +133,11 @@ def compile_one(job):
 
 
 def jobs_for(args):
-    from difftransformer.kernels import diff_flash as df
-
-    tiles = dict(fwd=df.FWD_TILES, bwd_dkdv=df.BWD_KV_TILES, bwd_dq=df.BWD_Q_TILES, bwd_dkdvq=df.BWD_KVQ_TILES)
     explore = [tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles else None
     jobs = []
     for name in args.kernels.split(","):
         for d in map(int, args.head_dims.split(",")):
-            for tile in explore or df.tiles_for(tiles[name], d, ieee=args.dtype == "fp32"):
+            for tile in explore or df.tiles_for(df.TILES[name], d, ieee=args.dtype == "fp32"):
                 jobs.append((name, d, args.dtype, not args.non_causal, args.arch, tile))
     return jobs
 

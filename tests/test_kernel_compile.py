@@ -27,7 +27,7 @@ import kernel_resources  # noqa: E402
 
 from difftransformer.kernels import diff_flash as df  # noqa: E402
 
-TILES = {"fwd": df.FWD_TILES, "bwd_dkdv": df.BWD_KV_TILES, "bwd_dq": df.BWD_Q_TILES, "bwd_dkdvq": df.BWD_KVQ_TILES}
+TILES = df.TILES
 H100_SMEM_KIB = 227  # the most shared memory one block may use on sm_90
 MAX_SPILL_BYTES = 256  # the chosen d = 128 tiles spill at most 168 B (Triton 3.9, docs/benchmarks.md)
 

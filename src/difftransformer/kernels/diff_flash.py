@@ -36,6 +36,7 @@ combination D1 - lam * D2'. Storing O2n makes them one cheap memory-bound pass
 (A1 V = out + lam * O2n), where recomputing A2 V would cost another half forward.
 """
 
+import contextlib
 import os
 
 import torch
@@ -71,6 +72,8 @@ BWD_Q_TILES = {64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4
 BWD_KVQ_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (16, 128, 8, 2), (64, 32, 8, 2)],
                  128: [(64, 32, 8, 2), (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 2), (32, 32, 8, 2)],
                  "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
+# By kernel name, as benchmarks/kernel_resources.py and the compile tests address them.
+TILES = {"fwd": FWD_TILES, "bwd_dkdv": BWD_KV_TILES, "bwd_dq": BWD_Q_TILES, "bwd_dkdvq": BWD_KVQ_TILES}
 _TUNE_KEY = ["HEAD_D", "CAUSAL", "IEEE", "LEN_BUCKET"]
 
 
@@ -400,16 +403,15 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # Query t sees key j iff j <= t + S - T. Queries before start_n + T - S see none of this block
-    # (skipped); from start_n + BLOCK_N - 1 + T - S on they see all of it (no mask).
+    # Query t sees key j iff j <= t + S - T: queries before start_n + T - S see none of this block,
+    # and from start_n + BLOCK_N - 1 + T - S on they see all of it (the causal one-pass kernel
+    # runs those query blocks unmasked).
+    lo = 0
     if CAUSAL:
         lo = tl.maximum(start_n + T - S, 0) // BLOCK_M * BLOCK_M
-        full_start = tl.maximum(start_n + BLOCK_N - 1 + T - S, 0)
-        full_start = tl.minimum((full_start + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
-        full_start = tl.maximum(full_start, lo)
-    else:
-        lo = 0
-        full_start = 0
+        if ATOMIC_DQ:
+            full_start = tl.maximum(start_n + BLOCK_N - 1 + T - S, 0)
+            full_start = tl.maximum(tl.minimum((full_start + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T), lo)
     H = H_KV * N_REP
     for r in range(N_REP):
         i = g * N_REP + r
@@ -417,8 +419,7 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
         Q1 = Q + b * sq_b + (2 * i) * sq_h
         DOi = DO + b * sdo_b + i * sdo_h
         DQ1 = DQ + b * sdq_b + (2 * i) * sdq_h
-        if ATOMIC_DQ:
-            # Masked blocks first, then the rest without a mask.
+        if ATOMIC_DQ and CAUSAL:  # masked blocks first, then the rest without a mask
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
@@ -429,8 +430,9 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
                 offs_dv, full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
         else:
             # One loop, masked throughout when causal. Split in two like the above, Triton 3.6 (the
-            # GPU image's) makes ptxas serialise every wgmma of this kernel, and 3.9 spills more at
-            # d = 128; see docs/benchmarks.md. The one-pass kernel is the other way round.
+            # GPU image's) makes ptxas serialise every wgmma of the deterministic kernel, and 3.9
+            # spills more at d = 128; the causal one-pass kernel is the other way round. See
+            # docs/benchmarks.md.
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
@@ -570,15 +572,7 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
 
 
 def _device_guard(t):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=())
