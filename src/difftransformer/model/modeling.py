@@ -131,7 +131,7 @@ class DiffTransformerLM(nn.Module):
         # The range check reads the ids on the host, which would break a torch.compile graph;
         # compiled, the embedding's own bounds check has to do.
         if not torch.compiler.is_compiling():
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = hi if hi >= self.config.vocab_size else lo
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
