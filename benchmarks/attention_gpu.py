@@ -209,7 +209,7 @@ def main(argv=None):
                  "(--cpu-smoke-test runs the script's code paths on CPU without measuring anything).")
     from difftransformer import kernels
 
-    if not kernels.is_available():
+    if not kernels.triton_runs():
         sys.exit("attention_gpu.py needs Triton (pip install triton) for the fused kernel.")
     from difftransformer.kernels.diff_flash import diff_flash_attention
 

@@ -25,6 +25,6 @@ timeout 320 $PY benchmarks/attention_gpu.py --time-limit 260 2>&1 | tee "$OUT/at
 # then the rest of the kernel's tests, which compile many small specialisations.
 # Under the device tool's 600 s per command: 320 + 90 + 60 + 110 s at most.
 T="$PY -m pytest -q -p no:cacheprovider -rfE"
-timeout 90 $T tests/test_triton_kernel.py -m gpu 2>&1 | tee "$OUT/triton_tests.log"
-timeout 60 $T tests/test_attention.py -k triton 2>&1 | tee -a "$OUT/triton_tests.log"
-timeout 110 $T tests/test_triton_kernel.py -m "not gpu" 2>&1 | tee -a "$OUT/triton_tests.log"
+timeout 90 $T tests/kernels/test_diff_flash.py -m gpu 2>&1 | tee "$OUT/triton_tests.log"
+timeout 60 $T tests/attention/test_layers.py -k triton 2>&1 | tee -a "$OUT/triton_tests.log"
+timeout 110 $T tests/kernels/test_diff_flash.py -m "not gpu" 2>&1 | tee -a "$OUT/triton_tests.log"

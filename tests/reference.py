@@ -123,3 +123,44 @@ def mha_reference(q, k, v, *, causal=True, key_padding_mask=None, scale=None):
             g = i // (H // H_kv)
             out[b, i] = softmax_rows(q[b, i] @ k[b, g].T * scale, vis) @ v[b, g]
     return out
+
+
+def mha_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int, rope_theta: float = 10000.0,
+                        head_norm: bool = False):
+    """The baseline layer (ordinary GQA attention, RoPE, optional head-wise RMSNorm) from its state dict, float64."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    B, T, E = x.shape
+    d = E // num_heads
+    q = (x @ sd["q_proj.weight"].T).view(B, T, num_heads, d).transpose(1, 2)
+    k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    pos = list(range(T))
+    o = mha_reference(rope_reference(q, pos, rope_theta), rope_reference(k, pos, rope_theta), v)
+    if head_norm:
+        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-5) * sd["subln.weight"]
+    return o.transpose(1, 2).reshape(B, T, E) @ sd["out_proj.weight"].T
+
+
+def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int, rope_theta: float = 10000.0):
+    """DIFF V2 from its state dict, float64: heads 2i and 2i+1 of one attention call (same kv group),
+    out_i = attn_2i - sigmoid(x . lambda_proj_i) * attn_2i+1, then o_proj."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    B, T, E = x.shape
+    H, H_kv = num_heads, num_kv_heads
+    d = sd["q_proj.weight"].shape[0] // (2 * H)
+    q = (x @ sd["q_proj.weight"].T).view(B, T, 2 * H, d).transpose(1, 2)
+    k = (x @ sd["k_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
+    v = (x @ sd["v_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
+    pos = list(range(T))
+    q, k = rope_reference(q, pos, rope_theta), rope_reference(k, pos, rope_theta)
+    group = 2 * H // H_kv
+    outs = []
+    for i in range(H):
+        g = (2 * i) // group
+        a = mha_reference(q[:, 2 * i:2 * i + 1], k[:, g:g + 1], v[:, g:g + 1])
+        b = mha_reference(q[:, 2 * i + 1:2 * i + 2], k[:, g:g + 1], v[:, g:g + 1])
+        lam = torch.sigmoid(x @ sd["lambda_proj.weight"][i])[:, None, :, None]
+        outs.append(a - lam * b)
+    return torch.cat(outs, dim=1).transpose(1, 2).reshape(B, T, H * d) @ sd["o_proj.weight"].T

@@ -22,9 +22,8 @@ from difftransformer.model import (
     load_pretrained,
     save_pretrained,
 )
+from difftransformer._version import __version__
 from difftransformer.norm import RMSNorm
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION_KINDS", "PRESETS", "AttentionMaps", "DiffTransformerConfig", "DiffTransformerLM", "KVCache",

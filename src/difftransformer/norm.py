@@ -1,4 +1,9 @@
-"""RMSNorm computed in fp32, used for the pre-norms and the head-wise norm of DIFF attention."""
+"""RMSNorm and the precision rule for numerically sensitive steps.
+
+Norms, RoPE rotations and λ are computed in `compute_dtype(x)`: fp32 for half-precision inputs (so a
+bf16 model normalises with fp32 statistics), and the input's own dtype when that is wider (so a
+float64 model agrees with a float64 reference to float64 rounding, not fp32's 1e-7).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The widest of fp32 and the given tensors' floating dtypes: never below fp32, never below the input."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last axis, in fp32 whatever the input dtype."""
+    """x / rms(x) * weight over the last axis, computed in `compute_dtype(x)` and returned in x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True, device=None, dtype=None):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (self.dim,), w, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """RMSNorm(x) * scale; a constant scale is folded into the weight (one pass over x)."""
+        f = compute_dtype(x)
+        w = self.weight.to(f) if self.weight is not None else None
+        if scale != 1.0:
+            w = w * scale if w is not None else torch.full((self.dim,), scale, dtype=f, device=x.device)
+        return F.rms_norm(x.to(f), (self.dim,), w, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}"

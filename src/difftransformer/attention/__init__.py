@@ -1,8 +1,8 @@
-"""Differential attention: the math (functional), its backends, RoPE, KV cache and layers."""
+"""Differential attention: the math (functional), the backend rule, RoPE, KV cache and layers."""
 
+from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
-    BACKENDS,
     AttentionMaps,
     differential_attention,
     lambda_init_fn,
@@ -15,5 +15,5 @@ from difftransformer.attention.rope import RotaryEmbedding
 __all__ = [
     "BACKENDS", "AttentionMaps", "KVCache", "MultiheadAttention", "MultiheadDiffAttention",
     "MultiheadDiffAttentionV2", "RotaryEmbedding", "differential_attention", "lambda_init_fn",
-    "multihead_attention", "reparameterized_lambda",
+    "multihead_attention", "reparameterized_lambda", "resolve_backend",
 ]

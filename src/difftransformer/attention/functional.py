@@ -1,18 +1,12 @@
 """The one definition of differential attention, and interchangeable backends for it.
 
 Everything the layers compute goes through `differential_attention` (V1) or
-`multihead_attention` (ordinary attention, used by the baseline and by DIFF V2). Backends:
+`multihead_attention` (ordinary attention, used by the baseline and by DIFF V2). Which implementation
+runs is decided in `backends.py` (eager, sdpa, cpp, triton, and the one 'auto' rule); this module
+holds the math, the masking rules and the eager and SDPA paths.
 
-- ``eager``:  explicit maps in fp32. Slow and O(T*S) memory, but it can return the maps.
-- ``sdpa``:   `torch.nn.functional.scaled_dot_product_attention`, one batched call for both
-              softmax maps. PyTorch's CPU flash kernel needs q, k and v to share a head dim, so
-              on CPU q and k (dim d) are zero-padded to v's dim 2d: scores are unchanged and no
-              T x S map is ever stored. On CUDA, v of dim 2d goes in as is.
-- ``triton``: the fused Triton kernel in `difftransformer.kernels` (CUDA, or the Triton interpreter).
-- ``cpp``:    the fused C++ CPU kernels in `difftransformer.kernels.flash_cpu`: both maps in one
-              pass, 1.5x the baseline's attention FLOPs forward and 1.0x backward, where the
-              padded `sdpa` layout pays 2x; ordinary attention (the baseline) runs through the
-              same C++ template. Built on first use; 'auto' picks it on CPU.
+Precision: maps and the difference A1 - lam*A2 are computed in `compute_dtype` (fp32 for fp32 and
+half-precision inputs, float64 for float64), and the output is returned in q's dtype.
 
 Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys, d comp. dim):
     q: (B, 2h, T, d)      component c of head i at index 2i + c ("striped")
@@ -31,11 +25,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "eager", "sdpa", "triton", "cpp")
+from difftransformer.attention.backends import resolve_backend
+from difftransformer.norm import compute_dtype
 
 
 class AttentionMaps(NamedTuple):
-    """Maps returned by the eager backend for analysis, each (B, h, T, S) in fp32."""
+    """Maps returned by the eager backend for analysis, each (B, h, T, S) in the compute dtype (fp32 or float64)."""
 
     diff: torch.Tensor  # A1 - lam * A2
     a1: torch.Tensor
@@ -48,8 +43,9 @@ def lambda_init_fn(depth: int) -> float:
 
 
 def reparameterized_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init: float):
-    """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, always in fp32 (a 0-d tensor)."""
-    f = torch.float32
+    """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, a 0-d tensor in `compute_dtype` of the
+    vectors: fp32 for fp32 or half-precision vectors, float64 for float64 ones."""
+    f = compute_dtype(lambda_q1, lambda_k1, lambda_q2, lambda_k2)
     dot1 = torch.sum(lambda_q1.to(f) * lambda_k1.to(f))
     dot2 = torch.sum(lambda_q2.to(f) * lambda_k2.to(f))
     return torch.exp(dot1) - torch.exp(dot2) + lambda_init
@@ -74,40 +70,6 @@ def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
         raise ValueError(
             f"key_padding_mask must have shape (batch, key_len) = ({B}, {S}), got "
             f"{tuple(key_padding_mask.shape)}; it marks keys to keep with True/1, including any cached keys")
-
-
-def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False,
-                    has_padding: bool = False, dtype: torch.dtype | None = None) -> str:
-    """Pick a concrete backend; 'auto' prefers a fused kernel (Triton on CUDA, C++ on CPU), else SDPA.
-
-    On CUDA, 'auto' takes Triton for half-precision inputs only: exact fp32 products have no
-    tensor-core path there, and SDPA's fp32 kernels are the better choice. backend='triton' still
-    runs fp32 (exactly, with small tiles)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    if need_maps:
-        if backend not in ("auto", "eager"):
-            raise ValueError(f"attention maps can only be returned by the 'eager' backend, not {backend!r}")
-        return "eager"
-    if backend == "auto":
-        if device.type == "cuda" and not has_padding and dtype in (None, torch.float16, torch.bfloat16):
-            from difftransformer import kernels
-
-            if kernels.is_available():
-                return "triton"
-        if device.type == "cpu":
-            from difftransformer.kernels import flash_cpu
-
-            if flash_cpu.is_available():
-                return "cpp"
-        return "sdpa"
-    if backend == "triton" and has_padding:
-        raise ValueError("the 'triton' backend supports causal/non-causal masks only, not key padding; "
-                         "use backend='sdpa' (or 'auto') for padded batches")
-    if backend == "cpp" and device.type != "cpu":
-        raise ValueError(f"the 'cpp' backend is the fused CPU kernel; tensors on {device.type} need "
-                         "backend='triton', 'sdpa' or 'auto'")
-    return backend
 
 
 def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
@@ -143,7 +105,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     B, S, d = q.shape[0], k.shape[2], q.shape[-1]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
-    lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
+    lam = torch.as_tensor(lam, device=q.device).to(compute_dtype(q))
     which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
                             dtype=q.dtype)
     if which == "eager":
@@ -161,7 +123,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """fp32 softmax over the last axis; rows with no visible key become zeros instead of NaN."""
+    """Softmax over the last axis in scores' dtype; rows with no visible key become zeros instead of NaN."""
     if mask is None:
         return torch.softmax(scores, dim=-1)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -174,7 +136,7 @@ def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale):
     B, two_h, T, d = q.shape
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
     n_rep = h // h_kv
-    f = torch.float32
+    f = compute_dtype(q, lam)
     qc = q.to(f).view(B, h, 2, T, d)
     kc = k.to(f).view(B, h_kv, 2, S, d).repeat_interleave(n_rep, dim=1)  # (B, h, 2, S, d)
     vc = v.to(f).repeat_interleave(n_rep, dim=1)  # (B, h, S, 2d)
@@ -224,9 +186,9 @@ def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
     vc = v.unsqueeze(1).expand(B, 2, h_kv, S, 2 * d).reshape(B, 2 * h_kv, S, 2 * d)
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     o = _sdpa(qc, kc, vc, mask, causal, scale, gqa=h != h_kv).view(B, 2, h, T, 2 * d)
-    if o.dtype == torch.float32:
+    if o.dtype == lam.dtype:
         return torch.addcmul(o[:, 0], o[:, 1], lam, value=-1.0)  # o1 - lam * o2 in one pass
-    return (o[:, 0].float() - lam * o[:, 1].float()).to(q.dtype)
+    return (o[:, 0].to(lam.dtype) - lam * o[:, 1].to(lam.dtype)).to(q.dtype)
 
 
 def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,
@@ -240,10 +202,10 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
     which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
-                            dtype=q.dtype)
+                            dtype=q.dtype, differential=False)
     if which == "eager":
         n_rep = H // H_kv
-        f = torch.float32
+        f = compute_dtype(q)
         scores = torch.matmul(q.to(f), k.to(f).repeat_interleave(n_rep, 1).transpose(-1, -2)) * scale
         probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
@@ -252,6 +214,5 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         from difftransformer.kernels.flash_cpu import flash_attention_cpu
 
         return flash_attention_cpu(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    # The Triton kernel is differential-only; ordinary attention on CUDA is served by SDPA's kernels.
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)

@@ -13,12 +13,11 @@ All layers do causal self-attention with RoPE at positions 0..T-1 (or after the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from difftransformer.attention.backends import check_backend_name, prepare_backend
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
-    BACKENDS,
     AttentionMaps,
     differential_attention,
     lambda_init_fn,
@@ -26,22 +25,14 @@ from difftransformer.attention.functional import (
     reparameterized_lambda,
 )
 from difftransformer.attention.rope import RotaryEmbedding
-from difftransformer.kernels import flash_cpu
-from difftransformer.norm import RMSNorm
-
-
-def _build_cpu_kernel_early(backend: str, device) -> None:
-    """Build the fused C++ kernel when the layer is made, not at its first forward: that forward
-    may be traced by torch.compile, where no build can happen and 'auto' would fall back to SDPA.
-    Skipped on machines with CUDA unless 'cpp' is asked for, and on non-CPU default devices."""
-    if (torch.device(device) if device is not None else torch.get_default_device()).type != "cpu":
-        return
-    if backend == "cpp" or (backend == "auto" and not torch.cuda.is_available()):
-        flash_cpu.is_available()
+from difftransformer.dist import full_tensor
+from difftransformer.norm import RMSNorm, compute_dtype
 
 
 class _SelfAttention(nn.Module):
     """Input checks, positions and KV-cache plumbing shared by every attention kind."""
+
+    differential = False  # whether the layer calls differential_attention (its backend rules differ)
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None,
                  backend: str, max_seq_len: int | None, device=None):
@@ -55,10 +46,9 @@ class _SelfAttention(nn.Module):
                              f"so that every kv head serves the same number of query heads")
         if depth < 0:
             raise ValueError(f"depth is the 0-based layer index and must be >= 0; got {depth}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        check_backend_name(backend)
         self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
-        _build_cpu_kernel_early(backend, device)
+        prepare_backend(backend, device, differential=self.differential)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
@@ -78,7 +68,7 @@ class _SelfAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}; "
                             f"token ids go through an embedding first")
-        w = next(self.parameters())
+        w = self.q_proj.weight  # the λ vectors stay at least fp32 in a half-precision layer
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"input dtype {x.dtype} does not match the layer's parameters ({w.dtype}); "
                             f"cast one of them (layer.to({x.dtype})) or run under torch.autocast")
@@ -98,7 +88,8 @@ class _SelfAttention(nn.Module):
     def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
         """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE, v (B, kv_v_heads, S, v_dim)."""
         B, T, _ = x.shape
-        rotation = self.rotary.rotation(self._positions(x, position_ids, kv_cache))  # shared by q and k
+        positions = self._positions(x, position_ids, kv_cache)
+        rotation = self.rotary.rotation(positions, compute_dtype(x))  # shared by q and k
         q = self.rotary.rotate(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), rotation)
         k = self.rotary.rotate(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
@@ -110,12 +101,17 @@ class _SelfAttention(nn.Module):
 class MultiheadDiffAttention(_SelfAttention):
     """Differential attention (V1), parameter-compatible with the authors' reference code.
 
+    The λ vectors are stored in at least fp32 whatever `dtype` is (as in the authors' code), and λ
+    is computed in `compute_dtype` of them: fp32 in a half-precision layer, float64 in a float64 one.
+
     num_heads: DIFF heads h (half the matched Transformer's); head_dim d = embed_dim // h // 2.
     lambda_init: a constant (ablations use 0.8 or 0.5); None uses 0.8 - 0.6 exp(-0.3 depth).
     head_norm: the head-wise RMSNorm over 2d with one shared weight (False only for ablation).
     deterministic: False lets the fused Triton backend compute dQ with atomics in one backward pass
     (see `diff_flash_attention`); the other backends are unaffected.
     """
+
+    differential = True
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
@@ -133,8 +129,9 @@ class MultiheadDiffAttention(_SelfAttention):
         self.head_dim, self.scaling = d, d ** -0.5
         self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
+        lambda_dtype = compute_dtype(torch.empty(0, dtype=dtype or torch.get_default_dtype()))
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=torch.float32)))
+            setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=lambda_dtype)))
         self.subln = RMSNorm(2 * d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
         self.rotary = RotaryEmbedding(d, rope_theta)
         self.reset_lambda_parameters()
@@ -146,14 +143,19 @@ class MultiheadDiffAttention(_SelfAttention):
     def _head_norm_and_scale(self, o: torch.Tensor) -> torch.Tensor:
         """(1 - lambda_init) * RMSNorm(o); the constant is folded into the 2d-element norm weight."""
         scale = 1.0 - self.lambda_init
-        if self.subln is None:
-            return o * scale
-        return F.rms_norm(o.float(), (o.shape[-1],), self.subln.weight.float() * scale, self.subln.eps).to(o.dtype)
+        return o * scale if self.subln is None else self.subln(o, scale)
 
     def lambda_full(self) -> torch.Tensor:
-        """The layer's current lambda, a differentiable fp32 scalar."""
+        """The layer's current lambda, a differentiable 0-d tensor (fp32, or float64 in a float64 layer)."""
         return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
                                       self.lambda_init)
+
+    @torch.no_grad()
+    def current_lambda(self) -> float:
+        """λ now, as a float, also when FSDP2 has sharded the λ vectors (then it gathers them: a
+        collective, so every rank must call it). For logging and reports; forward uses `lambda_full`."""
+        vectors = [full_tensor(p).detach() for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)]
+        return float(reparameterized_lambda(*vectors, self.lambda_init))
 
     def forward(self, x: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
@@ -246,8 +248,9 @@ class MultiheadDiffAttentionV2(_SelfAttention):
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
                                   backend=self.backend, return_maps=return_attention)
         attn, probs = res if return_attention else (res, None)
-        lam = torch.sigmoid(self.lambda_proj(x).float()).transpose(1, 2)[..., None]  # (B, H, T, 1)
-        o = (attn[:, 0::2].float() - lam * attn[:, 1::2].float()).to(attn.dtype)
+        f = compute_dtype(attn)
+        lam = torch.sigmoid(self.lambda_proj(x).to(f)).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        o = (attn[:, 0::2].to(f) - lam * attn[:, 1::2].to(f)).to(attn.dtype)
         out = self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
         if not return_attention:
             return out

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from difftransformer.norm import compute_dtype
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates pairs (x[2i], x[2i+1]) of the last axis by pos * theta**(-2i/dim).
 
-    Angles are computed in float64 and rotations in fp32, so long positions stay exact to fp32
-    precision. Works on (B, H, T, dim) with positions (T,) or (B, T).
+    Angles are computed in float64 and rotations in `compute_dtype` (fp32 for fp32 and half-precision
+    inputs, float64 for float64), so long positions stay exact to the compute precision. Works on
+    (B, H, T, dim) with positions (T,) or (B, T).
     """
 
     def __init__(self, dim: int, theta: float = 10000.0):
@@ -19,30 +22,32 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even dimension, got {dim}")
         self.dim, self.theta = dim, float(theta)
 
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, dtype=torch.float64,
                                                 device=positions.device) / self.dim)
         ang = positions.to(torch.float64)[..., None] * inv_freq  # (..., T, dim/2)
-        return ang.cos().float(), ang.sin().float()
+        return ang.cos().to(dtype), ang.sin().to(dtype)
 
-    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
-        """Unit complex numbers e^(i * pos * freq), (T, dim/2) or (B, 1, T, dim/2) for per-row positions."""
-        cos, sin = self.angles(positions)
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Unit complex numbers e^(i * pos * freq), (T, dim/2) or (B, 1, T, dim/2) for per-row positions.
+
+        dtype is the real dtype of the rotation: `compute_dtype` of the tensors it will rotate."""
+        cos, sin = self.angles(positions, dtype)
         rotation = torch.complex(cos, sin)
         return rotation[:, None] if rotation.dim() == 3 else rotation
 
     def rotate(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """Apply a `rotation()` table to x (..., T, dim)."""
+        """Apply a `rotation()` table to x (..., T, dim); computed in `compute_dtype(x)`, returned in x's dtype."""
         # Pair (x[2i], x[2i+1]) is the complex number x[2i] + i x[2i+1]; rotating it is one complex
         # multiply (x0 cos - x1 sin, x0 sin + x1 cos), far faster than strided real arithmetic.
-        xf = x.float()
+        xf = x.to(compute_dtype(x))
         if not torch.compiler.is_compiling() and not _pairs_adjacent(xf):
             xf = xf.contiguous()  # view_as_complex needs pairs adjacent in memory
         z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
         return torch.view_as_real(z * rotation).flatten(-2).to(x.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotate(x, self.rotation(positions))
+        return self.rotate(x, self.rotation(positions, compute_dtype(x)))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}, layout=interleaved"

@@ -3,6 +3,7 @@
     data = prepare_data("sotu", "cache/data/sotu", vocab_size=8192)
     train = data.dataset("train")                       # a TokenDataset (memmap)
     data = PreparedData.load("cache/data/sotu")         # later, without redoing anything
+    data = ensure_data(DataConfig(corpus="sotu"))       # load, or prepare first; safe under torchrun
 
 Every step is keyed by content hashes, so calling it again is cheap: the tokenizer is reused when
 the train split and settings are unchanged, and a shard is rewritten only when its documents or
@@ -13,23 +14,33 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._io import atomic_write_text
+from difftransformer import dist
+from difftransformer._io import atomic_write_text
+
+from .config import DataConfig
 from .corpus import corpus_hash, load_corpus
 from .shards import TokenDataset, read_shard_meta, shard_paths, write_shard
 from .split import SPLITS, split_documents
 from .tokenizer import Tokenizer, train_tokenizer
 
-MANIFEST = "prepared.json"
+PREPARED_FILE = "prepared.json"  # the manifest of a prepared-data folder
 log = logging.getLogger(__name__)
+
+
+class DataMismatchError(ValueError):
+    """A prepared-data folder holds data made from other settings than the ones asked for."""
 
 
 @dataclass
 class PreparedData:
-    """Where a prepared corpus lives and what is in it (mirrors out_dir/prepared.json)."""
+    """Where a prepared corpus lives and what is in it (mirrors out_dir/prepared.json).
+
+    split_config: {"val_fraction", "test_fraction", "split_seed"} (older folders wrote "seed")."""
 
     out_dir: Path
     tokenizer_path: Path
@@ -64,15 +75,15 @@ class PreparedData:
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
         }
-        atomic_write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        atomic_write_text(self.out_dir / PREPARED_FILE, json.dumps(manifest, indent=2) + "\n")
 
     @classmethod
     def load(cls, out_dir: str | Path) -> PreparedData:
         out_dir = Path(out_dir)
-        path = out_dir / MANIFEST
+        path = out_dir / PREPARED_FILE
         if not path.is_file():
             raise FileNotFoundError(
-                f"no prepared data in {out_dir} (missing {MANIFEST}); run `difftransformer prepare` "
+                f"no prepared data in {out_dir} (missing {PREPARED_FILE}); run `difftransformer prepare` "
                 "or difftransformer.data.prepare_data(...) first"
             )
         m = json.loads(path.read_text(encoding="utf-8"))
@@ -86,8 +97,21 @@ class PreparedData:
             tokenizer_hash=m["tokenizer_hash"],
             vocab_size=m["vocab_size"],
             corpus=m.get("corpus", ""),
-            split_config=m.get("split_config", {}),
+            split_config=_current_split_keys(m.get("split_config", {})),
         )
+
+    @staticmethod
+    def exists(out_dir: str | Path) -> bool:
+        """Whether `out_dir` holds a finished preparation (its manifest is written last)."""
+        return (Path(out_dir) / PREPARED_FILE).is_file()
+
+
+def _current_split_keys(split: dict[str, Any]) -> dict[str, Any]:
+    """Folders prepared before the split seed had its own name recorded it as "seed"."""
+    split = dict(split)
+    if "seed" in split and "split_seed" not in split:
+        split["split_seed"] = split.pop("seed")
+    return split
 
 
 def prepare_data(
@@ -97,7 +121,7 @@ def prepare_data(
     tokenizer_path: str | None = None,
     val_fraction: float = 0.05,
     test_fraction: float = 0.05,
-    seed: int = 0,
+    split_seed: int = 0,
     force: bool = False,
 ) -> PreparedData:
     """Load `corpus`, split it by document, train (or load) the tokenizer, write one shard per split.
@@ -109,7 +133,7 @@ def prepare_data(
     out_dir.mkdir(parents=True, exist_ok=True)
     docs = load_corpus(corpus)
     chash = corpus_hash(docs)
-    splits = split_documents(docs, val_fraction, test_fraction, seed)
+    splits = split_documents(docs, val_fraction, test_fraction, split_seed)
     if not splits["train"]:
         raise ValueError(
             f"corpus {corpus!r} has {len(docs)} document(s) and none landed in train; add documents (3 or more guarantee every split one)"
@@ -155,7 +179,60 @@ def prepare_data(
         tokenizer_hash=tok.hash,
         vocab_size=tok.vocab_size,
         corpus=str(corpus),
-        split_config={"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed},
+        split_config={"val_fraction": val_fraction, "test_fraction": test_fraction, "split_seed": split_seed},
     )
     data.save()
     return data
+
+
+def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:
+    """`prepare_data` with the settings of a DataConfig (into its resolved folder)."""
+    return prepare_data(config.corpus, config.resolved_dir(), vocab_size=config.vocab_size,
+                        tokenizer_path=config.tokenizer_path, val_fraction=config.val_fraction,
+                        test_fraction=config.test_fraction, split_seed=config.split_seed, force=force)
+
+
+def ensure_data(config: DataConfig, wait_s: float = 3600.0) -> PreparedData:
+    """Load the prepared shards of `config`, preparing them first if its folder has none.
+
+    Under torchrun only rank 0 prepares; the others wait for its manifest, so ranks never race on
+    the same files. A folder made from another corpus, split or tokenizer is a DataMismatchError,
+    never a silent reuse.
+    """
+    data_dir = Path(config.resolved_dir())
+    if not PreparedData.exists(data_dir):
+        if dist.is_main():
+            log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
+            return prepare_from_config(config)
+        deadline = time.monotonic() + wait_s
+        while not PreparedData.exists(data_dir):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {dist.rank()} waited {wait_s:.0f}s for rank 0 to prepare {data_dir}")
+            time.sleep(2.0)
+    data = PreparedData.load(data_dir)
+    _check_same_data(data, config)
+    return data
+
+
+def _check_same_data(data: PreparedData, config: DataConfig) -> None:
+    fix = f"set data.data_dir to another folder, or delete {data.out_dir} to have it prepared again"
+    if data.corpus and not _same_corpus(data.corpus, config.corpus):
+        raise DataMismatchError(f"{data.out_dir} holds data prepared from corpus {data.corpus!r}, not "
+                                f"{config.corpus!r}; {fix}")
+    if data.split_config and {k: data.split_config.get(k) for k in config.split} != config.split:
+        raise DataMismatchError(f"{data.out_dir} was split with {data.split_config}, not {config.split}; {fix}")
+    if config.tokenizer_path is not None:
+        if Tokenizer.from_file(config.tokenizer_path).hash != data.tokenizer_hash:
+            raise DataMismatchError(f"{data.out_dir} was tokenised with another tokenizer than "
+                                    f"{config.tokenizer_path}; {fix}")
+    elif data.vocab_size > config.vocab_size:
+        raise DataMismatchError(f"{data.out_dir} has a {data.vocab_size}-token tokenizer, more than data.vocab_size "
+                                f"= {config.vocab_size}; {fix}")
+
+
+def _same_corpus(a: str, b: str) -> bool:
+    """Equal specs, or the same local path spelled differently ('./notes' and 'notes')."""
+    if a == b:
+        return True
+    (pa, _, oa), (pb, _, ob) = a.partition("#"), b.partition("#")
+    return oa == ob and Path(pa).exists() and Path(pa).resolve() == Path(pb).resolve()

@@ -1,8 +1,8 @@
 """Deterministic train/val/test split at the document level.
 
-Each document gets a score u in [0, 1) from sha256(seed, id). Documents with u < test_fraction
+Each document gets a score u in [0, 1) from sha256(split_seed, id). Documents with u < test_fraction
 go to test, those with u < test_fraction + val_fraction to val, the rest to train. Because the
-score depends only on (seed, id):
+score depends only on (split_seed, id):
   * no document is in two splits, and long documents never straddle a boundary;
   * the result does not depend on the input order;
   * adding documents to a corpus never moves an existing document to another split, so a test
@@ -11,7 +11,7 @@ score depends only on (seed, id):
 Minimum-size rule: with >= 3 documents, every split that is asked for (train always, val/test
 when their fraction is > 0) gets at least one document. When the thresholds leave such a split
 empty, the document whose score lies closest to that split's interval is moved into it from the
-largest split (ties broken by id). This too depends only on (seed, ids). Within each split,
+largest split (ties broken by id). This too depends only on (split_seed, ids). Within each split,
 documents keep their input order.
 """
 
@@ -25,9 +25,9 @@ from .corpus import Document
 SPLITS = ("train", "val", "test")
 
 
-def document_score(doc_id: str, seed: int) -> float:
+def document_score(doc_id: str, split_seed: int) -> float:
     """A stable pseudo-random number in [0, 1) for a document id (same on every machine)."""
-    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
+    digest = hashlib.sha256(f"{split_seed}\x00{doc_id}".encode()).digest()
     return (int.from_bytes(digest[:8], "big") >> 11) / 2.0**53  # 53 bits: exact in a float, never 1.0
 
 
@@ -35,7 +35,7 @@ def split_documents(
     docs: Sequence[Document],
     val_fraction: float = 0.05,
     test_fraction: float = 0.05,
-    seed: int = 0,
+    split_seed: int = 0,
 ) -> dict[str, list[Document]]:
     """Split documents into {"train", "val", "test"} by a hash of their ids (see module docstring)."""
     for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
@@ -56,7 +56,7 @@ def split_documents(
         "val": (test_fraction, test_fraction + val_fraction),
         "train": (test_fraction + val_fraction, 1.0),
     }
-    score = {d.id: document_score(d.id, seed) for d in docs}
+    score = {d.id: document_score(d.id, split_seed) for d in docs}
     assign: dict[str, str] = {}
     for d in docs:
         u = score[d.id]

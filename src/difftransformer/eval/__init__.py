@@ -1,7 +1,22 @@
-"""Evaluation: side-by-side comparisons of attention kinds (arms x seeds) and their report."""
+"""Evaluating ONE trained model: the task interface, shared text scoring (lm.py) and the tasks.
 
-from difftransformer.eval.compare import arm_configs, arm_dir, ensure_data, hardware, is_finished, run_compare
-from difftransformer.eval.report import paired_diffs, verdict, write_report
+    from difftransformer.eval import EvalConfig, run_task
+    result = run_task("heldout-loss", model, tokenizer, EvalConfig(data_dir="cache/data/sotu-8192"))
+"""
 
-__all__ = ["arm_configs", "arm_dir", "ensure_data", "hardware", "is_finished", "paired_diffs", "run_compare",
-           "verdict", "write_report"]
+from difftransformer.eval.lm import (
+    ContinuationScore,
+    Generation,
+    continuation_logprob,
+    encode_prompt,
+    generate_text,
+    new_token_budget,
+    token_nll,
+)
+from difftransformer.eval.task import TASKS, EvalConfig, Task, TaskResult, get_task, register_task, run_task
+from difftransformer.eval.tasks import HeldOutLoss  # registers the built-in tasks
+
+__all__ = [
+    "TASKS", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult", "continuation_logprob",
+    "encode_prompt", "generate_text", "get_task", "new_token_budget", "register_task", "run_task", "token_nll",
+]

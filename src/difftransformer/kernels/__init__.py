@@ -1,15 +1,19 @@
-"""Fused Triton kernels. Triton is optional: check `is_available()` before importing `diff_flash`.
+"""Fused attention kernels: `diff_flash` (Triton, differential attention) and `flash_cpu` (C++, CPU).
+
+Triton is optional: check `triton_runs()` before importing `diff_flash`.
 
     from difftransformer import kernels
-    if kernels.is_available():
+    if kernels.triton_runs():
         from difftransformer.kernels.diff_flash import diff_flash_attention
+
+This package imports nothing else of difftransformer.
 """
 
 import importlib.util
 import os
 
 
-def is_available() -> bool:
+def triton_runs() -> bool:
     """True when Triton is importable and can run here: a CUDA device, or TRITON_INTERPRET=1 (CPU)."""
     if importlib.util.find_spec("triton") is None:
         return False
@@ -32,4 +36,4 @@ def token_major_empty(q, heads: int, width: int):
     return q.new_empty(B, T, heads, width).transpose(1, 2)
 
 
-__all__ = ["is_available", "token_major_empty"]
+__all__ = ["token_major_empty", "triton_runs"]

@@ -51,7 +51,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Tiles (BLOCK_M queries, BLOCK_N keys, warps, stages) per class: bf16/fp16 with d <= 64 and with
-# d <= 128, and exact fp32. Chosen from what ptxas reports for sm_90 (benchmarks/kernel_resources.py;
+# d <= 128, and exact fp32. Chosen from what ptxas reports for sm_90 (kernels/resources.py;
 # table in docs/benchmarks.md): no serialised wgmma, at most a few hundred bytes spilled, shared
 # memory well under the 227 KiB an H100 block can have. A DIFF head carries two maps and a 2d-wide
 # V, so its fp32 accumulators are twice a baseline head's: above d = 64 only 64-row tiles with 8
@@ -72,7 +72,7 @@ BWD_Q_TILES = {64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4
 BWD_KVQ_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (16, 128, 8, 2), (64, 32, 8, 2)],
                  128: [(64, 32, 8, 2), (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 2), (32, 32, 8, 2)],
                  "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
-# By kernel name, as benchmarks/kernel_resources.py and the compile tests address them.
+# By kernel name, as kernels/resources.py and the compile tests address them.
 TILES = {"fwd": FWD_TILES, "bwd_dkdv": BWD_KV_TILES, "bwd_dq": BWD_Q_TILES, "bwd_dkdvq": BWD_KVQ_TILES}
 _TUNE_KEY = ["HEAD_D", "CAUSAL", "IEEE", "LEN_BUCKET"]
 
@@ -539,7 +539,7 @@ def _meta(q, d, T, S, causal):
 
 
 # The launches of the three tuned kernels: (kernel, grid, positional args, keyword args). The ops
-# below run them; benchmarks/kernel_resources.py compiles exactly these for a GPU it does not have.
+# below run them; kernels/resources.py compiles exactly these for a GPU it does not have.
 
 
 def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale):

@@ -1,8 +1,8 @@
 """Typed model configuration, matched DIFF/Transformer pairs, and presets.
 
-`num_attention_heads` always counts the heads *of the configured attention kind*:
-- diff, diff_no_headnorm: differential heads h (half the matched Transformer's heads);
-- transformer, transformer_headnorm, diff_v2: ordinary heads H (the baseline's own count).
+`num_attention_heads` always counts the heads *of the configured attention kind* (see kinds.py):
+- kinds with `diff_heads` (diff, diff_no_headnorm): DIFF heads h, half the matched Transformer's;
+- the others (transformer, transformer_headnorm, diff_v2): ordinary heads H, the baseline's own count.
 `config.matched("transformer")` / `config.matched("diff")` convert between the two so that a
 DIFF model and its baseline have the same width, depth, FFN and head_dim, and parameter counts
 that differ only by 6 * head_dim per layer (lambda vectors and head-norm weight).
@@ -11,21 +11,17 @@ that differ only by 6 * head_dim per layer (lambda vectors and head-norm weight)
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from difftransformer._io import atomic_write_text
+from difftransformer.attention.backends import BACKENDS
+from difftransformer.model.kinds import AttentionKind, attention_kind
 
-ATTENTION_KINDS = {
-    "diff": "DIFF Transformer V1: differential heads, head-wise RMSNorm, (1 - lambda_init) scale",
-    "diff_no_headnorm": "ablation: DIFF V1 without the head-wise RMSNorm",
-    "diff_v2": "DIFF V2: 2H query heads paired in-group, per-token sigmoid lambda, no head norm",
-    "transformer": "the matched Transformer baseline (ordinary multi-head attention)",
-    "transformer_headnorm": "ablation: the baseline with a head-wise RMSNorm",
-}
-_DIFF_HEAD_KINDS = ("diff", "diff_no_headnorm")  # kinds whose heads are differential (halved)
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")  # counted in the configured kind's units
 # Fields that choose how attention is computed, not what the model is: a checkpoint resumes or
 # loads under other values of these.
 RUNTIME_FIELDS = ("attn_backend", "attn_deterministic")
@@ -54,8 +50,7 @@ class DiffTransformerConfig:
     attn_deterministic: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention kind {self.attention!r}; choose one of {sorted(ATTENTION_KINDS)}")
+        attention_kind(self.attention)  # a known kind, or a ValueError naming the nearest one
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.intermediate_size is None:
@@ -67,43 +62,44 @@ class DiffTransformerConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        split = 2 * self.num_attention_heads if self.is_differential else self.num_attention_heads
+        split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
         if self.hidden_size % split:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
-                             f"{'2 * ' if self.is_differential else ''}num_attention_heads ({split}) "
+                             f"{'2 * ' if self.kind.diff_heads else ''}num_attention_heads ({split}) "
                              f"for attention={self.attention!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
-        from difftransformer.attention.functional import BACKENDS
-
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"unknown attn_backend {self.attn_backend!r}; choose one of {BACKENDS}")
+        if self.attn_backend == "triton" and not self.kind.fused_kernel:
+            raise ValueError(f"attn_backend 'triton' is the fused differential-attention kernel; attention="
+                             f"{self.attention!r} has no Triton path. Use attn_backend 'auto' (PyTorch's "
+                             f"FlashAttention through SDPA on CUDA, the fused C++ kernel on CPU)")
         if not isinstance(self.attn_deterministic, bool):
             raise ValueError(f"attn_deterministic must be true or false, got {self.attn_deterministic!r}")
 
     @property
-    def is_differential(self) -> bool:
-        """True when heads are differential (counted halved), i.e. DIFF V1 and its ablation."""
-        return self.attention in _DIFF_HEAD_KINDS
+    def kind(self) -> AttentionKind:
+        """The attention kind's row of the kinds table (differential? scalar λ? head norm? V2?)."""
+        return attention_kind(self.attention)
 
     @property
     def head_dim(self) -> int:
         """d: the q/k dim of one component (DIFF) or one head (baseline, V2); equal when matched."""
-        split = 2 * self.num_attention_heads if self.is_differential else self.num_attention_heads
+        split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
         return self.hidden_size // split
 
     @property
     def baseline_heads(self) -> tuple[int, int]:
         """(query heads, kv heads) of the equivalent ordinary Transformer."""
-        f = 2 if self.is_differential else 1
+        f = 2 if self.kind.diff_heads else 1
         return self.num_attention_heads * f, self.num_key_value_heads * f
 
     def matched(self, attention: str) -> "DiffTransformerConfig":
         """The same size spec with another attention kind, head counts converted."""
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention kind {attention!r}; choose one of {sorted(ATTENTION_KINDS)}")
+        kind = attention_kind(attention)
         heads, kv = self.baseline_heads
-        if attention in _DIFF_HEAD_KINDS:
+        if kind.diff_heads:
             if heads % 2 or kv % 2:
                 raise ValueError(f"a DIFF model halves the baseline's {heads} q / {kv} kv heads, so both must be even")
             heads, kv = heads // 2, kv // 2
@@ -171,8 +167,28 @@ class Preset:
                     max_position_embeddings=self.max_position_embeddings)
 
     def config(self, attention: str = "diff", **overrides) -> DiffTransformerConfig:
-        cfg = DiffTransformerConfig(**self.fields()).matched(attention)
-        return dataclasses.replace(cfg, **overrides) if overrides else cfg
+        """This size spec as a model of kind `attention`, with DiffTransformerConfig fields overridden.
+
+        Size overrides apply to the spec before it is converted to `attention` (so a changed
+        hidden_size re-derives the FFN width); head counts are given in `attention`'s own units
+        (DIFF heads for diff kinds, ordinary heads otherwise), as everywhere in a config.
+        """
+        heads = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
+        spec = {**self.fields(), **overrides}
+        # Put the requested heads into the DIFF-unit spec where they convert exactly, so a width that
+        # only divides by the new head count is accepted before conversion.
+        factor = 1 if attention_kind(attention).diff_heads else 2
+        for name, value in heads.items():
+            if isinstance(value, int) and value % factor == 0:
+                spec[name] = value // factor
+        if "num_attention_heads" in heads and "num_key_value_heads" not in heads and self.diff_kv_heads is None:
+            spec["num_key_value_heads"] = None
+        cfg = DiffTransformerConfig(**spec).matched(attention)
+        if heads:
+            if "num_key_value_heads" not in heads and cfg.num_key_value_heads == cfg.num_attention_heads:
+                heads["num_key_value_heads"] = heads["num_attention_heads"]  # no GQA stays no GQA
+            cfg = dataclasses.replace(cfg, **heads)
+        return cfg
 
 
 PRESETS: dict[str, Preset] = {
@@ -191,3 +207,20 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def model_config_from_section(section: dict[str, Any]) -> DiffTransformerConfig:
+    """A run config's [model] section: `preset` (+ `attention` + overrides), or DiffTransformerConfig
+    fields in full. Unknown keys are the caller's to check (run_config names the nearest valid one)."""
+    section = dict(section)
+    preset = section.pop("preset", None)
+    if preset is None:
+        return DiffTransformerConfig(**section)
+    if preset not in PRESETS:
+        close = difflib.get_close_matches(str(preset), list(PRESETS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown preset {preset!r}{hint}; available presets: {', '.join(PRESETS)}")
+    return PRESETS[preset].config(section.pop("attention", "diff"), **section)
+
+
+MODEL_SECTION_KEYS = frozenset({f.name for f in dataclasses.fields(DiffTransformerConfig)} | {"preset"})

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
+from difftransformer.model import generation, serialization
 from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.norm import RMSNorm
 
@@ -37,19 +39,18 @@ class SwiGLU(nn.Module):
 
 
 def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtype=None) -> nn.Module:
-    """The one place that maps `config.attention` to a layer."""
+    """The one place that maps `config.attention` (a row of the kinds table) to a layer."""
     common = dict(rope_theta=config.rope_theta, backend=config.attn_backend,
                   max_seq_len=config.max_position_embeddings, device=device, dtype=dtype)
     E, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    kind = config.attention
-    if kind in ("diff", "diff_no_headnorm"):
-        return MultiheadDiffAttention(E, depth, H, KV, lambda_init=config.lambda_init, head_norm=kind == "diff",
+    kind = config.kind
+    if kind.v2:
+        return MultiheadDiffAttentionV2(E, depth, H, KV, **common)
+    if kind.differential:
+        return MultiheadDiffAttention(E, depth, H, KV, lambda_init=config.lambda_init, head_norm=kind.head_norm,
                                       norm_eps=config.rms_norm_eps, deterministic=config.attn_deterministic,
                                       **common)
-    if kind == "diff_v2":
-        return MultiheadDiffAttentionV2(E, depth, H, KV, **common)
-    return MultiheadAttention(E, depth, H, KV, head_norm=kind == "transformer_headnorm",
-                              norm_eps=config.rms_norm_eps, **common)
+    return MultiheadAttention(E, depth, H, KV, head_norm=kind.head_norm, norm_eps=config.rms_norm_eps, **common)
 
 
 class DecoderBlock(nn.Module):
@@ -68,6 +69,13 @@ class DecoderBlock(nn.Module):
         h = x + a
         out = h + self.mlp(self.post_attention_layernorm(h))
         return (out, maps) if return_attention else out
+
+
+class LayerLambda(NamedTuple):
+    """One layer's scalar λ now, and the λ_init it started from (and that scales its head-norm output)."""
+
+    value: float
+    init: float
 
 
 @dataclass
@@ -112,12 +120,16 @@ class DiffTransformerLM(nn.Module):
             total += self.embed_tokens.weight.numel()
         return total
 
-    def lambdas(self) -> list[float | None]:
-        """Each layer's current lambda (None for layers without a scalar lambda)."""
-        out = []
+    def lambdas(self) -> list[LayerLambda | None]:
+        """Each layer's λ and λ_init; None for layers whose kind has no scalar λ.
+
+        Also works when FSDP2 has sharded the λ vectors: it then gathers them, a collective that
+        every rank must call. This is the one place λ is read for logs and reports."""
+        out: list[LayerLambda | None] = []
         for block in self.layers:
             attn = block.self_attn
-            out.append(float(attn.lambda_full()) if isinstance(attn, MultiheadDiffAttention) else None)
+            scalar = isinstance(attn, MultiheadDiffAttention)
+            out.append(LayerLambda(attn.current_lambda(), attn.lambda_init) if scalar else None)
         return out
 
     def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
@@ -171,17 +183,21 @@ class DiffTransformerLM(nn.Module):
 
     # -- generation and serialisation live in their own modules; thin methods for convenience --
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-        from difftransformer.model.generation import generate
+        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
 
-        return generate(self, input_ids, max_new_tokens, **kwargs)
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        from difftransformer.model.serialization import save_pretrained
-
-        save_pretrained(self, directory)
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write config.json and model.safetensors into `directory` (see serialization.py)."""
+        return serialization.save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device="cpu", dtype=None) -> "DiffTransformerLM":
-        from difftransformer.model.serialization import load_pretrained
+        """Build from `directory`'s config.json and load its model.safetensors strictly."""
+        config, weights = serialization.read_pretrained(directory)
+        model = cls(config, device=device)
+        serialization.load_weights(model, weights, device)
+        return model.to(dtype) if dtype is not None else model
 
-        return load_pretrained(directory, device=device, dtype=dtype)
+
+def load_pretrained(directory: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DiffTransformerLM:
+    """`DiffTransformerLM.from_pretrained` as a function (the counterpart of `serialization.save_pretrained`)."""
+    return DiffTransformerLM.from_pretrained(directory, device=device, dtype=dtype)

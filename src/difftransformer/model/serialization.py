@@ -1,22 +1,32 @@
-"""Save and load models as safetensors weights + a JSON config. Loading never unpickles."""
+"""Save and load models as safetensors weights + a JSON config. Loading never unpickles.
+
+A pretrained folder holds `config.json` (DiffTransformerConfig) and `model.safetensors` (a tied LM
+head stored once). The model class builds itself from these (`DiffTransformerLM.from_pretrained`);
+this module only reads and writes the files, so it does not depend on the model's code.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
+from torch import nn
 
 from difftransformer._io import atomic_path
 from difftransformer.model.config import DiffTransformerConfig
-from difftransformer.model.modeling import DiffTransformerLM
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def save_pretrained(model: DiffTransformerLM, directory: str | Path) -> Path:
+def is_pretrained_dir(directory: str | Path) -> bool:
+    """Whether `directory` holds a complete pretrained model (config and weights)."""
+    directory = Path(directory)
+    return (directory / CONFIG_NAME).is_file() and (directory / WEIGHTS_NAME).is_file()
+
+
+def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
     """Write config.json and model.safetensors (a tied LM head is stored once)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -26,18 +36,21 @@ def save_pretrained(model: DiffTransformerLM, directory: str | Path) -> Path:
     return directory
 
 
-def load_pretrained(directory: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DiffTransformerLM:
-    """Build the model from config.json and load model.safetensors into it, strictly."""
+def read_pretrained(directory: str | Path) -> tuple[DiffTransformerConfig, Path]:
+    """(config, weights path) of a pretrained folder; a missing file is a FileNotFoundError naming it."""
     directory = Path(directory)
     config = DiffTransformerConfig.load(directory / CONFIG_NAME)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"no weights at {weights}; expected {WEIGHTS_NAME} next to {CONFIG_NAME}")
-    model = DiffTransformerLM(config, device=device)
+    return config, weights
+
+
+def load_weights(model: nn.Module, weights: Path, device="cpu") -> None:
+    """Load a safetensors file into `model` strictly; errors name the file and what is wrong."""
     try:
         load_model(model, str(weights), strict=True, device=str(device))
     except SafetensorError as e:
         raise ValueError(f"{weights} is not a readable safetensors file ({e}); it may be truncated or corrupted") from e
     except RuntimeError as e:
         raise ValueError(f"the weights in {weights} do not match the model described by {CONFIG_NAME}: {e}") from e
-    return model.to(dtype) if dtype is not None else model

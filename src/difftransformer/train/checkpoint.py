@@ -34,13 +34,16 @@ from safetensors.torch import load_file, save_file
 
 from difftransformer._io import atomic_write_text, fsync_dir, fsync_file
 from difftransformer.model import DiffTransformerConfig
+from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.train.config import TrainConfig
 
 log = logging.getLogger("difftransformer.train")
 
 FORMAT = "difftransformer-checkpoint-v1"
+CHECKPOINTS_DIR = "checkpoints"  # where a run folder keeps its checkpoints (see run_dir.py)
 LATEST = "latest"
-MODEL_FILE, OPTIM_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
+MODEL_FILE = WEIGHTS_NAME  # the weights, in the same file format as a pretrained folder
+OPTIM_FILE, STATE_FILE = "optimizer.safetensors", "state.json"
 MODEL_CONFIG_FILE, TRAIN_CONFIG_FILE = "model_config.json", "train_config.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _SEP = "::"  # parameter names contain dots, so optimizer keys use another separator
@@ -269,7 +272,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return path
-    for root in (path, path / "checkpoints"):
+    for root in (path, path / CHECKPOINTS_DIR):
         if root.is_dir() and ((root / LATEST).exists() or list_checkpoints(root)):
             found = find_latest(root)
             if found is not None:

@@ -1,8 +1,9 @@
 """Process groups, devices and parallel wrappers (DDP / FSDP2), kept apart from the training loop.
 
-torchrun (or a test's mp.spawn) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
-With WORLD_SIZE > 1 we join a process group (gloo on CPU, nccl on CUDA); otherwise everything here
-degrades to single-process no-ops, so the loop has a single code path.
+torchrun (or a test's mp.spawn) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, which
+`difftransformer.dist` reads (the one rank helper). With WORLD_SIZE > 1 we join a process group
+(gloo on CPU, nccl on CUDA); otherwise everything here degrades to single-process no-ops, so the
+loop has a single code path. `DistEnv` is what the loop holds: rank, world size and its device.
 
 The group we create lives until the process exits (destroyed by an atexit hook), not until train()
 returns: a script that trains several arms in one torchrun launch would otherwise re-rendezvous on
@@ -15,13 +16,14 @@ import atexit
 import contextlib
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from difftransformer import dist as ranks
 
 log = logging.getLogger("difftransformer.train")
 
@@ -75,9 +77,7 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
 
 def init_distributed(device_spec: str) -> DistEnv:
     """Read the torchrun environment and join (or reuse) the process group."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    world_size, rank, local_rank = ranks.world_size(), ranks.rank(), ranks.local_rank()
     device = resolve_device(device_spec, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -88,9 +88,7 @@ def init_distributed(device_spec: str) -> DistEnv:
         log.info("joined process group: rank %d of %d, backend %s, device %s", rank, world_size, backend, device)
     elif device.type == "cuda":
         torch.cuda.set_device(device)
-    if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistEnv(rank=ranks.rank(), world_size=ranks.world_size(), local_rank=local_rank, device=device)
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
@@ -151,11 +149,6 @@ def _fsdp_no_sync(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2 shard) gathered into a plain tensor; plain tensors pass through."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def full_model_state(model: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -48,16 +48,36 @@ def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, An
     return [r for r in rows if r is not None and (kind is None or r.get("kind") == kind)]
 
 
+class MetricSeries(NamedTuple):
+    """A run's logged rows per kind, one per step in step order (what curves and final values are read from)."""
+
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+
+
+def read_metric_series(path: str | Path) -> MetricSeries:
+    """`read_metrics` split by kind and keyed by step: a repeated step keeps its last row. A missing
+    file gives empty series (a run that has not logged yet)."""
+    path = Path(path)
+    by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "val": {}}
+    for row in (read_metrics(path) if path.is_file() else []):
+        if row.get("kind") in by_kind and "step" in row:
+            by_kind[row["kind"]][int(row["step"])] = row
+    return MetricSeries(*([rows[s] for s in sorted(rows)] for rows in by_kind.values()))
+
+
 def _json_float(x: float | None) -> float | None:
     """JSON has no NaN/Inf; write null rather than an unparseable token."""
     return None if x is None or not math.isfinite(x) else float(x)
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool, progress: bool, start_step: int,
-                 max_steps: int):
+    """Appends rows to `path` and mirrors them to TensorBoard event files in `tensorboard_dir` (None: off)."""
+
+    def __init__(self, path: Path, *, tensorboard_dir: Path | None, enabled: bool, progress: bool,
+                 start_step: int, max_steps: int):
         self.enabled = enabled
-        self.path = out_dir / METRICS_FILE
+        self.path = path
         self._fh = None
         self._tb = None
         self._bar = None
@@ -65,11 +85,11 @@ class MetricsWriter:
             return
         truncate_metrics(self.path, start_step)
         self._fh = open(self.path, "a", encoding="utf-8")
-        if tensorboard:
+        if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1)
+                self._tb = SummaryWriter(str(tensorboard_dir), purge_step=start_step + 1)
             except ImportError as e:  # tensorboard is an optional dependency
                 log.warning("TensorBoard logging disabled (%s); pip install tensorboard to enable it", e)
         if progress:
@@ -84,12 +104,13 @@ class MetricsWriter:
         self._fh.flush()
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
-              elapsed_s: float, lambdas: list[float | None]) -> None:
+              elapsed_s: float, lambdas: list[float | None], lambda_inits: list[float | None]) -> None:
+        """One training row; lambdas / lambda_inits: each layer's λ and λ_init (None without a scalar λ)."""
         if not self.enabled:
             return
         self._write({"kind": "train", "step": step, "loss": _json_float(loss), "lr": lr,
                      "grad_norm": _json_float(grad_norm), "tokens": tokens, "tokens_per_s": tokens_per_s,
-                     "elapsed_s": elapsed_s, "lambdas": lambdas})
+                     "elapsed_s": elapsed_s, "lambdas": lambdas, "lambda_inits": lambda_inits})
         if self._tb is not None:
             for name, value in (("train/loss", loss), ("train/lr", lr), ("train/grad_norm", grad_norm),
                                 ("train/tokens_per_s", tokens_per_s)):

@@ -24,9 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftransformer.attention import MultiheadDiffAttention
-from difftransformer.attention.functional import reparameterized_lambda
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
+from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import RUNTIME_FIELDS
 from difftransformer.train.checkpoint import (
@@ -45,15 +44,15 @@ from difftransformer.train.distributed import (
     apply_activation_checkpointing,
     full_model_state,
     full_optimizer_state_by_name,
-    full_tensor,
     init_distributed,
     load_full_optimizer_state,
     no_sync,
     remove_activation_checkpointing,
     wrap_model,
 )
-from difftransformer.train.metrics import METRICS_FILE, MetricsWriter
+from difftransformer.train.metrics import MetricsWriter
 from difftransformer.train.optim import build_optimizer, lr_at, set_lr
+from difftransformer.train.run_dir import RunDir
 
 log = logging.getLogger("difftransformer.train")
 
@@ -84,20 +83,6 @@ def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by world_size ({world_size}) x "
                          f"grad_accum_steps ({cfg.grad_accum_steps}) = {per_step}")
     return cfg.batch_size // per_step
-
-
-def layer_lambdas(model: DiffTransformerLM) -> list[float | None]:
-    """model.lambdas(), but also for FSDP-sharded λ vectors (then a collective: call on every rank)."""
-    out: list[float | None] = []
-    for block in model.layers:
-        attn = block.self_attn
-        if isinstance(attn, MultiheadDiffAttention):
-            vecs = [full_tensor(getattr(attn, n)).detach() for n in ("lambda_q1", "lambda_k1", "lambda_q2",
-                                                                       "lambda_k2")]
-            out.append(float(reparameterized_lambda(*vecs, attn.lambda_init)))
-        else:
-            out.append(None)
-    return out
 
 
 @torch.no_grad()
@@ -167,54 +152,91 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
           init_state: dict[str, torch.Tensor] | None = None, resume: bool = True) -> TrainResult:
     """Train `model_config` per `cfg` (resuming from out_dir/checkpoints/latest when resume=True).
 
-    init_state: initial weights (e.g. from paired_init); ignored when resuming from a checkpoint.
+    init_state: initial weights (e.g. from experiments.paired_init); ignored when resuming from a checkpoint.
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files.
     """
     if cfg.seq_len > model_config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
     env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
-    return _train(model_config, cfg, env, init_state, resume)
-
-
-def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
-           init_state: dict[str, torch.Tensor] | None, resume: bool) -> TrainResult:
-    out_dir = Path(cfg.out_dir)
-    ckpt_root = out_dir / "checkpoints"
-    device = env.device
-
-    # -- data ---------------------------------------------------------------------------------
-    data = PreparedData.load(cfg.data_dir)
-    if data.vocab_size > model_config.vocab_size:
-        raise ValueError(f"the tokenizer in {cfg.data_dir} has {data.vocab_size} tokens but the model's "
-                         f"vocab_size is {model_config.vocab_size}; set vocab_size >= {data.vocab_size}")
-    micro = micro_batch_size(cfg, env.world_size)
-    sampler = BatchSampler(data.dataset("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed)
-    val_ds = data.dataset("val")
-    if num_eval_windows(val_ds, cfg.seq_len) == 0:
-        log.warning("the val split of %s has fewer than seq_len + 1 tokens; validation is skipped", cfg.data_dir)
-        val_ds = None
-
-    # -- resume or start fresh ----------------------------------------------------------------
-    ckpt = None
-    if resume:
-        latest = find_latest(ckpt_root)
-        if latest is not None:
-            ckpt = load_checkpoint(latest)
-            _check_resume(ckpt, model_config, cfg, data, warn=env.is_main)
-            if init_state is not None:
-                log.info("resuming from %s; init_state is ignored", latest)
-    elif env.is_main and list_checkpoints(ckpt_root):
-        log.warning("resume=False: removing the old checkpoints in %s", ckpt_root)
-        shutil.rmtree(ckpt_root)
+    run = RunDir(cfg.out_dir)
+    data = _TrainData.load(model_config, cfg, env)
+    ckpt = _resume_point(run, model_config, cfg, data.prepared, env, init_state, resume)
+    if env.is_main:
+        run.path.mkdir(parents=True, exist_ok=True)
+        model_config.save(run.model_config)
+        cfg.save(run.train_config)
+    env.barrier()
+    parts = _build(model_config, cfg, env, ckpt, init_state)
     start_step = ckpt["step"] if ckpt else 0
     if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model_config.save(out_dir / "model_config.json")
-        cfg.save(out_dir / "train_config.json")
-    env.barrier()
+        log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
+                 model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
+                 cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
+    loop = _Loop(run, model_config, cfg, env, data, parts, ckpt)
+    val_loss, train_time = loop.run(start_step)
+    model = _write_final(run, model_config, cfg, env, parts.model, data.prepared)
+    trained = cfg.max_steps - start_step
+    return TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
+                       tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
+                       metrics_path=run.metrics, model=model)
 
-    # -- model, parallelism, optimizer --------------------------------------------------------
+
+@dataclass
+class _TrainData:
+    """The prepared corpus, the step -> batch sampler and the validation split of one run."""
+
+    prepared: PreparedData
+    sampler: BatchSampler
+    val: TokenDataset | None  # None when the val split is shorter than one window
+    micro: int  # sequences per forward pass on one rank
+
+    @classmethod
+    def load(cls, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv) -> _TrainData:
+        data = PreparedData.load(cfg.data_dir)
+        if data.vocab_size > model_config.vocab_size:
+            raise ValueError(f"the tokenizer in {cfg.data_dir} has {data.vocab_size} tokens but the model's "
+                             f"vocab_size is {model_config.vocab_size}; set vocab_size >= {data.vocab_size}")
+        micro = micro_batch_size(cfg, env.world_size)
+        sampler = BatchSampler(data.dataset("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+        val: TokenDataset | None = data.dataset("val")
+        if num_eval_windows(val, cfg.seq_len) == 0:
+            log.warning("the val split of %s has fewer than seq_len + 1 tokens; validation is skipped", cfg.data_dir)
+            val = None
+        return cls(data, sampler, val, micro)
+
+
+def _resume_point(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, data: PreparedData,
+                  env: DistEnv, init_state, resume: bool) -> dict[str, Any] | None:
+    """The checkpoint to continue from (checked against this run), or None to start fresh; a fresh
+    start (resume=False) removes the old checkpoints."""
+    if not resume:
+        if env.is_main and list_checkpoints(run.checkpoints):
+            log.warning("resume=False: removing the old checkpoints in %s", run.checkpoints)
+            shutil.rmtree(run.checkpoints)
+        return None
+    latest = find_latest(run.checkpoints)
+    if latest is None:
+        return None
+    ckpt = load_checkpoint(latest)
+    _check_resume(ckpt, model_config, cfg, data, warn=env.is_main)
+    if init_state is not None:
+        log.info("resuming from %s; init_state is ignored", latest)
+    return ckpt
+
+
+@dataclass
+class _Parts:
+    """The model (unwrapped), what the loop calls (DDP/FSDP-wrapped), the optimizer and the autocast context."""
+
+    model: DiffTransformerLM
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    amp: Any
+
+
+def _build(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv, ckpt, init_state) -> _Parts:
+    """Seed, build, load weights, apply checkpointing/compile/parallelism, make the optimizer, restore state."""
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -223,7 +245,7 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
         model.load_state_dict(ckpt["model"], strict=True)
     elif init_state is not None:
         model.load_state_dict(init_state, strict=True)
-    model.to(device)
+    model.to(env.device)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if cfg.compile:
@@ -234,110 +256,132 @@ def _train(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
     if ckpt is not None:
         load_full_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp)
         set_rng_state(ckpt["state"]["rng"])
-        log.info("resumed from %s at step %d", ckpt["path"], start_step)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
+        log.info("resumed from %s at step %d", ckpt["path"], ckpt["step"])
+    amp = (torch.autocast(env.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
            else contextlib.nullcontext())
-    tokens_per_step = cfg.tokens_per_step
-    if env.is_main:
-        log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
-                 model_config.attention, f"{model.num_parameters():,}", device, env.world_size, cfg.max_steps,
-                 tokens_per_step, micro, cfg.grad_accum_steps)
+    return _Parts(model, wrapped, optimizer, amp)
 
-    metrics = MetricsWriter(out_dir, enabled=env.is_main, tensorboard=cfg.tensorboard, progress=cfg.progress,
-                            start_step=start_step, max_steps=cfg.max_steps)
-    elapsed_before = float(ckpt["state"].get("metrics", {}).get("elapsed_s", 0.0)) if ckpt else 0.0
-    t_call = time.perf_counter()
-    train_time, window_time, window_steps = 0.0, 0.0, 0
-    last_good = ckpt["path"].name if ckpt else None
-    val_loss: float | None = None
 
-    def save(step: int) -> None:
-        model_state = full_model_state(model, cfg.fsdp)  # collectives under FSDP: every rank calls
-        optim_state = full_optimizer_state_by_name(model, optimizer, cfg.fsdp)
+class _Loop:
+    """The optimizer steps of one train() call, with logging, evaluation and checkpoints on their intervals."""
+
+    def __init__(self, run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
+                 data: _TrainData, parts: _Parts, ckpt: dict[str, Any] | None):
+        self.run_dir, self.model_config, self.cfg, self.env, self.data, self.parts = run, model_config, cfg, env, data, parts
+        self.elapsed_before = float(ckpt["state"].get("metrics", {}).get("elapsed_s", 0.0)) if ckpt else 0.0
+        self.last_good = ckpt["path"].name if ckpt else None
+        self.t_call = time.perf_counter()
+
+    def run(self, start_step: int) -> tuple[float | None, float]:
+        """Train from start_step to max_steps; returns (last validation loss, seconds spent in steps)."""
+        cfg, parts = self.cfg, self.parts
+        metrics = MetricsWriter(self.run_dir.metrics, tensorboard_dir=self.run_dir.tensorboard if cfg.tensorboard else None,
+                                enabled=self.env.is_main, progress=cfg.progress, start_step=start_step,
+                                max_steps=cfg.max_steps)
+        train_time, window_time, window_steps = 0.0, 0.0, 0
+        val_loss: float | None = None
+        try:
+            parts.model.train()
+            for step in range(start_step, cfg.max_steps):
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg)
+                loss_val, grad_norm = self.step(step, lr)
+                done = step + 1
+                dt = time.perf_counter() - t0
+                train_time += dt
+                window_time += dt
+                window_steps += 1
+                tok_s = window_steps * cfg.tokens_per_step / max(window_time, 1e-9)
+                metrics.progress(loss_val, tok_s)
+                last = done == cfg.max_steps
+                if done % cfg.log_interval == 0 or last:
+                    lambdas = parts.model.lambdas()  # a collective under FSDP: every rank reads them
+                    metrics.train(done, loss_val, lr, grad_norm, done * cfg.tokens_per_step, tok_s,
+                                  self.elapsed_before + time.perf_counter() - self.t_call,
+                                  [None if x is None else x.value for x in lambdas],
+                                  [None if x is None else x.init for x in lambdas])
+                    window_time, window_steps = 0.0, 0
+                if self.data.val is not None and (done % cfg.eval_interval == 0 or last):
+                    val_loss = self.evaluate()
+                    metrics.val(done, val_loss, done * cfg.tokens_per_step)
+                if done % cfg.ckpt_interval == 0 or last:
+                    self.save(done)
+                    self.last_good = step_dir_name(done)
+            if start_step >= cfg.max_steps and self.data.val is not None:  # nothing left to train: report only
+                val_loss = self.evaluate()
+        finally:
+            metrics.close()
+        return val_loss, train_time
+
+    def step(self, step: int, lr: float) -> tuple[float, float]:
+        """One optimizer step (all micro-batches); returns (mean loss, gradient norm) after one host sync.
+
+        A non-finite loss or gradient norm raises TrainingDivergedError before the optimizer moves."""
+        cfg, env, parts, micro = self.cfg, self.env, self.parts, self.data.micro
+        set_lr(parts.optimizer, lr)
+        inputs, targets = self.data.sampler.batch(step, env.rank, env.world_size)
+        loss_sum = torch.zeros((), device=env.device)
+        for i in range(cfg.grad_accum_steps):
+            x = inputs[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
+            y = targets[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
+            with no_sync(parts.wrapped, sync=i == cfg.grad_accum_steps - 1):
+                with parts.amp:
+                    loss = parts.wrapped(x, y).loss
+                (loss / cfg.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        loss_t = env.all_reduce_sum(loss_sum / cfg.grad_accum_steps) / env.world_size
+        norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(),
+                                              cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        # One device-to-host sync per step for both numbers.
+        loss_val, grad_norm = torch.stack([loss_t.float(), full_tensor(norm).float()]).tolist()
+        if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
+            what = f"loss {loss_val}" if not math.isfinite(loss_val) else f"gradient norm {grad_norm}"
+            raise TrainingDivergedError(
+                f"training diverged at step {step + 1}: {what} (lr {lr:.3g}). Nothing was saved for this "
+                f"step; the last good checkpoint is {self.last_good or 'none'}. Try a lower lr, gradient "
+                f"clipping (grad_clip > 0), a longer warmup, or precision='fp32'")
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        return loss_val, grad_norm
+
+    def evaluate(self) -> float:
+        return evaluate(self.parts.model, self.data.val, self.cfg, self.data.micro, self.env, self.parts.amp)
+
+    def save(self, step: int) -> None:
+        """Checkpoint `step` (gathering FSDP shards: every rank calls; rank 0 writes)."""
+        cfg, env, parts, data = self.cfg, self.env, self.parts, self.data.prepared
+        model_state = full_model_state(parts.model, cfg.fsdp)
+        optim_state = full_optimizer_state_by_name(parts.model, parts.optimizer, cfg.fsdp)
         if env.is_main:
             state = {
                 "scheduler": {"step": step, "lr": lr_at(step - 1, cfg), "schedule": cfg.lr_schedule},
                 "rng": rng_state(),
-                "metrics": {"elapsed_s": elapsed_before + time.perf_counter() - t_call,
-                            "tokens": step * tokens_per_step},
+                "metrics": {"elapsed_s": self.elapsed_before + time.perf_counter() - self.t_call,
+                            "tokens": step * cfg.tokens_per_step},
                 "data": {"corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash,
                          "vocab_size": data.vocab_size},
                 "world_size": env.world_size,
             }
-            path = save_checkpoint(ckpt_root, step, model_state, optim_state, state, model_config, cfg,
-                                   cfg.keep_last)
+            path = save_checkpoint(self.run_dir.checkpoints, step, model_state, optim_state, state, self.model_config,
+                                   cfg, cfg.keep_last)
             log.info("saved checkpoint %s", path)
         env.barrier()
 
-    try:
-        model.train()
-        for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            set_lr(optimizer, lr)
-            inputs, targets = sampler.batch(step, env.rank, env.world_size)
-            loss_sum = torch.zeros((), device=device)
-            for i in range(cfg.grad_accum_steps):
-                x = inputs[i * micro:(i + 1) * micro].to(device, non_blocking=True)
-                y = targets[i * micro:(i + 1) * micro].to(device, non_blocking=True)
-                with no_sync(wrapped, sync=i == cfg.grad_accum_steps - 1):
-                    with amp:
-                        loss = wrapped(x, y).loss
-                    (loss / cfg.grad_accum_steps).backward()
-                loss_sum += loss.detach()
-            loss_t = env.all_reduce_sum(loss_sum / cfg.grad_accum_steps) / env.world_size
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            # One device-to-host sync per step for both numbers.
-            loss_val, grad_norm = torch.stack([loss_t.float(), full_tensor(norm).float()]).tolist()
-            if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
-                what = f"loss {loss_val}" if not math.isfinite(loss_val) else f"gradient norm {grad_norm}"
-                raise TrainingDivergedError(
-                    f"training diverged at step {step + 1}: {what} (lr {lr:.3g}). Nothing was saved for this "
-                    f"step; the last good checkpoint is {last_good or 'none'}. Try a lower lr, gradient "
-                    f"clipping (grad_clip > 0), a longer warmup, or precision='fp32'")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
 
-            done = step + 1
-            dt = time.perf_counter() - t0
-            train_time += dt
-            window_time += dt
-            window_steps += 1
-            tok_s = window_steps * tokens_per_step / max(window_time, 1e-9)
-            metrics.progress(loss_val, tok_s)
-            last = done == cfg.max_steps
-            if done % cfg.log_interval == 0 or last:
-                metrics.train(done, loss_val, lr, grad_norm, done * tokens_per_step, tok_s,
-                              elapsed_before + time.perf_counter() - t_call, layer_lambdas(model))
-                window_time, window_steps = 0.0, 0
-            if val_ds is not None and (done % cfg.eval_interval == 0 or last):
-                val_loss = evaluate(model, val_ds, cfg, micro, env, amp)
-                metrics.val(done, val_loss, done * tokens_per_step)
-            if done % cfg.ckpt_interval == 0 or last:
-                save(done)
-                last_good = step_dir_name(done)
-
-        if start_step >= cfg.max_steps and val_ds is not None:  # nothing left to train: report only
-            val_loss = evaluate(model, val_ds, cfg, micro, env, amp)
-    finally:
-        metrics.close()
-
-    # -- final weights in save_pretrained format ----------------------------------------------
+def _write_final(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
+                 model: DiffTransformerLM, data: PreparedData) -> DiffTransformerLM:
+    """Write final/ (weights in save_pretrained format and the tokenizer); returns the plain model."""
     if cfg.activation_checkpointing:
         remove_activation_checkpointing(model.layers)
     if cfg.fsdp and env.distributed:  # gather the shards into a plain model
         full = full_model_state(model, fsdp=True)
         model = DiffTransformerLM(model_config)
         model.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
-        model.to(device)
+        model.to(env.device)
     if env.is_main:
-        final = out_dir / "final"
-        model.save_pretrained(final)
+        model.save_pretrained(run.final)
         if data.tokenizer_path.is_file():
-            shutil.copyfile(data.tokenizer_path, final / "tokenizer.json")
-        log.info("final weights in %s", final)
+            shutil.copyfile(data.tokenizer_path, run.final_tokenizer)
+        log.info("final weights in %s", run.final)
     env.barrier()
-    trained = cfg.max_steps - start_step
-    return TrainResult(out_dir=out_dir, final_step=cfg.max_steps, final_val_loss=val_loss,
-                       tokens_per_s=trained * tokens_per_step / train_time if train_time > 0 else 0.0,
-                       metrics_path=out_dir / METRICS_FILE, model=model)
+    return model

@@ -1,0 +1,68 @@
+"""The `difftransformer` command: prepare data, train one model, compare arms side by side, generate, report.
+
+    difftransformer compare --config configs/demo.toml --out-dir runs/demo
+    python -m difftransformer train --preset cpu-small --attention diff --set train.max_steps=500
+
+One module per subcommand (add_parser + run). Every subcommand has --help with examples. Works
+unchanged under `torchrun` (train, compare). A user mistake is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from difftransformer import dist
+from difftransformer.cli import compare, generate, prepare, report, train
+from difftransformer.cli.common import Formatter, epilog
+from difftransformer.data import CorpusError
+from difftransformer.run_config import SECTIONS, ConfigError
+from difftransformer.train import CheckpointError, TrainingDivergedError
+
+DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
+COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report)}
+# A user mistake or a bad input: reported in one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ConfigError, CorpusError, FileNotFoundError, TimeoutError, CheckpointError, TrainingDivergedError,
+               ValueError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="difftransformer", formatter_class=Formatter,
+        description="Differential Transformer (arXiv 2410.05258): prepare data, train, compare DIFF with its "
+                    "matched Transformer, generate text, write reports.",
+        epilog=epilog("""
+            examples:
+              difftransformer prepare sotu --vocab-size 8192
+              difftransformer train --preset cpu-small --attention diff --set train.max_steps=500
+              difftransformer compare --config configs/demo.toml --out-dir runs/demo
+              difftransformer generate runs/demo/diff "The state of the Union is"
+              difftransformer report runs/demo
+
+            Run `difftransformer COMMAND --help` for each command's options.
+            Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if dist.is_main() else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return COMMANDS[args.command].run(args)
+    except USER_ERRORS as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"difftransformer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; re-run the same command to continue from the last checkpoint", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMANDS", "SECTIONS", "build_parser", "main"]

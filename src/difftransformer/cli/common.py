@@ -1,0 +1,52 @@
+"""What every subcommand shares: help formatting, the run-config options, and printing report sections."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+from difftransformer.model import ATTENTION_KINDS, PRESETS
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Wrap one-paragraph descriptions to the terminal; keep the hand-laid-out epilogs as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent)
+
+
+def epilog(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def add_command(subparsers, name: str, *, help: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand parser with this CLI's formatting and an examples epilog."""
+    return subparsers.add_parser(name, formatter_class=Formatter, help=help, description=description,
+                                 epilog=epilog(examples))
+
+
+def add_config_args(p: argparse.ArgumentParser, attention_help: str, sections: str) -> None:
+    """--config/--preset/--attention/--set/--out-dir/--no-resume, shared by train and compare."""
+    g = p.add_argument_group("configuration (later wins: file < --preset/--attention < --set)")
+    g.add_argument("--config", metavar="FILE", help=f"TOML or YAML run config with {sections} sections (see configs/)")
+    g.add_argument("--preset", metavar="NAME", choices=list(PRESETS),
+                   help=f"model size preset: {', '.join(PRESETS)}")
+    g.add_argument("--attention", metavar="KIND", choices=list(ATTENTION_KINDS), help=attention_help)
+    g.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override one setting, e.g. train.lr=3e-4, model.hidden_size=192, data.corpus=notes/ "
+                        "(values are TOML scalars: 3e-4, true, \"text\", [1, 2]; null for None); repeatable")
+    g.add_argument("--out-dir", metavar="DIR", help="where to write the run(s)")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start over instead of continuing from the newest checkpoint in the out dir")
+
+
+def print_section(markdown: Path, heading: str) -> None:
+    """Print one `## heading` section of a Markdown file (the verdict of a report)."""
+    lines = markdown.read_text(encoding="utf-8").splitlines()
+    if heading in lines:
+        start = lines.index(heading) + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+        print("\n".join(lines[start:end]).strip())

@@ -1,0 +1,79 @@
+"""`difftransformer generate`: continue a prompt with a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from difftransformer.cli.common import add_command
+from difftransformer.data import Tokenizer
+from difftransformer.eval import encode_prompt, generate_text, new_token_budget
+from difftransformer.experiments import StudyDir
+from difftransformer.run_config import ConfigError
+from difftransformer.train import load_model
+
+
+def add_parser(subparsers) -> None:
+    p = add_command(
+        subparsers, "generate", help="generate text from a trained model",
+        description="Continue a prompt with a trained model: a final/ folder, a run folder (its final/, else "
+                    "its newest checkpoint) or a checkpoint folder. The tokenizer is final/tokenizer.json, the "
+                    "run's prepared data, or --tokenizer.",
+        examples="""
+            examples:
+              difftransformer generate runs/demo/diff "The state of the Union is"
+              difftransformer generate runs/demo/transformer/final "My fellow citizens," --temperature 0
+              difftransformer generate runs/diff --prompt "Congress must" -n 200 --top-p 0.9 --num-samples 3""")
+    p.add_argument("model", metavar="PATH", help="final/ folder, run folder or checkpoint folder")
+    p.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="prompt text (or use --prompt)")
+    p.add_argument("--prompt", help="prompt text (default: empty, i.e. start a new document)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--sample-seed", type=int, default=0, metavar="N",
+                   help="seed of the sampling (default 0; the samples of one call follow from it)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the one saved with the model")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def _refuse_study_folder(path: Path) -> None:
+    """A study folder holds several models; name them instead of failing on a missing checkpoint."""
+    study = StudyDir(path)
+    if study.is_study():
+        arms = [str(r.path.relative_to(path)) for r in study.run_dirs()]
+        raise ConfigError(f"{path} is a comparison folder; pick one arm, e.g. {path / (arms[0] if arms else 'diff')}"
+                          f" (arms: {', '.join(arms) or 'none yet'})")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prompt is not None and args.prompt_pos is not None:
+        raise ConfigError("give the prompt either as an argument or with --prompt, not both")
+    prompt = args.prompt if args.prompt is not None else (args.prompt_pos or "")
+    _refuse_study_folder(Path(args.model))
+    loaded = load_model(args.model, args.device)
+    if loaded.checkpoint_step is not None:
+        print(f"(no final/ model; using {loaded.source})", file=sys.stderr)
+    model, tok_path = loaded.model, Path(args.tokenizer) if args.tokenizer else loaded.tokenizer_path
+    if tok_path is None:
+        raise ConfigError(f"no tokenizer found next to {args.model}; pass --tokenizer path/to/tokenizer.json")
+    tok = Tokenizer.from_file(tok_path)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
+                          f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    n = new_token_budget(model, encode_prompt(tok, prompt), args.max_new_tokens)
+    if n < args.max_new_tokens:
+        print(f"(generating {n} tokens: the model's context is {model.config.max_position_embeddings})",
+              file=sys.stderr)
+    gen = torch.Generator(device=args.device).manual_seed(args.sample_seed)
+    for i in range(args.num_samples):
+        out = generate_text(model, tok, prompt, n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            generator=gen, device=args.device)
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        print(prompt + out.text)
+    return 0

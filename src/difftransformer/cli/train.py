@@ -1,0 +1,45 @@
+"""`difftransformer train`: one model from a run config and/or a preset (data prepared first if needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+from difftransformer import dist
+from difftransformer.cli.common import add_command, add_config_args
+from difftransformer.data import ensure_data
+from difftransformer.model import ATTENTION_KINDS
+from difftransformer.run_config import load_run_config
+from difftransformer.train import RunDir, train
+
+
+def add_parser(subparsers) -> None:
+    p = add_command(
+        subparsers, "train", help="train one model (prepares the data first if needed)",
+        description="Train one model from a config file and/or a preset. The data are prepared first if the "
+                    "data folder has none. Resumes from the newest checkpoint in the out dir unless --no-resume. "
+                    "Under torchrun every rank runs this same command (DDP; FSDP with --set train.fsdp=true).",
+        examples="""
+            examples:
+              difftransformer train --preset cpu-small --attention diff --out-dir runs/diff
+              difftransformer train --config configs/cpu-small.toml --set train.lr=6e-4 --set train.max_steps=2000
+              difftransformer train --preset tiny --set train.max_steps=50 --set train.seq_len=64
+              torchrun --nproc_per_node 8 -m difftransformer train --config configs/gpu-350m.toml
+
+            config sections: [model] (preset + attention + overrides, or every DiffTransformerConfig field),
+            [train] (TrainConfig fields; train.seed is the training seed), [data] (corpus, vocab_size,
+            data_dir, val/test fractions, split_seed).""")
+    add_config_args(p, "attention kind: " + ", ".join(ATTENTION_KINDS), "[model], [train], [data]")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
+    if args.out_dir:
+        cfg.train.out_dir = args.out_dir
+    data = ensure_data(cfg.data)
+    cfg.resolve_vocab(data.vocab_size)
+    result = train(cfg.model, cfg.train, resume=not args.no_resume)
+    if dist.is_main():
+        val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
+        print(f"done: step {result.final_step}, final val loss {val}, {result.tokens_per_s:,.0f} train tokens/s; "
+              f"weights in {RunDir(result.out_dir).final}")
+    return 0

@@ -1,0 +1,108 @@
+"""Text in, text out for one trained model: the scoring that generation, reports and evaluation tasks share.
+
+Every text is scored as the start of a new document: the tokenizer's EOS id comes first, as in
+training, where EOS separates documents.
+
+    ids = encode_prompt(tokenizer, "The state of the Union is")       # (1, T): EOS, then the prompt
+    gen = generate_text(model, tokenizer, "The state of the Union is", 48, temperature=0.0)
+    nll = token_nll(model, ids)                                       # (1, T - 1) nats per token
+    score = continuation_logprob(model, tokenizer, "The capital of France is", " Paris")
+
+`model` is any module with `config.max_position_embeddings`, `generate(ids, n, ...)` and a forward
+returning `.logits` (DiffTransformerLM); `tokenizer` has `encode`, `decode` and `eos_id`
+(difftransformer.data.Tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def encode_prompt(tokenizer, prompt: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """(1, T) token ids: EOS (a document starts here), then the prompt's tokens."""
+    return torch.tensor([[tokenizer.eos_id, *tokenizer.encode(prompt)]], device=device)
+
+
+def new_token_budget(model, prompt_ids: torch.Tensor, wanted: int) -> int:
+    """How many of `wanted` new tokens fit in the model's context after the prompt.
+
+    A prompt that leaves no room is a ValueError naming both lengths."""
+    context = model.config.max_position_embeddings
+    room = context - prompt_ids.shape[-1]
+    if room <= 0:
+        raise ValueError(f"the prompt is {prompt_ids.shape[-1] - 1} tokens; the model's context is {context}. "
+                         f"Shorten the prompt")
+    return min(wanted, room)
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str  # the continuation only, cut before the first EOS
+    tokens: list[int]  # its token ids
+    max_new_tokens: int  # the budget actually used (less than asked when the context was the limit)
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None, device: str | torch.device = "cpu") -> Generation:
+    """Continue `prompt`: encode it, generate up to max_new_tokens (fewer if the context ends first),
+    stop at EOS, decode. temperature 0 is greedy; `generator` seeds sampling."""
+    ids = encode_prompt(tokenizer, prompt, device)
+    n = new_token_budget(model, ids, max_new_tokens)
+    out = model.generate(ids, n, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_id,
+                         generator=generator)[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    return Generation(prompt, tokenizer.decode(out), out, n)
+
+
+@torch.no_grad()
+def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood in nats of each token given the ones before it: (B, T) ids -> (B, T - 1),
+    entry t scoring ids[:, t + 1]. Computed from fp32 (or wider) logits."""
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ValueError(f"token_nll needs (batch, seq_len) ids with seq_len >= 2, got shape {tuple(ids.shape)}")
+    logits = model(ids).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+
+
+@dataclass
+class ContinuationScore:
+    logprob: float  # sum of log p(token | everything before it) over the continuation's tokens
+    num_tokens: int
+    greedy: bool  # whether every continuation token is the model's argmax at its position
+
+
+def split_continuation(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as the text reads when joined.
+
+    The joined text is encoded once and split after the context's own tokens, so the continuation
+    is tokenised as the model would see it in running text. Spaces that end the context are moved to
+    the front of the continuation first (BPE merges a space into the following word)."""
+    stripped = context.rstrip(" ")
+    continuation = context[len(stripped):] + continuation
+    context_ids = tokenizer.encode(stripped)
+    whole = tokenizer.encode(stripped + continuation)
+    if whole[:len(context_ids)] != context_ids:  # a merge across the boundary: score the pieces apart
+        return context_ids, tokenizer.encode(continuation)
+    return context_ids, whole[len(context_ids):]
+
+
+@torch.no_grad()
+def continuation_logprob(model, tokenizer, context: str, continuation: str,
+                         device: str | torch.device = "cpu") -> ContinuationScore:
+    """log p(continuation | EOS + context) under `model`, and whether greedy decoding would produce it."""
+    context_ids, cont_ids = split_continuation(tokenizer, context, continuation)
+    if not cont_ids:
+        raise ValueError(f"the continuation {continuation!r} encodes to no tokens; nothing to score")
+    ids = torch.tensor([[tokenizer.eos_id, *context_ids, *cont_ids]], device=device)
+    logits = model(ids).logits[0, -len(cont_ids) - 1:-1]
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    target = ids[0, -len(cont_ids):]
+    picked = logprobs.gather(-1, target[:, None]).squeeze(-1)
+    return ContinuationScore(float(picked.sum()), len(cont_ids), bool((logprobs.argmax(-1) == target).all()))

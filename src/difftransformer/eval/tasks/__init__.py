@@ -1,0 +1,6 @@
+"""Black-box evaluation tasks: they see a model's logits only (through eval/lm.py). Importing this
+package registers them with `difftransformer.eval.task`."""
+
+from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+__all__ = ["HeldOutLoss"]

@@ -1,0 +1,89 @@
+"""One definition of a study folder: where a comparison keeps its runs, its manifest and its report.
+
+    <study>/
+      compare.json          the manifest: arms, seeds, model configs, train recipe, data, hardware
+      report.md             written by experiments.report, with loss_curves.png and lambda.png
+      <arm>/                one run folder per arm (see train/run_dir.py) when one seed is run ...
+      seed<s>/<arm>/        ... and per seed and arm when several are
+
+A folder that was filled by hand (no compare.json) is still read: arms and seeds come from its layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from difftransformer.train import RunDir
+
+MANIFEST_FILE = "compare.json"
+REPORT_FILE = "report.md"
+LOSS_PLOT_FILE = "loss_curves.png"
+LAMBDA_PLOT_FILE = "lambda.png"
+_SEED_PREFIX = "seed"
+
+
+@dataclass(frozen=True)
+class StudyDir:
+    """The folder of one comparison study (it need not exist yet)."""
+
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.path / REPORT_FILE
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / LOSS_PLOT_FILE
+
+    @property
+    def lambda_plot(self) -> Path:
+        return self.path / LAMBDA_PLOT_FILE
+
+    def is_study(self) -> bool:
+        """Whether a comparison has been started here (its manifest exists)."""
+        return self.manifest.is_file()
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        return json.loads(self.manifest.read_text(encoding="utf-8")) if self.manifest.is_file() else None
+
+    def run_dir(self, arm: str, seed: int, multi_seed: bool) -> RunDir:
+        """Where the run of `arm` with training seed `seed` goes."""
+        return RunDir(self.path / f"{_SEED_PREFIX}{seed}" / arm if multi_seed else self.path / arm)
+
+    def find_run(self, arm: str, seed: int) -> RunDir | None:
+        """The existing run of (arm, seed): seed<s>/<arm>, or <arm> when its train_config has that seed."""
+        multi = self.run_dir(arm, seed, multi_seed=True)
+        if multi.has_metrics():
+            return multi
+        single = self.run_dir(arm, seed, multi_seed=False)
+        if single.has_metrics() and (single.seed() if single.seed() is not None else seed) == seed:
+            return single
+        return None
+
+    def run_dirs(self) -> list[RunDir]:
+        """Every run folder that has logged: seed<s>/<arm>/ ones if there are any, else <arm>/ ones."""
+        if not self.path.is_dir():
+            return []
+        multi = [RunDir(p) for p in sorted(self.path.glob(f"{_SEED_PREFIX}*/*")) if RunDir(p).has_metrics()]
+        return multi or [RunDir(p) for p in sorted(self.path.iterdir()) if RunDir(p).has_metrics()]
+
+    def discover(self) -> dict[str, Any]:
+        """A manifest for a folder without compare.json: arms and seeds from its layout."""
+        runs = self.run_dirs()
+        seeds = sorted(int(p.name[len(_SEED_PREFIX):]) for p in self.path.glob(f"{_SEED_PREFIX}*")
+                       if p.name[len(_SEED_PREFIX):].isdigit())
+        arms = sorted({r.path.name for r in runs}, key=lambda a: (a != "diff", a == "transformer", a))
+        if not seeds:
+            seeds = sorted({r.seed() if r.seed() is not None else 0 for r in runs}) or [0]
+        return {"arms": arms, "seeds": seeds, "baseline": "transformer" if "transformer" in arms else (arms or [""])[-1]}

@@ -1,0 +1,67 @@
+"""The one table of attention kinds: what each kind is, read by modeling, configs, the trainer and reports.
+
+A kind answers four questions, and everything else is derived from the answers:
+
+| kind                   | differential | scalar λ | head norm | V2  | heads counted as          |
+|------------------------|--------------|----------|-----------|-----|---------------------------|
+| `diff`                 | yes          | yes      | yes       | no  | DIFF heads (half of 2h)   |
+| `diff_no_headnorm`     | yes          | yes      | no        | no  | DIFF heads                |
+| `diff_v2`              | yes          | no       | no        | yes | the baseline's heads      |
+| `transformer`          | no           | no       | no        | no  | ordinary heads            |
+| `transformer_headnorm` | no           | no       | yes       | no  | ordinary heads            |
+
+- differential: each output is one softmax map minus λ times another.
+- scalar λ: one learnable λ per layer, λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init (V1). A per-token
+  sigmoid λ (V2) is not scalar.
+- head norm: a head-wise RMSNorm after attention (V1's, or the baseline's ablation).
+- V2: the DIFF V2 layer (2H query heads paired inside one ordinary attention call).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    name: str
+    description: str
+    differential: bool
+    scalar_lambda: bool
+    head_norm: bool
+    v2: bool
+
+    @property
+    def diff_heads(self) -> bool:
+        """Head counts are DIFF V1 heads (two q/k components each), half the matched baseline's."""
+        return self.differential and not self.v2
+
+    @property
+    def fused_kernel(self) -> bool:
+        """Runs `differential_attention` (V1), so the fused Triton kernel and its backward options apply."""
+        return self.differential and not self.v2
+
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (
+    AttentionKind("diff", "DIFF Transformer V1: differential heads, head-wise RMSNorm, (1 - lambda_init) scale",
+                  differential=True, scalar_lambda=True, head_norm=True, v2=False),
+    AttentionKind("diff_no_headnorm", "ablation: DIFF V1 without the head-wise RMSNorm",
+                  differential=True, scalar_lambda=True, head_norm=False, v2=False),
+    AttentionKind("diff_v2", "DIFF V2: 2H query heads paired in-group, per-token sigmoid lambda, no head norm",
+                  differential=True, scalar_lambda=False, head_norm=False, v2=True),
+    AttentionKind("transformer", "the matched Transformer baseline (ordinary multi-head attention)",
+                  differential=False, scalar_lambda=False, head_norm=False, v2=False),
+    AttentionKind("transformer_headnorm", "ablation: the baseline with a head-wise RMSNorm",
+                  differential=False, scalar_lambda=False, head_norm=True, v2=False),
+)}
+
+
+def attention_kind(name: str, what: str = "attention kind") -> AttentionKind:
+    """The kind called `name`; an unknown name is a ValueError with the nearest valid one and the list."""
+    kind = ATTENTION_KINDS.get(name)
+    if kind is None:
+        close = difflib.get_close_matches(str(name), list(ATTENTION_KINDS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown {what} {name!r}{hint}; choose one of {', '.join(ATTENTION_KINDS)}")
+    return kind

@@ -1,0 +1,224 @@
+"""Run configs: one TOML or YAML file (plus `--set` overrides) -> each subsystem's own typed config.
+
+    [model]                 # model.config: a preset + overrides ...
+    preset = "cpu-small"
+    attention = "diff"      # the kind this model (or a comparison's size spec) uses
+    hidden_size = 192       # any DiffTransformerConfig field overrides the preset
+    # ... or, without `preset`, DiffTransformerConfig fields in full (missing ones take defaults)
+
+    [train]                 # train.TrainConfig
+    max_steps = 300
+
+    [data]                  # data.DataConfig: which corpus, tokenizer and document split
+    corpus = "sotu"
+    vocab_size = 8192
+
+    [compare]               # experiments.CompareConfig: only read by `difftransformer compare`
+    arms = ["diff", "transformer"]
+
+Each subsystem owns and validates its config; this module only reads files, applies overrides,
+checks that every key exists (a typo names the key, suggests the nearest valid one and lists them
+all, because a silently ignored setting wastes a training run) and hands each section to its owner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import yaml
+
+from difftransformer.data import DataConfig
+from difftransformer.experiments.config import CompareConfig
+from difftransformer.model import DiffTransformerConfig
+from difftransformer.model.config import MODEL_SECTION_KEYS, model_config_from_section
+from difftransformer.train import TrainConfig
+
+SECTIONS = ("model", "train", "data", "compare")
+# Keys that were renamed: an old config gets the new name instead of a bare "unknown key".
+RENAMED = {("data", "seed"): "split_seed"}
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and the fix."""
+
+
+def _valid_keys() -> dict[str, frozenset[str]]:
+    fields = lambda cls: frozenset(f.name for f in dataclasses.fields(cls))  # noqa: E731
+    return {"model": MODEL_SECTION_KEYS, "train": fields(TrainConfig), "data": fields(DataConfig),
+            "compare": fields(CompareConfig)}
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs, each part typed and validated by its owner."""
+
+    model: DiffTransformerConfig
+    train: TrainConfig
+    data: DataConfig
+    compare: CompareConfig
+    model_section: dict[str, Any]  # the [model] section as written (after overrides), for the record
+    source: str | None = None  # the config file, if any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "train": self.train.to_dict(), "data": self.data.to_dict(),
+                "compare": self.compare.to_dict()}
+
+    def resolve_vocab(self, data_vocab_size: int) -> None:
+        """Size the embedding to the tokenizer actually trained (a small corpus may give fewer tokens than
+        asked for), unless [model] sets vocab_size; then it must hold the tokenizer's vocabulary."""
+        if "vocab_size" not in self.model_section:
+            self.model = dataclasses.replace(self.model, vocab_size=data_vocab_size)
+        elif self.model.vocab_size < data_vocab_size:
+            raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                              f"({data_vocab_size}); remove model.vocab_size to size it from the data")
+
+
+# ----------------------------------------------------------------------------------------------
+# reading and overriding
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_scalar(text: str) -> Any:
+    """A `--set` value: a TOML value (3e-4, true, "x", [1, 2]), null/none, or else the bare string."""
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _yaml12_floats(node: Any) -> Any:
+    """PyYAML follows YAML 1.1, where 3e-4 is a string; read it as the float everyone means (YAML 1.2)."""
+    if isinstance(node, dict):
+        return {k: _yaml12_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_yaml12_floats(v) for v in node]
+    return float(node) if isinstance(node, str) and _FLOAT_RE.match(node) else node
+
+
+def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a .toml or .yaml/.yml config into {section: {key: value}}; section names are checked here."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = _yaml12_floats(yaml.safe_load(text) or {})
+        else:
+            raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot parse {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must be a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+    for name, body in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}] in {path}{_suggest(str(name), SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{name}] in {path} must be a table of key = value pairs, got {body!r}")
+    return {s: dict(raw.get(s) or {}) for s in SECTIONS}
+
+
+def apply_overrides(sections: dict[str, dict[str, Any]], overrides: list[str]) -> None:
+    """Apply `section.key=value` strings in place; the key is validated later with its section."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects section.key=value (e.g. train.lr=3e-4), got {item!r}")
+        section, dot, name = key.partition(".")
+        if not dot:
+            owners = [s for s, fields_ in _valid_keys().items() if key in fields_]
+            hint = f"; did you mean {owners[0]}.{key}?" if owners else ""
+            raise ConfigError(f"--set key {key!r} needs a section prefix (model., train., data., compare.){hint}")
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
+                              f"valid sections: {', '.join(SECTIONS)}")
+        sections[section][name] = parse_scalar(value)
+
+
+def check_keys(section: str, values: dict[str, Any]) -> None:
+    """Every key of [section] must be a field of its config (renamed keys name their new name)."""
+    valid = _valid_keys()[section]
+    for key in values:
+        if key in valid:
+            continue
+        if (section, key) in RENAMED:
+            raise ConfigError(f"[{section}] {key} was renamed {RENAMED[section, key]}; write "
+                              f"{section}.{RENAMED[section, key]} instead")
+        raise ConfigError(f"unknown key {key!r} in [{section}]{_suggest(key, valid)}; "
+                          f"valid keys: {', '.join(sorted(valid))}")
+
+
+# ----------------------------------------------------------------------------------------------
+# building the typed configs
+
+
+_BUILDERS = {"model": model_config_from_section, "train": lambda s: TrainConfig(**s),
+             "data": lambda s: DataConfig(**s), "compare": lambda s: CompareConfig(**s)}
+
+
+def build_section(section: str, values: dict[str, Any]) -> Any:
+    """[section] -> its owner's typed config; the owner's validation errors become ConfigErrors."""
+    check_keys(section, values)
+    try:
+        return _BUILDERS[section](dict(values))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"invalid [{section}] settings: {e}") from e
+
+
+def load_run_config(path: str | Path | None = None, *, preset: str | None = None, attention: str | None = None,
+                    overrides: list[str] | None = None) -> RunConfig:
+    """The CLI's view of a run: file (optional) < --preset/--attention < --set overrides."""
+    sections = load_file(path) if path else {s: {} for s in SECTIONS}
+    if preset is not None:
+        sections["model"]["preset"] = preset
+    if attention is not None:
+        sections["model"]["attention"] = attention
+    apply_overrides(sections, overrides or [])
+    if not set(sections["model"]) - {"attention"}:
+        sections["model"]["preset"] = "cpu-small"  # a bare `train --attention X` still does something sensible
+    try:
+        built = {name: build_section(name, sections[name]) for name in SECTIONS}
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    _one_data_dir(sections, built["train"], built["data"])
+    check_seq_len(built["model"], built["train"])
+    return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],
+                     model_section=sections["model"], source=str(path) if path else None)
+
+
+def _one_data_dir(sections: dict[str, dict[str, Any]], train: TrainConfig, data: DataConfig) -> None:
+    """One source of truth for the shard folder: [data] decides, [train].data_dir must agree."""
+    if "data_dir" in sections["train"] and data.data_dir and sections["train"]["data_dir"] != data.data_dir:
+        raise ConfigError(f"train.data_dir ({sections['train']['data_dir']!r}) and data.data_dir "
+                          f"({data.data_dir!r}) disagree; set only data.data_dir")
+    if "data_dir" in sections["train"] and not data.data_dir:
+        data.data_dir = sections["train"]["data_dir"]
+    train.data_dir = data.resolved_dir()
+
+
+def check_seq_len(model: DiffTransformerConfig, train: TrainConfig) -> None:
+    if train.seq_len > model.max_position_embeddings:
+        raise ConfigError(f"train.seq_len ({train.seq_len}) is above the model's max_position_embeddings "
+                          f"({model.max_position_embeddings}); lower train.seq_len or raise "
+                          f"model.max_position_embeddings")

@@ -1,0 +1,167 @@
+"""One definition of a run folder: what a training run writes where, whether it finished, how to load it.
+
+    <run>/
+      model_config.json   DiffTransformerConfig of the run (written at start)
+      train_config.json   TrainConfig of the run (written at start; max_steps is the target)
+      metrics.jsonl       one JSON row per logged step: kind "train" (loss, lr, λ, λ_init, ...) or "val"
+      tb/                 TensorBoard event files (when train.tensorboard)
+      checkpoints/        step_XXXXXXXX/ folders and `latest` (see checkpoint.py)
+      final/              config.json, model.safetensors, tokenizer.json: the trained model
+      done.json           written by the comparison runner when the run ended: final step, val loss, tokens/s
+      samples.json        the report's cached sample generations (experiments/report)
+
+Everything outside this module asks a `RunDir` for these paths; no other module spells the names.
+Two questions have one answer each here:
+- `trained_to(max_steps)`: training reached max_steps (the last val loss is final), from done.json
+  or else metrics.jsonl;
+- `is_finished(max_steps)`: that, and final/ holds the weights: nothing is left to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from difftransformer.data import PreparedData
+from difftransformer.model import DiffTransformerLM
+from difftransformer.model.serialization import WEIGHTS_NAME, is_pretrained_dir
+from difftransformer.train.checkpoint import CHECKPOINTS_DIR, MODEL_CONFIG_FILE, TRAIN_CONFIG_FILE, load_checkpoint
+from difftransformer.train.metrics import METRICS_FILE, MetricSeries, read_metric_series
+
+log = logging.getLogger("difftransformer.train")
+
+FINAL_DIR = "final"
+TENSORBOARD_DIR = "tb"
+TOKENIZER_FILE = "tokenizer.json"
+DONE_FILE = "done.json"
+SAMPLES_FILE = "samples.json"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The folder of one training run (it need not exist yet)."""
+
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    # -- where things are ---------------------------------------------------------------------------
+    @property
+    def model_config(self) -> Path:
+        return self.path / MODEL_CONFIG_FILE
+
+    @property
+    def train_config(self) -> Path:
+        return self.path / TRAIN_CONFIG_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def final(self) -> Path:
+        return self.path / FINAL_DIR
+
+    @property
+    def final_weights(self) -> Path:
+        return self.final / WEIGHTS_NAME
+
+    @property
+    def final_tokenizer(self) -> Path:
+        return self.final / TOKENIZER_FILE
+
+    @property
+    def done(self) -> Path:
+        return self.path / DONE_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.path / SAMPLES_FILE
+
+    # -- what is there ------------------------------------------------------------------------------
+    def has_metrics(self) -> bool:
+        """Whether a run has logged here (the sign that this folder is a run folder)."""
+        return self.metrics.is_file()
+
+    def has_final(self) -> bool:
+        return is_pretrained_dir(self.final)
+
+    def read_json(self, which: Path) -> dict[str, Any]:
+        """One of this run's JSON files as a dict; {} when it is missing or unreadable (a run still starting)."""
+        try:
+            data = json.loads(which.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def max_steps(self) -> int | None:
+        """The run's target step count, from its train_config.json."""
+        value = self.read_json(self.train_config).get("max_steps")
+        return int(value) if value is not None else None
+
+    def seed(self) -> int | None:
+        """The run's training seed, from its train_config.json."""
+        value = self.read_json(self.train_config).get("seed")
+        return int(value) if value is not None else None
+
+    def metric_series(self) -> MetricSeries:
+        """Train and val rows by step (empty when nothing is logged yet)."""
+        return read_metric_series(self.metrics)
+
+    def last_step(self) -> int:
+        """The last step with a done.json record or a metrics row (0 before the first log)."""
+        done = self.read_json(self.done).get("final_step")
+        series = self.metric_series()
+        logged = max((int(r["step"]) for r in series.train + series.val), default=0)
+        return max(logged, int(done) if done is not None else 0)
+
+    def trained_to(self, max_steps: int | None = None) -> bool:
+        """Training reached `max_steps` (default: the run's own); its last validation loss is final."""
+        target = self.max_steps() if max_steps is None else max_steps
+        return target is not None and self.last_step() >= target
+
+    def is_finished(self, max_steps: int | None = None) -> bool:
+        """Trained to `max_steps` and final/ holds the weights (a final/ from a shorter run does not count)."""
+        return self.has_final() and self.trained_to(max_steps)
+
+    def write_done(self, record: dict[str, Any]) -> None:
+        from difftransformer._io import atomic_write_text
+
+        atomic_write_text(self.done, json.dumps(record, indent=2) + "\n")
+
+
+@dataclass
+class LoadedModel:
+    model: DiffTransformerLM
+    tokenizer_path: Path | None  # None when neither the model folder nor the run's data has one
+    source: str  # what was loaded, for messages: "final weights in ..." or "checkpoint ... at step N"
+    checkpoint_step: int | None = None  # the step, when no final/ model existed and a checkpoint was loaded
+
+
+def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
+    """A trained model from a final/ folder, a run folder (its final/, else its newest checkpoint), a
+    checkpoints/ folder or one checkpoint step folder; with the tokenizer it was trained with."""
+    path = Path(path)
+    for final in (path, RunDir(path).final):
+        if is_pretrained_dir(final):
+            tok = final / TOKENIZER_FILE
+            return LoadedModel(DiffTransformerLM.from_pretrained(final, device=device),
+                               tok if tok.is_file() else None, f"final weights in {final}")
+    ckpt = load_checkpoint(path, map_location=device)  # raises CheckpointError naming what it expected
+    model = DiffTransformerLM(ckpt["model_config"], device=device)
+    model.load_state_dict(ckpt["model"], strict=True)
+    data_dir = Path(ckpt["train_config"].data_dir)
+    tok = PreparedData.load(data_dir).tokenizer_path if PreparedData.exists(data_dir) else None
+    return LoadedModel(model, tok, f"checkpoint {ckpt['path']} at step {ckpt['step']}", ckpt["step"])

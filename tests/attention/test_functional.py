@@ -1,0 +1,144 @@
+"""The one definition of differential (and ordinary) attention, every backend against the float64 reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from difftransformer import differential_attention
+from difftransformer.attention import multihead_attention
+from tests.helpers import BACKENDS, check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs, rel_err
+from tests.reference import diff_attention_reference, mha_reference
+
+
+# ---------------------------------------------------------------- the reference itself
+
+
+def test_reference_with_zero_lambda_is_ordinary_attention():
+    """Sanity-check the independent reference against PyTorch's float64 SDPA."""
+    q, k, v = random_inputs(2, 3, 3, 9, 9, 8, dtype=torch.float64)
+    out = diff_attention_reference(q, k, v, 0.0)
+    expected = F.scaled_dot_product_attention(q[:, 0::2], k[:, 0::2], v, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- functional backends
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_rep", [1, 2, 4])
+@pytest.mark.parametrize("T,S,causal", [(1, 1, True), (13, 13, True), (37, 37, False), (5, 29, True),
+                                        (1, 23, True), (150, 150, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_and_gradients_match_reference(backend, n_rep, T, S, causal, padded):
+    B, h_kv, d = 2, 2 // min(n_rep, 2), 8
+    h = h_kv * n_rep
+    seed = hash((backend, n_rep, T, S, causal, padded)) % 10_000
+    q, k, v = random_inputs(B, h, h_kv, T, S, d, seed=seed, grad=True)
+    lam = torch.tensor(0.37, requires_grad=True)
+    mask = padding_mask(B, S, seed) if padded else None
+    out = differential_attention(q, k, v, lam, causal=causal, key_padding_mask=mask, backend=backend)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
+    ref = diff_attention_reference(*ref_in, causal=causal, key_padding_mask=mask)
+    assert out.shape == (B, h, T, 2 * d) and out.dtype == torch.float32
+    grad_out = check_forward_and_grads(out, ref, (q, k, v), ref_in[:3])
+    assert lambda_grad_error(lam.grad, ref_in[3].grad, grad_out, q, k, v, causal=causal,
+                             key_padding_mask=mask) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_padded_gqa_sequence_matches_reference(backend):
+    """A few hundred tokens: T=300 queries over S=300 keys, GQA n_rep 2, left padding, fwd + grads."""
+    q, k, v = random_inputs(1, 2, 1, 300, 300, 8, seed=300, grad=True)
+    lam = torch.tensor(-0.45, requires_grad=True)
+    mask = padding_mask(1, 300, 3)
+    out = differential_attention(q, k, v, lam, key_padding_mask=mask, backend=backend)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
+    ref = diff_attention_reference(*ref_in, key_padding_mask=mask)
+    g = check_forward_and_grads(out, ref, (q, k, v), ref_in[:3])
+    assert lambda_grad_error(lam.grad, ref_in[3].grad, g, q, k, v, key_padding_mask=mask) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lam", [-0.8, 0.0, 1.7, 3.0])
+def test_lambda_negative_and_above_one(backend, lam):
+    q, k, v = random_inputs(1, 4, 2, 21, 21, 16, seed=int(lam * 10) + 50)
+    out = differential_attention(q, k, v, torch.tensor(lam), backend=backend)
+    assert rel_err(out, diff_attention_reference(q, k, v, lam)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs(backend, dtype):
+    q, k, v = random_inputs(2, 4, 2, 40, 40, 16, dtype=dtype, seed=7, grad=True)
+    out = differential_attention(q, k, v, torch.tensor(0.5), backend=backend)
+    assert out.dtype == dtype
+    ref = diff_attention_reference(q.detach(), k.detach(), v.detach(), 0.5)  # same rounded inputs, float64
+    assert rel_err(out, ref) <= 2e-2
+    out.float().pow(2).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_query_rows_are_zero(backend):
+    q, k, v = random_inputs(2, 2, 2, 6, 6, 8, seed=3)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :3] = False  # with causal masking, queries 0..2 of row 0 see no key
+    out = differential_attention(q, k, v, torch.tensor(0.5), key_padding_mask=mask, backend=backend)
+    assert torch.isfinite(out).all()
+    assert out[0, :, :3].abs().max() == 0
+    ref = diff_attention_reference(q, k, v, 0.5, key_padding_mask=mask)
+    assert rel_err(out, ref) <= 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), h_kv=st.integers(1, 2), n_rep=st.sampled_from([1, 2, 4]), T=st.integers(1, 40),
+       extra=st.integers(0, 20), d=st.sampled_from([4, 8, 16]), lam=st.floats(-2, 2), causal=st.booleans(),
+       backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16))
+def test_random_shapes_match_reference(B, h_kv, n_rep, T, extra, d, lam, causal, backend, seed):
+    q, k, v = random_inputs(B, h_kv * n_rep, h_kv, T, T + extra, d, seed=seed)
+    out = differential_attention(q, k, v, torch.tensor(lam), causal=causal, backend=backend)
+    assert rel_err(out, diff_attention_reference(q, k, v, lam, causal=causal)) <= 1e-5
+
+
+def test_eager_maps_are_the_differential_map():
+    q, k, v = random_inputs(1, 2, 1, 10, 10, 8, seed=11)
+    out, maps = differential_attention(q, k, v, torch.tensor(0.6), backend="eager", return_maps=True)
+    _, ref_maps = diff_attention_reference(q, k, v, 0.6, return_maps=True)
+    for got, want in zip(maps, ref_maps):
+        assert rel_err(got, want) <= 1e-6
+    torch.testing.assert_close(maps.a1.sum(-1), torch.ones(1, 2, 10))
+    assert maps.a1.triu(1).abs().max() == 0  # causal
+    torch.testing.assert_close(maps.diff, maps.a1 - 0.6 * maps.a2)
+
+
+def test_maps_only_from_eager():
+    q, k, v = random_inputs(1, 2, 1, 4, 4, 8)
+    with pytest.raises(ValueError, match="only be returned by the 'eager' backend"):
+        differential_attention(q, k, v, 0.5, backend="sdpa", return_maps=True)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        differential_attention(q, k, v, 0.5, backend="flash9")
+
+
+def test_bad_functional_shapes():
+    q, k, v = random_inputs(1, 2, 1, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"v must be \(batch, h_kv, S, 2d\)"):
+        differential_attention(q, k, v[..., :8], 0.5)
+    with pytest.raises(ValueError, match="lambda must be a scalar"):
+        differential_attention(q, k, v, torch.ones(3))
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        differential_attention(q, k, v, 0.5, key_padding_mask=torch.ones(1, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_rep", [1, 2])
+def test_ordinary_attention_matches_reference(backend, n_rep):
+    g = torch.Generator().manual_seed(n_rep)
+    q = torch.randn(2, 4, 17, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 4 // n_rep, 17, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 4 // n_rep, 17, 8, generator=g, requires_grad=True)
+    mask = padding_mask(2, 17, 5)
+    out = multihead_attention(q, k, v, key_padding_mask=mask, backend=backend)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    check_forward_and_grads(out, mha_reference(*ref_in, key_padding_mask=mask), (q, k, v), ref_in)

@@ -1,0 +1,52 @@
+"""Fixtures of the CLI tests: a tiny corpus and run config, and one real `compare` run shared by several tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from difftransformer.cli import main
+
+
+TINY_TRAIN = dict(seq_len=32, batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_batches=2,
+                  log_interval=2, ckpt_interval=4, progress=False, tensorboard=False, device="cpu")
+
+
+WORDS = ("the union congress people nation state law year war peace freedom economy work tax our we must "
+         "will and of to in a is for").split()
+
+
+def _toml(d: dict) -> str:
+    out = []
+    for section, body in d.items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {json.dumps(v)}" for k, v in body.items()]
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A tiny corpus (12 documents) and a tiny run config pointing at it."""
+    root = tmp_path_factory.mktemp("cli")
+    rng = random.Random(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(1200)) + ".\n")
+    cfg = {"model": {"preset": "tiny", "attention": "diff"}, "train": TINY_TRAIN,
+           "data": {"corpus": str(corpus), "vocab_size": 300, "data_dir": str(root / "data"),
+                    "val_fraction": 0.2, "test_fraction": 0.1},
+           "compare": {"prompts": ["the union", "we must"], "sample_tokens": 8}}
+    (root / "tiny.toml").write_text(_toml(cfg))
+    return root
+
+
+@pytest.fixture(scope="module")
+def compared(workdir) -> Path:
+    """One real `compare` run (DIFF vs matched Transformer, one seed) shared by several tests."""
+    out = workdir / "cmp"
+    assert main(["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)]) == 0
+    return out

@@ -1,0 +1,131 @@
+"""The shared text scoring of eval/lm.py on models whose answers are known by hand.
+
+A stub LM with fixed logits makes every number computable on paper: uniform logits give an NLL of
+log V per token; a model that always predicts "next id = this id + 1" scores a counting sequence
+with probability p per step and is greedy exactly on it.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from difftransformer.data import Tokenizer
+from difftransformer.eval import continuation_logprob, encode_prompt, generate_text, new_token_budget, token_nll
+from difftransformer.eval.lm import split_continuation
+from difftransformer.model import DiffTransformerLM
+from tests.helpers import tiny
+
+V = 7
+
+
+class StubLM(torch.nn.Module):
+    """logits[t] = log p over V tokens: mass `p` on (ids[t] + 1) % V, the rest spread evenly (p=None: uniform)."""
+
+    def __init__(self, p: float | None = None, context: int = 64):
+        super().__init__()
+        self.p, self.config = p, SimpleNamespace(max_position_embeddings=context)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        if self.p is None:
+            return SimpleNamespace(logits=torch.zeros(B, T, V))
+        probs = torch.full((B, T, V), (1 - self.p) / (V - 1))
+        probs.scatter_(-1, ((ids + 1) % V)[..., None], self.p)
+        return SimpleNamespace(logits=probs.log())
+
+
+class CharTokenizer:
+    """One token per character of 'abcdef', EOS = 6: token boundaries are obvious."""
+
+    eos_id = 6
+
+    def encode(self, text):
+        return ["abcdef".index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join("abcdef"[i] for i in ids)
+
+
+def test_token_nll_of_uniform_logits_is_log_v():
+    ids = torch.randint(0, V, (3, 10))
+    nll = token_nll(StubLM(), ids)
+    assert nll.shape == (3, 9) and torch.allclose(nll, torch.full((3, 9), math.log(V)))
+
+
+def test_token_nll_of_a_known_next_token_model():
+    ids = torch.tensor([[0, 1, 2, 5, 6]])  # right, right, wrong, right
+    nll = token_nll(StubLM(p=0.9), ids)[0]
+    wrong = -math.log(0.1 / (V - 1))
+    assert torch.allclose(nll, torch.tensor([-math.log(0.9)] * 2 + [wrong, -math.log(0.9)]), atol=1e-6)
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        token_nll(StubLM(), torch.tensor([[1]]))
+
+
+def test_continuation_logprob_sums_the_continuation_tokens_and_says_if_greedy():
+    tok, lm = CharTokenizer(), StubLM(p=0.9)
+    # EOS(6) -> 'a'(0) is "+1 mod 7": context 'ab', continuation 'cd' follows the counting rule
+    score = continuation_logprob(lm, tok, "ab", "cd")
+    assert score.num_tokens == 2 and score.greedy
+    assert score.logprob == pytest.approx(2 * math.log(0.9), abs=1e-6)
+    off = continuation_logprob(lm, tok, "ab", "ce")
+    assert not off.greedy and off.logprob == pytest.approx(math.log(0.9) + math.log(0.1 / (V - 1)), abs=1e-6)
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        continuation_logprob(lm, tok, "ab", "")
+
+
+def test_split_continuation_moves_the_context_space_into_the_continuation():
+    tok = Tokenizer.train(["the cat sat on the mat. the dog sat on the log."] * 20, vocab_size=300)
+    ctx, cont = split_continuation(tok, "the cat sat on the ", "mat")
+    assert tok.decode(ctx) == "the cat sat on the" and tok.decode(cont) == " mat"
+    assert ctx + cont == tok.encode("the cat sat on the mat")
+
+
+def test_generate_text_stops_at_eos_and_at_the_context():
+    tok = CharTokenizer()
+    lm = StubLM(p=1.0 - 1e-9, context=6)
+    lm.generate = lambda ids, n, **kw: DiffTransformerLM.generate(_Greedy(lm), ids, n, **kw)
+    gen = generate_text(lm, tok, "ab", 10, temperature=0.0)
+    # EOS a b | c d e f ... but the context is 6: 3 prompt tokens leave room for 3
+    assert gen.max_new_tokens == 3 and gen.text == "cde"
+    lm.config.max_position_embeddings = 20
+    stopped = generate_text(lm, tok, "de", 10, temperature=0.0)
+    assert stopped.text == "f" and stopped.tokens == [5]  # after 'f' (5) comes 6 = EOS: cut there
+    with pytest.raises(ValueError, match="the prompt is 19 tokens; the model's context is 20"):
+        new_token_budget(lm, encode_prompt(tok, "abcdef" * 3 + "a"), 5)
+
+
+class _Greedy:
+    """Lets the real generate() loop drive a stub (it needs .config, .training, eval/train and a forward)."""
+
+    def __init__(self, lm):
+        self.lm, self.config, self.training = lm, lm.config, False
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def __call__(self, ids, **kw):
+        return self.lm(ids)
+
+
+def test_real_model_generate_text_equals_model_generate():
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny()).eval()
+    tok = CharTokenizer()
+    ids = encode_prompt(tok, "abc")
+    assert ids.tolist() == [[6, 0, 1, 2]]
+    want = model.generate(ids, 5, temperature=0.0)[0, 4:].tolist()
+    got = generate_text(model, _Decoded(), "abc", 5, temperature=0.0)
+    want = want[:want.index(6)] if 6 in want else want
+    assert got.tokens == want
+
+
+class _Decoded(CharTokenizer):
+    def decode(self, ids):
+        return ",".join(map(str, ids))

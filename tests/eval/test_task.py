@@ -1,0 +1,79 @@
+"""The task interface: registry, settings, provenance, and the held-out loss task on known answers."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from difftransformer.data import PreparedData
+from difftransformer.eval import EvalConfig, get_task, run_task
+from difftransformer.eval.task import TASKS, weights_hash
+from difftransformer.model import DiffTransformerLM
+from difftransformer.train import read_metrics, train
+from tests.helpers import make_cfg, tiny
+
+
+class UniformLM(torch.nn.Module):
+    """Equal logits over the vocabulary: every token costs exactly log(vocab) nats."""
+
+    def __init__(self, vocab: int, context: int = 64):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.config = vocab, SimpleNamespace(max_position_embeddings=context)
+
+    def forward(self, ids):
+        return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)
+
+
+def test_heldout_loss_of_a_uniform_model_is_log_vocab(data_dir):
+    vocab = PreparedData.load(data_dir).vocab_size
+    result = run_task("heldout-loss", UniformLM(vocab), None, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=5))
+    assert result.metrics["loss"] == pytest.approx(math.log(vocab))
+    assert result.metrics["perplexity"] == pytest.approx(vocab)
+    assert result.metrics["bits_per_token"] == pytest.approx(math.log2(vocab))
+    assert result.settings["windows"] == 5 and result.settings["tokens"] == 5 * 32 and result.settings["split"] == "test"
+
+
+def test_heldout_loss_on_val_equals_the_trainers_validation_loss(data_dir, tmp_path):
+    cfg = make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=3, eval_interval=3)
+    res = train(tiny(), cfg)
+    logged = [r["loss"] for r in read_metrics(res.metrics_path, "val")][-1]
+    windows = cfg.eval_batches * cfg.batch_size
+    got = run_task("heldout-loss", res.model, None, EvalConfig(data_dir=data_dir, split="val", seq_len=cfg.seq_len,
+                                                               max_windows=windows, batch_size=3))
+    assert got.metrics["loss"] == pytest.approx(logged, rel=1e-5)
+
+
+def test_results_carry_provenance_and_are_json(data_dir):
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny(vocab_size=300))
+    result = run_task(get_task("heldout-loss"), model, None, EvalConfig(data_dir=data_dir, seq_len=16, max_windows=2))
+    record = result.to_dict()
+    assert record["task"] == "heldout-loss" and set(record["provenance"]) == {"weights_sha256", "package_version",
+                                                                             "started", "seconds"}
+    assert record["provenance"]["weights_sha256"] == weights_hash(model)
+    twin = DiffTransformerLM(tiny(vocab_size=300))
+    twin.load_state_dict(model.state_dict())
+    assert weights_hash(twin) == weights_hash(model)
+    with torch.no_grad():
+        twin.norm.weight[0] += 1e-3
+    assert weights_hash(twin) != weights_hash(model)
+    assert model.training  # run_task restores the mode it found
+
+
+def test_bad_requests_are_one_line_errors(data_dir):
+    model = UniformLM(300, context=16)
+    with pytest.raises(ValueError, match="unknown evaluation task 'heldout_los' \\(did you mean 'heldout-loss'\\?\\)"):
+        get_task("heldout_los")
+    with pytest.raises(ValueError, match="set EvalConfig.data_dir"):
+        run_task("heldout-loss", model, None, EvalConfig())
+    with pytest.raises(ValueError, match="seq_len 32 is beyond the model's context of 16"):
+        run_task("heldout-loss", model, None, EvalConfig(data_dir=data_dir, seq_len=32))
+    with pytest.raises(ValueError, match="split='train' would evaluate on the text the model was trained on"):
+        EvalConfig(split="train")
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        EvalConfig(batch_size=0)
+    assert "heldout-loss" in TASKS

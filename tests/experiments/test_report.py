@@ -1,0 +1,68 @@
+"""The report's honesty on synthetic studies whose answer is known: seed noise, a clear winner, unfinished runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from difftransformer.experiments import write_report
+
+
+def _synthetic(root: Path, finals: dict[str, list[float]], steps: int = 100) -> Path:
+    """A compare folder whose arms end at the given final val losses (one per seed)."""
+    seeds = list(range(len(next(iter(finals.values())))))
+    for arm, values in finals.items():
+        for seed, final in zip(seeds, values):
+            d = root / (f"seed{seed}" if len(seeds) > 1 else "") / arm
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "train_config.json").write_text(json.dumps({"max_steps": steps, "seed": seed}))
+            lam = [0.3, 0.5] if arm == "diff" else [None, None]
+            inits = [0.25, 0.5] if arm == "diff" else [None, None]  # not the schedule: read, not recomputed
+            rows = [{"kind": "train", "step": s, "loss": final + 2 * (1 - s / steps), "lr": 1e-3, "grad_norm": 1.0,
+                     "tokens": s * 1000, "tokens_per_s": 900.0 if arm == "diff" else 1000.0, "elapsed_s": s,
+                     "lambdas": lam, "lambda_inits": inits} for s in range(10, steps + 1, 10)]
+            rows += [{"kind": "val", "step": s, "loss": final + 2 * (1 - s / steps), "tokens": s * 1000}
+                     for s in range(25, steps + 1, 25)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "compare.json").write_text(json.dumps({"arms": list(finals), "seeds": seeds, "baseline": "transformer"}))
+    return root
+
+
+def test_report_single_seed_says_it_cannot_separate(tmp_path):
+    root = _synthetic(tmp_path, {"diff": [3.0], "transformer": [3.5]})
+    text = write_report(root, samples=False).read_text()
+    assert "single seed cannot separate the arms" in text
+    assert "reaches the lower" not in text
+
+
+def test_report_within_noise(tmp_path):
+    root = _synthetic(tmp_path, {"diff": [3.00, 3.20, 2.95], "transformer": [3.10, 3.02, 3.05]})
+    text = write_report(root, samples=False).read_text()
+    assert "within seed noise" in text and "cannot separate" in text and "reaches the lower" not in text
+
+
+@pytest.mark.parametrize("finals, lower", [
+    ({"diff": [3.00, 3.01, 2.99], "transformer": [3.50, 3.52, 3.49]}, "diff"),
+    ({"diff": [3.50, 3.52, 3.49], "transformer": [3.00, 3.01, 2.99]}, "transformer"),
+])
+def test_report_names_the_lower_arm_when_far_beyond_noise(tmp_path, finals, lower):
+    text = write_report(_synthetic(tmp_path, finals), samples=False).read_text()
+    assert f"{lower} reaches the lower validation loss" in text and "within seed noise" not in text
+    assert "0.900" in text  # throughput ratio diff / transformer from the synthetic 900 vs 1000 tokens/s
+    assert (tmp_path / "loss_curves.png").is_file() and (tmp_path / "lambda.png").is_file()
+
+
+def test_report_marks_unfinished_runs(tmp_path):
+    root = _synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]})
+    (root / "seed1" / "transformer" / "train_config.json").write_text(json.dumps({"max_steps": 200, "seed": 1}))
+    text = write_report(root, samples=False).read_text()
+    assert "Incomplete" in text and "step 100 of 200" in text
+    assert "single seed cannot separate" in text  # only seed 0 has both arms finished
+
+
+def test_lambda_table_shows_the_logged_lambda_and_lambda_init(tmp_path):
+    text = write_report(_synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]}), samples=False).read_text()
+    table = text.split("## λ per layer")[1]
+    assert "| 0 | 0.250 | 0.300 ± 0.000 |" in table and "| 1 | 0.500 | 0.500 ± 0.000 |" in table

@@ -1,0 +1,75 @@
+"""Model configs and presets: the paper's sizes, matched DIFF/Transformer pairs, round trips and errors."""
+
+import pytest
+
+from difftransformer import ATTENTION_KINDS, DiffTransformerConfig, DiffTransformerLM, get_preset
+from difftransformer.model.config import PRESETS
+from tests.helpers import tiny
+
+
+
+@pytest.mark.parametrize("name,target", [("830M", 830e6), ("1.4B", 1.4e9), ("2.8B", 2.8e9), ("6.8B", 6.8e9),
+                                         ("13.1B", 13.1e9)])
+def test_paper_preset_parameter_counts_within_one_percent(name, target):
+    cfg = get_preset(name).config()
+    assert cfg.vocab_size == 100_288
+    n = DiffTransformerLM(cfg, device="meta").num_parameters(count_embedding_once=True)
+    assert abs(n - target) / target < 0.01, n
+
+
+def test_paper_3b_configuration():
+    cfg = get_preset("3B").config()
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim,
+            cfg.intermediate_size) == (3072, 28, 12, 128, 8192)
+    assert cfg.matched("transformer").num_attention_heads == 24
+
+
+@pytest.mark.parametrize("name", ["830M", "1.4B", "2.8B", "6.8B", "13.1B"])
+def test_paper_head_dims(name):
+    want = {"830M": 96, "1.4B": 128, "2.8B": 128, "6.8B": 128, "13.1B": 128}[name]
+    diff, base = get_preset(name).config("diff"), get_preset(name).config("transformer")
+    assert diff.head_dim == base.head_dim == want
+    assert base.num_attention_heads == 2 * diff.num_attention_heads
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu-small", "1.4B"])
+@pytest.mark.parametrize("kv", [None, 2])
+def test_matched_models_differ_by_6d_per_layer(preset, kv):
+    p = get_preset(preset)
+    cfg = p.config("diff", num_key_value_heads=kv) if kv else p.config("diff")
+    diff = DiffTransformerLM(cfg, device="meta").num_parameters()
+    base_cfg = cfg.matched("transformer")
+    base = DiffTransformerLM(base_cfg, device="meta").num_parameters()
+    assert diff - base == 6 * cfg.head_dim * cfg.num_hidden_layers
+    assert base_cfg.matched("diff") == cfg
+
+
+def test_config_round_trip_and_unknown_keys(tmp_path):
+    cfg = tiny(num_key_value_heads=1, lambda_init=0.8)
+    cfg.save(tmp_path / "c.json")
+    assert DiffTransformerConfig.load(tmp_path / "c.json") == cfg
+    data = cfg.to_dict() | {"num_heads": 3}
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_heads'\]"):
+        DiffTransformerConfig.from_dict(data)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        DiffTransformerConfig(attention="softmax2")
+    with pytest.raises(ValueError, match="divisible by 2 \\* num_attention_heads"):
+        DiffTransformerConfig(hidden_size=100, num_attention_heads=4)
+    with pytest.raises(ValueError, match="divisible by num_key_value_heads"):
+        DiffTransformerConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="attn_deterministic must be true or false"):
+        DiffTransformerConfig(attn_deterministic="no")
+    with pytest.raises(KeyError, match="unknown preset 'huge'"):
+        get_preset("huge")
+    with pytest.raises(ValueError, match="must be even"):
+        DiffTransformerConfig(num_attention_heads=3, hidden_size=96, attention="transformer").matched("diff")
+
+
+def test_every_preset_builds():
+    for name, p in PRESETS.items():
+        for kind in ATTENTION_KINDS:
+            cfg = p.config(kind)
+            assert cfg.attention == kind, name

@@ -1,0 +1,70 @@
+"""The LM's forward: loss, input errors, learning, and cached decoding equal to full recomputation."""
+
+import pytest
+import torch
+
+from difftransformer import ATTENTION_KINDS, DiffTransformerLM, KVCache
+from tests.helpers import CPP_KERNEL_DISABLED, tiny
+
+
+
+def test_forward_loss_and_errors():
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny())
+    ids = torch.randint(0, 512, (2, 16))
+    out = model(ids, ids)
+    assert out.logits.shape == (2, 16, 512)
+    assert abs(out.loss.item() - torch.log(torch.tensor(512.0)).item()) < 0.5  # near-uniform at init
+    with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
+        model(torch.tensor([[1, 512]]))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(torch.tensor([[-1, 5]]))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 256"):
+        model(torch.zeros(1, 257, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq_len\)"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer tensor"):
+        model(torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="targets must match"):
+        model(ids, ids[:, :3])
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
+def test_training_reduces_loss(kind):
+    """A few AdamW steps on one batch must fit it: gradients flow through every kind."""
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny(kind))
+    ids = torch.randint(0, 512, (4, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(15):
+        loss = model(ids[:, :-1], ids[:, 1:]).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 1.0
+    if kind.startswith("diff") and kind != "diff_v2":
+        assert model.layers[0].self_attn.lambda_q1.grad is not None
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
+@pytest.mark.parametrize("backend", ["eager", "sdpa"] + ([] if CPP_KERNEL_DISABLED else ["cpp"]))
+def test_cached_decoding_equals_full_recompute(kind, backend):
+    torch.manual_seed(1)
+    model = DiffTransformerLM(tiny(kind, num_key_value_heads=1, attn_backend=backend)).eval()
+    ids = torch.randint(0, 512, (2, 21))
+    full = model(ids).logits
+    cache = KVCache()
+    chunks = [ids[:, :7], ids[:, 7:8], ids[:, 8:15], ids[:, 15:16], ids[:, 16:]]  # prefill, steps, chunks
+    got = torch.cat([model(c, kv_cache=cache).logits for c in chunks], dim=1)
+    assert len(cache) == 21
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_length_limit():
+    model = DiffTransformerLM(tiny()).eval()
+    cache = KVCache()
+    model(torch.zeros(1, 250, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match="sequence length 257 exceeds max_position_embeddings 256"):
+        model(torch.zeros(1, 7, dtype=torch.long), kv_cache=cache)

@@ -1,0 +1,107 @@
+"""Run configs: TOML and YAML agree, --set overrides, head counts in the kind's units, errors that name the key."""
+
+import pytest
+
+from difftransformer.run_config import ConfigError, apply_overrides, load_run_config, parse_scalar
+
+
+def test_toml_and_yaml_configs_agree(tmp_path):
+    (tmp_path / "a.toml").write_text('[model]\npreset = "tiny"\nattention = "transformer"\nhidden_size = 128\n'
+                                     '[train]\nlr = 3e-4\nseq_len = 64\n[data]\nvocab_size = 512\n'
+                                     '[compare]\narms = ["transformer", "diff"]\n')
+    (tmp_path / "a.yaml").write_text("model: {preset: tiny, attention: transformer, hidden_size: 128}\n"
+                                     "train: {lr: 3e-4, seq_len: 64}\ndata: {vocab_size: 512}\n"
+                                     "compare: {arms: [transformer, diff]}\n")
+    a, b = load_run_config(tmp_path / "a.toml"), load_run_config(tmp_path / "a.yaml")
+    assert a.to_dict() == b.to_dict()
+    assert a.model.attention == "transformer" and a.model.num_attention_heads == 4  # tiny: 2 DIFF heads = 4
+    assert a.model.intermediate_size == round(8 * 128 / 3)  # a changed width re-derives the FFN
+    assert a.train.lr == 3e-4 and a.train.data_dir == "cache/data/sotu-512"
+
+
+def test_set_overrides_parse_scalars_and_win_over_the_file(tmp_path):
+    (tmp_path / "c.toml").write_text('[model]\npreset = "tiny"\n[train]\nlr = 1e-3\n')
+    cfg = load_run_config(tmp_path / "c.toml", attention="transformer",
+                          overrides=["train.lr=3e-4", "train.max_steps=7", "train.tensorboard=false",
+                                     "model.num_hidden_layers=3", "data.corpus=notes/", 'compare.arms=["diff"]',
+                                     "model.lambda_init=0.5", "model.num_key_value_heads=null"])
+    assert cfg.train.lr == 3e-4 and cfg.train.max_steps == 7 and cfg.train.tensorboard is False
+    assert cfg.model.attention == "transformer" and cfg.model.num_hidden_layers == 3
+    assert cfg.model.lambda_init == 0.5
+    assert cfg.data.corpus == "notes/" and cfg.compare.arms == ["diff"]
+    assert parse_scalar("[1, 2]") == [1, 2] and parse_scalar("none") is None and parse_scalar("abc") == "abc"
+
+
+def test_preset_flag_and_head_counts_in_the_kinds_units():
+    cfg = load_run_config(preset="cpu-small", attention="transformer", overrides=["model.num_attention_heads=4"])
+    assert cfg.model.num_attention_heads == 4 and cfg.model.num_key_value_heads == 4 and cfg.model.head_dim == 64
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    (tmp_path / "bad.toml").write_text('[model]\npreset = "tiny"\n[train]\nlearning_rat = 1e-3\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config(tmp_path / "bad.toml")
+    msg = str(e.value)
+    assert "learning_rat" in msg and "[train]" in msg and "valid keys" in msg and "warmup_steps" in msg
+    with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
+        load_run_config(overrides=["model.hiden_size=8"])
+    with pytest.raises(ConfigError, match="did you mean 'vocab_size'"):
+        load_run_config(overrides=["data.vocab_sise=8"])
+
+
+def test_unknown_section_and_bare_set_key(tmp_path):
+    (tmp_path / "s.yaml").write_text("trian:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[trian\].*did you mean 'train'"):
+        load_run_config(tmp_path / "s.yaml")
+    with pytest.raises(ConfigError, match="did you mean train.lr"):
+        apply_overrides({"model": {}, "train": {}, "data": {}, "compare": {}}, ["lr=1"])
+
+
+def test_unknown_preset_lists_presets(tmp_path):
+    (tmp_path / "p.toml").write_text('[model]\npreset = "cpu-smal"\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config(tmp_path / "p.toml")
+    assert "cpu-smal" in str(e.value) and "cpu-small" in str(e.value) and "tiny" in str(e.value)
+
+
+def test_seq_len_above_the_model_limit_names_both():
+    with pytest.raises(ConfigError) as e:
+        load_run_config(preset="tiny", overrides=["train.seq_len=1024"])
+    assert "1024" in str(e.value) and "max_position_embeddings" in str(e.value) and "256" in str(e.value)
+
+
+def test_bad_values_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown arm 'transfomer'.*did you mean 'transformer'"):
+        load_run_config(preset="tiny", overrides=['compare.arms=["diff", "transfomer"]'])
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        load_run_config(preset="tiny", overrides=["train.lr_schedule=wavy"])
+
+
+def test_each_section_is_built_and_validated_by_its_owner():
+    from difftransformer.data import DataConfig
+    from difftransformer.experiments import CompareConfig
+    from difftransformer.model import DiffTransformerConfig
+    from difftransformer.train import TrainConfig
+
+    cfg = load_run_config(preset="tiny", overrides=["data.split_seed=3", "compare.sample_seed=5"])
+    assert (type(cfg.model), type(cfg.train), type(cfg.data), type(cfg.compare)) == \
+        (DiffTransformerConfig, TrainConfig, DataConfig, CompareConfig)
+    assert cfg.data.split_seed == 3 and cfg.compare.sample_seed == 5 and cfg.train.seed == 0
+    assert cfg.train.data_dir == "cache/data/sotu-8192-val0.05-test0.05-splitseed3"
+    with pytest.raises(ConfigError, match=r"invalid \[data\] settings: data.split_seed must be an integer >= 0"):
+        load_run_config(preset="tiny", overrides=["data.split_seed=-2"])
+
+
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    (tmp_path / "old.toml").write_text('[data]\nseed = 1\n')
+    with pytest.raises(ConfigError, match=r"\[data\] seed was renamed split_seed; write data.split_seed instead"):
+        load_run_config(tmp_path / "old.toml")
+
+
+def test_vocab_is_sized_from_the_data_unless_set():
+    cfg = load_run_config(preset="tiny")
+    cfg.resolve_vocab(300)
+    assert cfg.model.vocab_size == 300
+    fixed = load_run_config(preset="tiny", overrides=["model.vocab_size=256"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(256\) is smaller than the tokenizer's vocabulary \(300\)"):
+        fixed.resolve_vocab(300)

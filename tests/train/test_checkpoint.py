@@ -1,0 +1,128 @@
+"""Checkpoints: atomic writes, a crash mid-write, corruption, mismatched configs, and kill -9."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import difftransformer.train.checkpoint as ckpt_mod
+from difftransformer._io import atomic_path, atomic_write_text
+from difftransformer.model import DiffTransformerLM
+from difftransformer.train import CheckpointError, TrainConfig, load_checkpoint, read_metrics, train, verify_checkpoint
+from tests.helpers import assert_same_weights, latest_dir, make_cfg, tiny, untimed
+
+
+def test_crash_mid_checkpoint_write_keeps_previous(data_dir, tmp_path, monkeypatch):
+    cfg2 = make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2)
+    train(tiny(), cfg2)
+    before = (tmp_path / "checkpoints" / "latest").read_text()
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        assert Path(path).parent.name.endswith(".tmp")  # the tmp dir exists when the crash hits
+        raise OSError("simulated crash: disk full")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", failing_save)
+    with pytest.raises(OSError, match="simulated crash"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=4, ckpt_interval=2))
+    monkeypatch.undo()
+    assert calls and (tmp_path / "checkpoints" / "latest").read_text() == before
+    assert not (tmp_path / "checkpoints" / "step_00000004").exists()
+    verify_checkpoint(tmp_path / "checkpoints" / "step_00000002")
+    assert load_checkpoint(tmp_path)["step"] == 2
+    res = train(tiny(), make_cfg(data_dir, tmp_path, max_steps=4, ckpt_interval=2))  # cleans the stale tmp dir
+    assert res.final_step == 4 and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_atomic_path_replaces_on_success_and_cleans_up_on_failure(tmp_path):
+    target = tmp_path / "latest"
+    atomic_write_text(target, "old\n", fsync=True)
+    with pytest.raises(OSError, match="simulated"):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise OSError("simulated crash")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    atomic_write_text(target, "new\n")
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_corrupted_checkpoint_and_config_mismatch(data_dir, tmp_path, caplog):
+    cfg = make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2)
+    train(tiny(), cfg)
+    # a different model config names the differing key
+    with pytest.raises(CheckpointError, match=r"attention: checkpoint 'diff' vs requested 'transformer'"):
+        train(tiny("transformer"), make_cfg(data_dir, tmp_path, max_steps=4))
+    with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 32 vs requested 16"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=4, seq_len=16))
+    # how attention is computed is not part of the experiment: another backend or the
+    # one-pass backward resumes the same run
+    other_runtime = dataclasses.replace(tiny(), attn_backend="eager", attn_deterministic=False)
+    with caplog.at_level(logging.INFO, logger="difftransformer.train"):
+        assert train(other_runtime, make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=3)).final_step == 3
+    assert "at step 2" in "\n".join(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
+    # flip bytes in the weights
+    weights = latest_dir(tmp_path) / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-10] ^= 0xFF
+    weights.write_bytes(bytes(blob))
+    msg = r"corrupted: sha256 of model.safetensors does not match.*Delete that checkpoint directory.*--no-resume"
+    with pytest.raises(CheckpointError, match=msg):
+        load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=msg):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=4))
+    # resume=False starts over
+    res = train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
+    assert res.final_step == 2 and load_checkpoint(tmp_path)["step"] == 2
+
+
+KILL_SCRIPT = """
+import sys
+from difftransformer.model import get_preset
+from difftransformer.train import TrainConfig, train
+cfg = TrainConfig(data_dir={data!r}, out_dir=sys.argv[1], seq_len=32, batch_size=8, max_steps={steps},
+                  warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_interval=5, eval_batches=1, log_interval=1,
+                  ckpt_interval=1, keep_last=2, progress=False, tensorboard=False, device="cpu")
+train(get_preset("tiny").config("diff"), cfg)
+"""
+
+
+def test_kill_9_leaves_a_valid_checkpoint_and_resume_is_exact(data_dir, tmp_path):
+    steps = 30
+    script = tmp_path / "run_train.py"
+    script.write_text(textwrap.dedent(KILL_SCRIPT.format(data=data_dir, steps=steps)))
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 90
+    try:
+        while not latest.exists():
+            assert proc.poll() is None, "training subprocess exited before writing a checkpoint"
+            assert time.time() < deadline, "no checkpoint appeared within 90 s"
+            time.sleep(0.01)
+        time.sleep(0.05)  # land somewhere in later steps/checkpoint writes
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ck_dir = latest_dir(out)
+    verify_checkpoint(ck_dir)
+    ck = load_checkpoint(out)
+    assert 1 <= ck["step"] <= steps
+    DiffTransformerLM(ck["model_config"]).load_state_dict(ck["model"])
+
+    ref = train(tiny(), TrainConfig.from_dict({**ck["train_config"].to_dict(), "out_dir": str(tmp_path / "ref")}))
+    res = train(tiny(), ck["train_config"])
+    assert res.final_step == steps
+    assert_same_weights(ref.model, res.model)
+    assert untimed(read_metrics(res.metrics_path)) == untimed(read_metrics(ref.metrics_path))

@@ -1,0 +1,132 @@
+"""The loop: reproducible, the files it writes, λ and λ_init logged, accumulation, resume exactness, divergence."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftransformer.data import BatchSampler
+from difftransformer.model import DiffTransformerLM
+from difftransformer.train import TrainingDivergedError, load_checkpoint, read_metrics, train
+from tests.helpers import assert_same_weights, latest_dir, make_cfg, tiny, untimed
+
+
+def test_reproducible_and_writes_expected_files(data_dir, tmp_path):
+    r1 = train(tiny(), make_cfg(data_dir, tmp_path / "a", tensorboard=True))
+    r2 = train(tiny(), make_cfg(data_dir, tmp_path / "b"))
+    assert_same_weights(r1.model, r2.model)
+    m1, m2 = read_metrics(r1.metrics_path), read_metrics(r2.metrics_path)
+    assert untimed(m1) == untimed(m2)
+    assert [r["step"] for r in m1 if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert [(r["step"], r["tokens"]) for r in m1 if r["kind"] == "val"] == [(3, 768), (6, 1536)]
+    row = m1[0]
+    assert set(row) == {"kind", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s", "lambdas",
+                        "lambda_inits"}
+    assert len(row["lambdas"]) == 2 and all(isinstance(x, float) for x in row["lambdas"])
+    assert row["lambda_inits"] == [0.8 - 0.6 * math.exp(-0.3 * layer) for layer in range(2)]  # logged, per layer
+    assert r1.final_step == 6 and r1.final_val_loss == m1[-1]["loss"] and r1.tokens_per_s > 0
+    out = Path(r1.out_dir)
+    assert (out / "model_config.json").is_file() and (out / "train_config.json").is_file()
+    assert list((out / "tb").iterdir())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000003", "step_00000006"]
+    assert {p.name for p in (out / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert_same_weights(DiffTransformerLM.from_pretrained(out / "final"), r1.model)
+    ck = load_checkpoint(out)
+    assert ck["step"] == 6 and ck["train_config"] == make_cfg(data_dir, tmp_path / "a", tensorboard=True)
+    fresh = DiffTransformerLM(ck["model_config"])
+    fresh.load_state_dict(ck["model"])
+    assert_same_weights(fresh, r1.model)
+
+
+def test_transformer_arm_trains_with_null_lambdas(data_dir, tmp_path):
+    r = train(tiny("transformer"), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2))
+    rows = read_metrics(r.metrics_path, "train")
+    assert rows[-1]["lambdas"] == [None, None] and math.isfinite(rows[-1]["loss"])
+    assert rows[-1]["lambda_inits"] == [None, None]
+
+
+def test_activation_checkpointing_is_exact_and_bf16_trains(data_dir, tmp_path):
+    ref = train(tiny(), make_cfg(data_dir, tmp_path / "ref", max_steps=2, ckpt_interval=2))
+    ac = train(tiny(), make_cfg(data_dir, tmp_path / "ac", max_steps=2, ckpt_interval=2,
+                                activation_checkpointing=True))
+    assert_same_weights(ref.model, ac.model)
+    assert "forward" not in ac.model.layers[0].__dict__  # the wrapper is removed again
+    assert load_checkpoint(tmp_path / "ac")["model"].keys() == load_checkpoint(tmp_path / "ref")["model"].keys()
+    bf = train(tiny(), make_cfg(data_dir, tmp_path / "bf", max_steps=2, ckpt_interval=2, precision="bf16"))
+    la, lb = read_metrics(ref.metrics_path, "train"), read_metrics(bf.metrics_path, "train")
+    assert all(abs(a["loss"] - b["loss"]) < 0.05 for a, b in zip(la, lb))
+
+
+def test_grad_accumulation_matches_single_batch(data_dir, tmp_path):
+    a = train(tiny(), make_cfg(data_dir, tmp_path / "a", max_steps=4, ckpt_interval=4, grad_accum_steps=1))
+    b = train(tiny(), make_cfg(data_dir, tmp_path / "b", max_steps=4, ckpt_interval=4, grad_accum_steps=2))
+    la, lb = read_metrics(a.metrics_path), read_metrics(b.metrics_path)
+    assert [r["kind"] for r in la] == [r["kind"] for r in lb]
+    for ra, rb in zip(la, lb):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-5)
+
+
+def test_resume_after_interruption_is_exact(data_dir, tmp_path, monkeypatch):
+    """Cosine schedule, killed (by an exception) after checkpoint 3, resumed: equal to uninterrupted."""
+    ref = train(tiny(), make_cfg(data_dir, tmp_path / "ref"))
+    original = BatchSampler.batch
+
+    def crash_at_step_4(self, step, *a, **k):
+        if step == 4:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(self, step, *a, **k)
+
+    monkeypatch.setattr(BatchSampler, "batch", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(), make_cfg(data_dir, tmp_path / "run"))
+    monkeypatch.setattr(BatchSampler, "batch", original)
+    assert latest_dir(tmp_path / "run").name == "step_00000003"
+    assert max(r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4  # logged, not saved
+    res = train(tiny(), make_cfg(data_dir, tmp_path / "run"))
+    assert_same_weights(ref.model, res.model)
+    assert untimed(read_metrics(res.metrics_path)) == untimed(read_metrics(ref.metrics_path))
+
+
+def test_resume_with_more_steps_is_exact(data_dir, tmp_path):
+    """Run to 3, then a new call with max_steps 6 (constant schedule: the LR does not depend on max_steps)."""
+    ref = train(tiny(), make_cfg(data_dir, tmp_path / "ref", lr_schedule="constant"))
+    train(tiny(), make_cfg(data_dir, tmp_path / "run", lr_schedule="constant", max_steps=3))
+    res = train(tiny(), make_cfg(data_dir, tmp_path / "run", lr_schedule="constant", max_steps=6))
+    assert_same_weights(ref.model, res.model)
+    assert untimed(read_metrics(res.metrics_path)) == untimed(read_metrics(ref.metrics_path))
+    # a finished run resumed again trains nothing and reports the same val loss
+    again = train(tiny(), make_cfg(data_dir, tmp_path / "run", lr_schedule="constant", max_steps=6))
+    assert again.final_val_loss == pytest.approx(res.final_val_loss) and again.final_step == 6
+    assert_same_weights(ref.model, again.model)
+
+
+def test_nan_loss_raises_with_step_and_keeps_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
+    original = DiffTransformerLM.forward
+    calls = []
+
+    def nan_after_two_steps(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) >= 3 and out.loss is not None:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(DiffTransformerLM, "forward", nan_after_two_steps)
+    cfg = make_cfg(data_dir, tmp_path, max_steps=6, ckpt_interval=2, eval_interval=100)
+    with pytest.raises(TrainingDivergedError, match=r"diverged at step 3: loss nan.*step_00000002.*lower lr"):
+        train(tiny(), cfg)
+    assert latest_dir(tmp_path).name == "step_00000002"
+    assert load_checkpoint(tmp_path)["step"] == 2
+    assert not (tmp_path / "checkpoints" / "step_00000003").exists()
+
+
+def test_huge_lr_diverges(data_dir, tmp_path):
+    cfg = make_cfg(data_dir, tmp_path, lr=1e30, min_lr=0.0, warmup_steps=0, grad_clip=0.0, max_steps=20,
+                   ckpt_interval=100, eval_interval=100)
+    with pytest.raises(TrainingDivergedError, match=r"diverged at step \d+"):
+        train(tiny(), cfg)
