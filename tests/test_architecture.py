@@ -132,3 +132,39 @@ def test_folder_file_names_are_spelled_only_by_their_owner(name):
     spelled = [str(p.relative_to(SRC)) for p in _files()
                if any(isinstance(n, ast.Constant) and n.value == name for n in ast.walk(ast.parse(p.read_text())))]
     assert spelled == [OWNERS[name]], f"{name!r} is spelled in {spelled}; use the owner's constant"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """File -> files it imports (a package import leads to its __init__; `from pkg import sub` to sub)."""
+    modules = {_module_name(p): p for p in _files()}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for me, path in modules.items():
+        for target, _ in _imports(path):
+            graph[me].add(target if target in modules else target.rsplit(".", 1)[0])
+    return {m: {t for t in ts if t in modules and t != m} for m, ts in graph.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every back edge of a depth-first walk, as 'a -> ... -> a'."""
+    state: dict[str, int] = {}
+    found: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append(" -> ".join((stack + [node])[(stack + [node]).index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_no_file_imports_itself_through_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]  # the check can fail
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

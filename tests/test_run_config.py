@@ -105,3 +105,19 @@ def test_vocab_is_sized_from_the_data_unless_set():
     fixed = load_run_config(preset="tiny", overrides=["model.vocab_size=256"])
     with pytest.raises(ConfigError, match=r"model.vocab_size \(256\) is smaller than the tokenizer's vocabulary \(300\)"):
         fixed.resolve_vocab(300)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ('compare.seeds=["a"]', "compare.seeds must be a list of integers"),
+    ("compare.seeds=[1, 1]", "lists a seed twice"),
+    ('compare.prompts="one prompt"', "compare.prompts must be a list of strings"),
+    ("compare.sample_tokens=0", "sample_tokens must be a positive integer"),
+    ("compare.temperature=-1", "temperature must be a number >= 0"),
+    ("compare.top_k=0", "top_k must be a positive integer or null"),
+    ("data.val_fraction=1.5", "val_fraction must be a number in \\[0, 1\\)"),
+    ("data.test_fraction=0.6", "must be < 1 to leave a train split"),
+])
+def test_study_and_data_settings_are_checked_before_anything_runs(override, needle):
+    overrides = [override] + (["data.val_fraction=0.5"] if "test_fraction" in override else [])
+    with pytest.raises(ConfigError, match=needle):
+        load_run_config(preset="tiny", overrides=overrides)

@@ -22,7 +22,7 @@ from difftransformer.model import (
     load_pretrained,
     save_pretrained,
 )
-from difftransformer._version import __version__
+from difftransformer._version import __version__  # noqa: F401  (the package version)
 from difftransformer.norm import RMSNorm
 
 __all__ = [

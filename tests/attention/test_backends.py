@@ -67,19 +67,24 @@ def test_triton_on_ordinary_attention_is_a_clear_error_never_a_fallback():
     with pytest.raises(ValueError, match="no Triton kernel"):
         multihead_attention(q, q, q, backend="triton")
     with pytest.raises(ValueError, match="no Triton kernel"):
-        resolve_backend("triton", torch.device("cuda"), differential=False)
-    assert resolve_backend("auto", torch.device("cuda"), differential=False, dtype=torch.bfloat16) == "sdpa"
+        resolve_backend("triton", torch.device("cuda"), ordinary=True)
+    assert resolve_backend("auto", torch.device("cuda"), ordinary=True, dtype=torch.bfloat16) == "sdpa"
 
 
 def test_model_config_refuses_triton_for_kinds_without_the_kernel():
+    from difftransformer.model import DiffTransformerConfig
     from tests.helpers import tiny
 
     assert tiny("diff", attn_backend="triton").attn_backend == "triton"
     for kind in ("transformer", "transformer_headnorm", "diff_v2"):
         with pytest.raises(ValueError, match=f"attention='{kind}' has no Triton path.*'auto'"):
             tiny(kind, attn_backend="triton")
-    with pytest.raises(ValueError, match="has no Triton path"):
-        tiny("diff", attn_backend="triton").matched("transformer")
+    # A study that asks for the fused kernel on DIFF runs its baseline on 'auto' (recorded in its config),
+    # and a config saved before the rule loads the same way.
+    assert tiny("diff", attn_backend="triton").matched("transformer").attn_backend == "auto"
+    assert tiny("diff", attn_backend="triton").matched("diff_no_headnorm").attn_backend == "triton"
+    saved = {**tiny("transformer").to_dict(), "attn_backend": "triton"}
+    assert DiffTransformerConfig.from_dict(saved).attn_backend == "auto"
 
 
 def test_float64_never_reaches_the_fp32_kernels():

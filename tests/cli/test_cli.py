@@ -145,3 +145,10 @@ def test_triton_for_a_kind_without_the_kernel_is_a_one_line_error(workdir, capsy
     err = capsys.readouterr().err
     assert "has no Triton path" in err and "'auto'" in err and "Traceback" not in err
     assert not (workdir / "never").exists()
+
+
+@pytest.mark.parametrize("command, new", [("prepare", "--split-seed"), ("generate", "--sample-seed")])
+def test_a_renamed_flag_names_its_new_name(command, new, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, *(["some/model"] if command == "generate" else []), "--seed", "3"])
+    assert e.value.code == 2 and f"--seed was renamed {new}" in capsys.readouterr().err

@@ -134,3 +134,27 @@ def test_data_config_validates_and_names_its_cache_folder():
         DataConfig(split_seed=-1)
     with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
         DataConfig(vocab_size="big")
+
+
+def test_waiting_ranks_stop_at_once_when_rank_0_fails(tmp_path, monkeypatch):
+    """Rank 0's error reaches the other ranks (they would otherwise wait an hour for its manifest)."""
+    import time
+
+    from difftransformer.data import DataConfig, ensure_data
+    from difftransformer.data.prepare import FAILED_FILE, PrepareFailedError
+
+    cfg = DataConfig(corpus=str(tmp_path / "missing-corpus"), data_dir=str(tmp_path / "data"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(Exception, match="missing-corpus"):
+        ensure_data(cfg)
+    assert "missing-corpus" in (tmp_path / "data" / FAILED_FILE).read_text()
+    monkeypatch.setenv("RANK", "1")
+    t0 = time.monotonic()
+    with pytest.raises(PrepareFailedError, match="rank 0 could not prepare .*missing-corpus"):
+        ensure_data(cfg, wait_s=30)
+    assert time.monotonic() - t0 < 5
+    stale = tmp_path / "data" / FAILED_FILE
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # an old launch's failure is not this one's
+    with pytest.raises(TimeoutError, match="rank 1 waited 1s"):
+        ensure_data(cfg, wait_s=1)

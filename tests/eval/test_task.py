@@ -61,6 +61,9 @@ def test_results_carry_provenance_and_are_json(data_dir):
     with torch.no_grad():
         twin.norm.weight[0] += 1e-3
     assert weights_hash(twin) != weights_hash(model)
+    scalar = torch.nn.Module()
+    scalar.register_buffer("x", torch.tensor(1.5))  # 0-d tensors hash too
+    assert len(weights_hash(scalar)) == 64
     assert model.training  # run_task restores the mode it found
 
 
@@ -74,6 +77,8 @@ def test_bad_requests_are_one_line_errors(data_dir):
         run_task("heldout-loss", model, None, EvalConfig(data_dir=data_dir, seq_len=32))
     with pytest.raises(ValueError, match="split='train' would evaluate on the text the model was trained on"):
         EvalConfig(split="train")
+    with pytest.raises(ValueError, match="split must be 'val' or 'test'"):
+        EvalConfig(split="validation")
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         EvalConfig(batch_size=0)
     assert "heldout-loss" in TASKS

@@ -26,11 +26,15 @@ def test_paths_and_the_two_questions(tmp_path):
     _log(run, [5, 10], max_steps=10)
     assert run.has_metrics() and run.seed() == 4 and run.max_steps() == 10 and run.last_step() == 10
     assert run.trained_to() and run.trained_to(10) and not run.trained_to(11)
-    assert not run.is_finished()  # trained, but final/ holds no weights yet
+    assert not run.is_finished()  # trained, but no train() call has completed: no final/, no done.json
     run.final.mkdir()
     (run.final / "config.json").write_text("{}")
     (run.final / "model.safetensors").write_bytes(b"")
+    assert not run.is_finished()  # final/ from a call that was killed before done.json: not finished
+    run.write_done({"final_step": 10})
     assert run.is_finished() and not run.is_finished(max_steps=20)  # a final/ from a shorter run does not count
+    _log(run, [5, 10, 15, 20], max_steps=20)  # re-run to 20, killed after logging step 20 but before final/
+    assert run.trained_to() and not run.is_finished()
     run.write_done({"final_step": 20})
     assert run.last_step() == 20 and run.is_finished(max_steps=20)
     (run.metrics).write_text('{"kind": "train", "step": 3')  # torn: read as nothing logged
@@ -40,6 +44,9 @@ def test_paths_and_the_two_questions(tmp_path):
 def test_load_model_prefers_final_then_the_newest_checkpoint(data_dir, tmp_path):
     res = train(tiny(), make_cfg(data_dir, tmp_path / "run", max_steps=3, ckpt_interval=3))
     run = RunDir(res.out_dir)
+    assert run.read_json(run.done)["final_step"] == 3 and run.is_finished() and run.is_finished(3)
+    done_written = run.done.stat().st_mtime_ns
+    assert done_written >= run.final_weights.stat().st_mtime_ns  # written after final/
     for where in (run.path, run.final):
         loaded = load_model(where)
         assert loaded.checkpoint_step is None and loaded.tokenizer_path == run.final_tokenizer
@@ -53,3 +60,7 @@ def test_load_model_prefers_final_then_the_newest_checkpoint(data_dir, tmp_path)
         assert_same_weights(loaded.model, res.model)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_model(tmp_path / "nothing-here")
+    train(tiny(), make_cfg(data_dir, tmp_path / "run", max_steps=4, ckpt_interval=4, lr_schedule="constant"),
+          resume=False)  # a new call: done.json is rewritten at its end, for 4 steps
+    assert run.done_step() == 4
+

@@ -29,11 +29,12 @@ def check_backend_name(backend: str) -> None:
 
 
 def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False, has_padding: bool = False,
-                    dtype: torch.dtype | None = None, differential: bool = True) -> str:
+                    dtype: torch.dtype | None = None, ordinary: bool = False) -> str:
     """The concrete backend for one attention call ('auto' resolved, impossible requests refused).
 
-    device/dtype: of the inputs (dtype None: not known yet, e.g. at layer construction);
-    differential: False for ordinary attention; need_maps: the caller wants the attention maps.
+    device/dtype: of the inputs (dtype None: not known yet); ordinary: the call is
+    `multihead_attention` (the baseline's, or DIFF V2's paired heads), not `differential_attention`;
+    need_maps: the caller wants the attention maps.
     """
     check_backend_name(backend)
     if need_maps:
@@ -41,18 +42,18 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
             raise ValueError(f"attention maps can only be returned by the 'eager' backend, not {backend!r}")
         return "eager"
     if backend == "auto":
-        return _auto(device, has_padding, dtype, differential)
+        return _auto(device, has_padding, dtype, ordinary)
     if backend == "triton":
-        _check_triton(device, has_padding, dtype, differential)
+        _check_triton(has_padding, dtype, ordinary)
     if backend == "cpp":
         _check_cpp(device, dtype)
     return backend
 
 
-def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, differential: bool) -> str:
+def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, ordinary: bool) -> str:
     """The 'auto' rule. On CUDA, Triton for half precision only: exact fp32 products have no
     tensor-core path there and SDPA's fp32 kernels are the better choice."""
-    if (device.type == "cuda" and differential and not has_padding and dtype in (None, *_HALF)
+    if (device.type == "cuda" and not ordinary and not has_padding and dtype in (None, *_HALF)
             and triton_runs()):
         return "triton"
     if device.type == "cpu" and dtype in (None, *_FUSED_DTYPES):
@@ -63,8 +64,8 @@ def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, di
     return "sdpa"
 
 
-def _check_triton(device: torch.device, has_padding: bool, dtype: torch.dtype | None, differential: bool) -> None:
-    if not differential:
+def _check_triton(has_padding: bool, dtype: torch.dtype | None, ordinary: bool) -> None:
+    if ordinary:
         raise ValueError("backend 'triton' is the fused kernel for differential attention; ordinary attention "
                          "(the Transformer baseline, DIFF V2) has no Triton kernel here. Use 'auto' or 'sdpa' "
                          "(PyTorch's FlashAttention on CUDA), or 'cpp' on CPU")
@@ -92,19 +93,21 @@ def triton_runs() -> bool:
     return kernels.triton_runs()
 
 
-def prepare_backend(backend: str, device, *, differential: bool = True) -> None:
+def prepare_backend(backend: str, device, dtype: torch.dtype | None = None, *, ordinary: bool = False) -> None:
     """Check a layer's backend at construction and build what `resolve_backend` would pick on `device`.
 
     Building here, not in the first forward, matters because that forward may be traced by
-    torch.compile, where no build can happen and 'auto' would fall back to SDPA. A layer made on the
-    CPU of a machine with CUDA is taken to be on its way to the GPU, and nothing is built for it.
+    torch.compile, where no build can happen and 'auto' would fall back to SDPA. Impossible requests
+    ('triton' for ordinary attention, a fused kernel for float64) fail here, not at the first forward.
+    A layer made on the CPU of a machine with CUDA is taken to be on its way to the GPU, and nothing
+    is built for it.
     """
     check_backend_name(backend)
     device = torch.device(device) if device is not None else torch.get_default_device()
-    if backend == "triton" and not differential:
-        _check_triton(device, False, None, differential)
+    if backend == "triton":
+        _check_triton(False, dtype, ordinary)
     if device.type == "cpu" and (backend == "cpp" or not torch.cuda.is_available()):
-        if resolve_backend(backend, device, differential=differential) == "cpp":  # 'auto' built it to decide
+        if resolve_backend(backend, device, dtype=dtype, ordinary=ordinary) == "cpp":  # 'auto' built it to decide
             from difftransformer.kernels import flash_cpu
 
             flash_cpu.is_available()  # builds it (once per process; then cached on disk)

@@ -202,7 +202,7 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
     which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
-                            dtype=q.dtype, differential=False)
+                            dtype=q.dtype, ordinary=True)
     if which == "eager":
         n_rep = H // H_kv
         f = compute_dtype(q)

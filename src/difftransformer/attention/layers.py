@@ -32,10 +32,12 @@ from difftransformer.norm import RMSNorm, compute_dtype
 class _SelfAttention(nn.Module):
     """Input checks, positions and KV-cache plumbing shared by every attention kind."""
 
-    differential = False  # whether the layer calls differential_attention (its backend rules differ)
+    # Whether the layer's attention is `multihead_attention` (the baseline, DIFF V2) rather than
+    # `differential_attention`: the backends differ (no Triton kernel for ordinary attention).
+    ordinary_attention = True
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None,
-                 backend: str, max_seq_len: int | None, device=None):
+                 backend: str, max_seq_len: int | None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
@@ -48,7 +50,7 @@ class _SelfAttention(nn.Module):
             raise ValueError(f"depth is the 0-based layer index and must be >= 0; got {depth}")
         check_backend_name(backend)
         self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
-        prepare_backend(backend, device, differential=self.differential)
+        prepare_backend(backend, device, dtype, ordinary=self.ordinary_attention)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
@@ -111,13 +113,13 @@ class MultiheadDiffAttention(_SelfAttention):
     (see `diff_flash_attention`); the other backends are unaffected.
     """
 
-    differential = True
+    ordinary_attention = False
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
                  norm_eps: float = 1e-5, backend: str = "auto", deterministic: bool = True,
                  max_seq_len: int | None = None, device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         self.deterministic = bool(deterministic)
         if embed_dim % (2 * num_heads):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
@@ -191,7 +193,7 @@ class MultiheadAttention(_SelfAttention):
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, head_norm: bool = False, norm_eps: float = 1e-5,
                  backend: str = "auto", max_seq_len: int | None = None, device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         if embed_dim % num_heads or (embed_dim // num_heads) % 2:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
                              f"into an even head_dim for RoPE")
@@ -226,7 +228,7 @@ class MultiheadDiffAttentionV2(_SelfAttention):
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  head_dim: int | None = None, rope_theta: float = 10000.0, backend: str = "auto",
                  max_seq_len: int | None = None, device=None, dtype=None):
-        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device)
+        super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")

@@ -43,6 +43,22 @@ def add_config_args(p: argparse.ArgumentParser, attention_help: str, sections: s
                    help="start over instead of continuing from the newest checkpoint in the out dir")
 
 
+class _Renamed(argparse.Action):
+    """A flag that was renamed: using it is a one-line error naming the new flag (never silently ignored)."""
+
+    def __init__(self, option_strings, dest, new: str, why: str, **kwargs):
+        self.new, self.why = new, why
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: {option_string} was renamed {self.new} ({self.why}); "
+                       f"use {self.new}\n")
+
+
+def add_renamed_flag(p: argparse.ArgumentParser, old: str, new: str, why: str) -> None:
+    p.add_argument(old, action=_Renamed, new=new, why=why)
+
+
 def print_section(markdown: Path, heading: str) -> None:
     """Print one `## heading` section of a Markdown file (the verdict of a report)."""
     lines = markdown.read_text(encoding="utf-8").splitlines()

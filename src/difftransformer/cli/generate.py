@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.cli.common import add_command
+from difftransformer.cli.common import add_command, add_renamed_flag
 from difftransformer.data import Tokenizer
 from difftransformer.eval import encode_prompt, generate_text, new_token_budget
 from difftransformer.experiments import StudyDir
@@ -39,6 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (default 1)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the one saved with the model")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    add_renamed_flag(p, "--seed", "--sample-seed", "it seeds the sampling, not training")
 
 
 def _refuse_study_folder(path: Path) -> None:

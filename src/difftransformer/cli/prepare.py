@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from difftransformer.cli.common import add_command
+from difftransformer.cli.common import add_command, add_renamed_flag
 from difftransformer.data import DataConfig, prepare_from_config
 from difftransformer.run_config import build_section, load_file
 
@@ -37,6 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--split-seed", type=int, metavar="N",
                    help="seed of the document split (default 0; not a training seed)")
     p.add_argument("--force", action="store_true", help="redo everything, ignoring caches")
+    add_renamed_flag(p, "--seed", "--split-seed", "it seeds the document split, not training")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,13 @@ class DataConfig:
             raise ValueError(f"data.vocab_size must be a positive integer, got {self.vocab_size!r}")
         if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int) or self.split_seed < 0:
             raise ValueError(f"data.split_seed must be an integer >= 0, got {self.split_seed!r}")
+        for name in ("val_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"data.{name} must be a number in [0, 1), got {value!r}")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError(f"data.val_fraction + data.test_fraction must be < 1 to leave a train split, got "
+                             f"{self.val_fraction} + {self.test_fraction}")
 
     @property
     def split(self) -> dict[str, Any]:

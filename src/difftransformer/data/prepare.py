@@ -29,6 +29,7 @@ from .split import SPLITS, split_documents
 from .tokenizer import Tokenizer, train_tokenizer
 
 PREPARED_FILE = "prepared.json"  # the manifest of a prepared-data folder
+FAILED_FILE = "prepare-failed.txt"  # rank 0's error, for the ranks waiting on it
 log = logging.getLogger(__name__)
 
 
@@ -196,22 +197,46 @@ def ensure_data(config: DataConfig, wait_s: float = 3600.0) -> PreparedData:
     """Load the prepared shards of `config`, preparing them first if its folder has none.
 
     Under torchrun only rank 0 prepares; the others wait for its manifest, so ranks never race on
-    the same files. A folder made from another corpus, split or tokenizer is a DataMismatchError,
-    never a silent reuse.
+    the same files (the folder must be on a file system every rank sees). If rank 0 fails, it leaves
+    its error in the folder and the waiting ranks stop with it at once. A folder made from another
+    corpus, split or tokenizer is a DataMismatchError, never a silent reuse.
     """
     data_dir = Path(config.resolved_dir())
     if not PreparedData.exists(data_dir):
         if dist.is_main():
-            log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
-            return prepare_from_config(config)
-        deadline = time.monotonic() + wait_s
-        while not PreparedData.exists(data_dir):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {dist.rank()} waited {wait_s:.0f}s for rank 0 to prepare {data_dir}")
-            time.sleep(2.0)
+            return _prepare_as_rank0(config, data_dir)
+        _wait_for_rank0(data_dir, wait_s)
     data = PreparedData.load(data_dir)
     _check_same_data(data, config)
     return data
+
+
+class PrepareFailedError(ValueError):
+    """Rank 0 could not prepare the data the other ranks are waiting for."""
+
+
+def _prepare_as_rank0(config: DataConfig, data_dir: Path) -> PreparedData:
+    failed = data_dir / FAILED_FILE
+    failed.unlink(missing_ok=True)
+    log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
+    try:
+        return prepare_from_config(config)
+    except Exception as e:
+        if dist.world_size() > 1:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(failed, f"{type(e).__name__}: {e}\n")
+        raise
+
+
+def _wait_for_rank0(data_dir: Path, wait_s: float) -> None:
+    started, deadline = time.time(), time.monotonic() + wait_s
+    failed = data_dir / FAILED_FILE
+    while not PreparedData.exists(data_dir):
+        if failed.is_file() and failed.stat().st_mtime >= started - 5.0:  # this launch's failure, not an old one
+            raise PrepareFailedError(f"rank 0 could not prepare {data_dir}: {failed.read_text().strip()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {dist.rank()} waited {wait_s:.0f}s for rank 0 to prepare {data_dir}")
+        time.sleep(0.5)
 
 
 def _check_same_data(data: PreparedData, config: DataConfig) -> None:

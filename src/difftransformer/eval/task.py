@@ -47,6 +47,9 @@ class EvalConfig:
         if self.split == "train":
             raise ValueError("EvalConfig.split='train' would evaluate on the text the model was trained on; "
                              "use 'val' or 'test'")
+        if self.split not in ("val", "test"):
+            raise ValueError(f"EvalConfig.split must be 'val' or 'test' (the held-out splits of a prepared corpus), "
+                             f"got {self.split!r}")
 
 
 @dataclass
@@ -100,7 +103,7 @@ def weights_hash(model: torch.nn.Module) -> str:
     for name, t in sorted(model.state_dict().items()):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

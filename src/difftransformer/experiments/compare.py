@@ -5,7 +5,9 @@ see the same batches (the same TrainConfig.seed), so the only difference between
 attention. The study folder (study_dir.py) holds one run folder per arm and seed and a manifest of
 what was run. Re-running continues unfinished arms and skips finished ones.
 
-    run_compare(model_cfg, train_cfg, data_cfg, CompareConfig(arms=["diff", "transformer"]), "runs/demo")
+    study = Study(get_preset("cpu-small").config(), TrainConfig(max_steps=240), DataConfig(corpus="sotu"),
+                  CompareConfig(arms=["diff", "transformer"]))
+    run_compare(study, "runs/demo")      # train.data_dir is set to data's prepared folder
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import Any
 from difftransformer import dist
 from difftransformer._io import atomic_write_text
 from difftransformer.data import DataConfig, PreparedData, ensure_data
-from difftransformer.experiments.config import CompareConfig
+from difftransformer.experiments.config import CompareConfig, baseline_arm
 from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
 from difftransformer.experiments.study_dir import StudyDir
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
-from difftransformer.train import RunDir, TrainConfig, train
+from difftransformer.model.config import model_identity
+from difftransformer.train import TrainConfig, train
 
 log = logging.getLogger("difftransformer.experiments")
 
@@ -40,8 +43,9 @@ class StudyMismatchError(ValueError):
 class Study:
     """Everything one comparison needs: the size spec, the recipe, the data and the study settings."""
 
-    model: DiffTransformerConfig  # the size spec (any kind; arms are derived with `matched`)
-    train: TrainConfig
+    model: DiffTransformerConfig  # the size spec (any kind; arms are derived with `matched`); its
+    # vocab_size must hold the tokenizer's (the CLI sizes it from the prepared data)
+    train: TrainConfig  # its data_dir is replaced by the folder `data` is prepared in
     data: DataConfig
     compare: CompareConfig
     config_file: str | None = None  # the run config it came from, for the record
@@ -58,6 +62,7 @@ def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = N
     arms = list(arms or study.compare.arms)
     seeds = list(seeds if seeds is not None else (study.compare.seeds or [study.train.seed]))
     data = ensure_data(study.data)
+    study = dataclasses.replace(study, train=dataclasses.replace(study.train, data_dir=str(data.out_dir)))
     configs = study.arm_configs(arms)
     manifest = _merge_manifest(folder, _manifest(study, arms, seeds, configs, data, command))
     if dist.is_main():
@@ -92,17 +97,11 @@ def _run_seed(study: Study, folder: StudyDir, manifest: dict[str, Any], arms: li
         result = train(configs[i], tcfg, init_state=states[i], resume=resume)
         wall = time.perf_counter() - t0
         if dist.is_main():
-            _record_run(folder, manifest, dirs[i], f"seed{seed}/{arms[i]}", wall, resume, result)
+            key = f"seed{seed}/{arms[i]}"
+            manifest["wall_s"][key] = manifest["wall_s"].get(key, 0.0) + wall if resume else wall
+            _write_json(folder.manifest, manifest)
         states[i] = None  # free memory early: big models
         del result
-
-
-def _record_run(folder: StudyDir, manifest: dict[str, Any], run: RunDir, key: str, wall: float, resume: bool,
-                result) -> None:
-    manifest["wall_s"][key] = manifest["wall_s"].get(key, 0.0) + wall if resume else wall
-    _write_json(folder.manifest, manifest)
-    run.write_done({"final_step": result.final_step, "final_val_loss": result.final_val_loss,
-                    "tokens_per_s": result.tokens_per_s, "wall_s": wall})
 
 
 def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[DiffTransformerConfig],
@@ -114,7 +113,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[Dif
         "format": "difftransformer-compare-v1",
         "arms": arms,
         "seeds": seeds,
-        "baseline": "transformer" if "transformer" in arms else arms[-1],
+        "baseline": baseline_arm(arms),
         "models": {a: c.to_dict() for a, c in zip(arms, configs)},
         "parameters": counts,
         "train": train_record,
@@ -140,6 +139,7 @@ def _merge_manifest(folder: StudyDir, new: dict[str, Any]) -> dict[str, Any]:
     new["started"] = old.get("started", new["started"])
     new["wall_s"] = old.get("wall_s", {})
     new["arms"] = new["arms"] + [a for a in old.get("arms", []) if a not in new["arms"]]
+    new["baseline"] = baseline_arm(new["arms"])
     new["seeds"] = sorted(set(new["seeds"]) | set(old.get("seeds", [])))
     new["models"] = {**old.get("models", {}), **new["models"]}
     new["parameters"] = {**old.get("parameters", {}), **new["parameters"]}
@@ -153,8 +153,9 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
         if key == "data":  # what the tokens are matters; where they are cached does not
             o = {k: o.get(k) for k in ("corpus_hash", "vocab_size")}
             n = {k: n.get(k) for k in ("corpus_hash", "vocab_size")}
-        else:  # arms may be added to a comparison; the ones it already has must be unchanged
-            o, n = {a: c for a, c in o.items() if a in n}, {a: c for a, c in n.items() if a in o}
+        else:  # arms may be added to a comparison; the ones it already has must be the same models
+            o = {a: model_identity(c) for a, c in o.items() if a in n}
+            n = {a: model_identity(c) for a, c in n.items() if a in o}
         if o != n:
             raise StudyMismatchError(f"{path} was written for a different comparison ({key} differ); use another "
                                      f"--out-dir, or delete {path.parent} to start over")

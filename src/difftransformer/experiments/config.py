@@ -22,6 +22,15 @@ def parse_int_list(text: str, what: str) -> list[int]:
         raise ValueError(f"{what} must be comma-separated integers like 0,1,2; got {text!r}") from None
 
 
+def _natural(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def baseline_arm(arms: list[str]) -> str:
+    """The arm that differences are taken against: `transformer` when it is run, else the last arm."""
+    return "transformer" if "transformer" in arms else arms[-1]
+
+
 @dataclass
 class CompareConfig:
     """What `difftransformer compare` runs: arms (attention kinds) x training seeds, and the report's samples."""
@@ -49,13 +58,27 @@ class CompareConfig:
             attention_kind(arm, what="arm")  # arms are attention kinds
         if len(set(self.arms)) != len(self.arms):
             raise ValueError(f"compare.arms lists an arm twice: {self.arms}")
-        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"compare.seeds lists a seed twice: {self.seeds}")
+        if self.seeds is not None:
+            if not isinstance(self.seeds, list) or not all(_natural(s) for s in self.seeds):
+                raise ValueError(f"compare.seeds must be a list of integers >= 0 like [0, 1, 2], got {self.seeds!r}")
+            if len(set(self.seeds)) != len(self.seeds):
+                raise ValueError(f"compare.seeds lists a seed twice: {self.seeds}")
+        self._check_samples()
 
-    @property
-    def baseline(self) -> str:
-        """The arm differences are taken against: `transformer` when it is run, else the last arm."""
-        return "transformer" if "transformer" in self.arms else self.arms[-1]
+    def _check_samples(self) -> None:
+        if isinstance(self.prompts, str) or not isinstance(self.prompts, list) or \
+                not all(isinstance(p, str) for p in self.prompts):
+            raise ValueError(f"compare.prompts must be a list of strings like [\"My fellow citizens,\"], "
+                             f"got {self.prompts!r}")
+        if not _natural(self.sample_tokens) or self.sample_tokens == 0:
+            raise ValueError(f"compare.sample_tokens must be a positive integer, got {self.sample_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"compare.temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
+        if self.top_k is not None and (not _natural(self.top_k) or self.top_k == 0):
+            raise ValueError(f"compare.top_k must be a positive integer or null, got {self.top_k!r}")
+        if not _natural(self.sample_seed):
+            raise ValueError(f"compare.sample_seed must be an integer >= 0, got {self.sample_seed!r}")
 
     def samples(self) -> dict[str, Any]:
         """The report's sample-generation settings, as recorded in the study manifest."""

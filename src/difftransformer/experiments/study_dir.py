@@ -86,4 +86,4 @@ class StudyDir:
         arms = sorted({r.path.name for r in runs}, key=lambda a: (a != "diff", a == "transformer", a))
         if not seeds:
             seeds = sorted({r.seed() if r.seed() is not None else 0 for r in runs}) or [0]
-        return {"arms": arms, "seeds": seeds, "baseline": "transformer" if "transformer" in arms else (arms or [""])[-1]}
+        return {"arms": arms, "seeds": seeds}

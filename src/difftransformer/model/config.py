@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from difftransformer.attention.backends import BACKENDS
 from difftransformer.model.kinds import AttentionKind, attention_kind
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")  # counted in the configured kind's units
+log = logging.getLogger("difftransformer.model")
 # Fields that choose how attention is computed, not what the model is: a checkpoint resumes or
 # loads under other values of these.
 RUNTIME_FIELDS = ("attn_backend", "attn_deterministic")
@@ -96,14 +98,19 @@ class DiffTransformerConfig:
         return self.num_attention_heads * f, self.num_key_value_heads * f
 
     def matched(self, attention: str) -> "DiffTransformerConfig":
-        """The same size spec with another attention kind, head counts converted."""
+        """The same size spec with another attention kind, head counts converted.
+
+        A spec that asks for the fused Triton kernel ('triton') gives the kinds without one (the
+        baseline, V2) 'auto' instead, which runs their best kernel (FlashAttention through SDPA on
+        CUDA); this is logged, and the arm's config records the backend it really uses."""
         kind = attention_kind(attention)
         heads, kv = self.baseline_heads
         if kind.diff_heads:
             if heads % 2 or kv % 2:
                 raise ValueError(f"a DIFF model halves the baseline's {heads} q / {kv} kv heads, so both must be even")
             heads, kv = heads // 2, kv // 2
-        return dataclasses.replace(self, attention=attention, num_attention_heads=heads, num_key_value_heads=kv)
+        return dataclasses.replace(self, attention=attention, num_attention_heads=heads, num_key_value_heads=kv,
+                                   attn_backend=_backend_for(kind, self.attn_backend))
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -115,7 +122,10 @@ class DiffTransformerConfig:
         unknown = sorted(set(data) - known - {"model_type", "format_version"})
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(known)}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        if "attention" in fields and "attn_backend" in fields:  # configs saved before 'triton' was refused
+            fields["attn_backend"] = _backend_for(attention_kind(fields["attention"]), fields["attn_backend"])
+        return cls(**fields)
 
     def save(self, path: str | Path) -> None:
         payload = {"model_type": "difftransformer", "format_version": 1, **self.to_dict()}
@@ -131,6 +141,20 @@ class DiffTransformerConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); the file may be corrupted") from e
         return cls.from_dict(data)
+
+
+def _backend_for(kind: AttentionKind, backend: str) -> str:
+    """`backend`, or 'auto' where it is 'triton' and `kind` has no Triton kernel (logged)."""
+    if backend == "triton" and not kind.fused_kernel:
+        log.info("attention %r has no Triton kernel (it is DIFF-only); it uses attn_backend 'auto' instead", kind.name)
+        return "auto"
+    return backend
+
+
+def model_identity(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without the fields that only choose how attention is computed (RUNTIME_FIELDS):
+    two runs with equal identities train the same model, so one may resume or continue the other."""
+    return {k: v for k, v in config.items() if k not in RUNTIME_FIELDS}
 
 
 # name: (hidden_size, layers, DIFF heads, intermediate_size or None for 8/3 * hidden)
@@ -171,9 +195,11 @@ class Preset:
 
         Size overrides apply to the spec before it is converted to `attention` (so a changed
         hidden_size re-derives the FFN width); head counts are given in `attention`'s own units
-        (DIFF heads for diff kinds, ordinary heads otherwise), as everywhere in a config.
+        (DIFF heads for diff kinds, ordinary heads otherwise), as everywhere in a config; the
+        backend fields apply to `attention` itself (so 'triton' for a kind without it is an error).
         """
         heads = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
+        runtime = {k: overrides.pop(k) for k in RUNTIME_FIELDS if k in overrides}  # asked of this kind itself
         spec = {**self.fields(), **overrides}
         # Put the requested heads into the DIFF-unit spec where they convert exactly, so a width that
         # only divides by the new head count is accepted before conversion.
@@ -184,10 +210,10 @@ class Preset:
         if "num_attention_heads" in heads and "num_key_value_heads" not in heads and self.diff_kv_heads is None:
             spec["num_key_value_heads"] = None
         cfg = DiffTransformerConfig(**spec).matched(attention)
-        if heads:
-            if "num_key_value_heads" not in heads and cfg.num_key_value_heads == cfg.num_attention_heads:
-                heads["num_key_value_heads"] = heads["num_attention_heads"]  # no GQA stays no GQA
-            cfg = dataclasses.replace(cfg, **heads)
+        if heads and "num_key_value_heads" not in heads and cfg.num_key_value_heads == cfg.num_attention_heads:
+            heads["num_key_value_heads"] = heads["num_attention_heads"]  # no GQA stays no GQA
+        if heads or runtime:
+            cfg = dataclasses.replace(cfg, **heads, **runtime)
         return cfg
 
 

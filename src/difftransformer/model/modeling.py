@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
-from difftransformer.model import generation, serialization
+from difftransformer.model.generation import generate
+from difftransformer.model.serialization import load_weights, read_pretrained, save_pretrained
 from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.norm import RMSNorm
 
@@ -125,12 +126,9 @@ class DiffTransformerLM(nn.Module):
 
         Also works when FSDP2 has sharded the λ vectors: it then gathers them, a collective that
         every rank must call. This is the one place λ is read for logs and reports."""
-        out: list[LayerLambda | None] = []
-        for block in self.layers:
-            attn = block.self_attn
-            scalar = isinstance(attn, MultiheadDiffAttention)
-            out.append(LayerLambda(attn.current_lambda(), attn.lambda_init) if scalar else None)
-        return out
+        if not self.config.kind.scalar_lambda:
+            return [None] * len(self.layers)
+        return [LayerLambda(block.self_attn.current_lambda(), block.self_attn.lambda_init) for block in self.layers]
 
     def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
         if input_ids.dim() != 2:
@@ -183,19 +181,19 @@ class DiffTransformerLM(nn.Module):
 
     # -- generation and serialisation live in their own modules; thin methods for convenience --
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
+        return generate(self, input_ids, max_new_tokens, **kwargs)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write config.json and model.safetensors into `directory` (see serialization.py)."""
-        return serialization.save_pretrained(self, directory)
+        return save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device="cpu", dtype=None) -> "DiffTransformerLM":
         """Build from `directory`'s config.json and load its model.safetensors strictly."""
-        config, weights = serialization.read_pretrained(directory)
-        model = cls(config, device=device)
-        serialization.load_weights(model, weights, device)
-        return model.to(dtype) if dtype is not None else model
+        config, weights = read_pretrained(directory)
+        model = cls(config, device=device, dtype=dtype)  # λ vectors stay at least fp32, as when built
+        load_weights(model, weights, device)
+        return model
 
 
 def load_pretrained(directory: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DiffTransformerLM:

@@ -7,14 +7,15 @@
       tb/                 TensorBoard event files (when train.tensorboard)
       checkpoints/        step_XXXXXXXX/ folders and `latest` (see checkpoint.py)
       final/              config.json, model.safetensors, tokenizer.json: the trained model
-      done.json           written by the comparison runner when the run ended: final step, val loss, tokens/s
+      done.json           written by train() after final/: final step, val loss, tokens/s, wall time
       samples.json        the report's cached sample generations (experiments/report)
 
-Everything outside this module asks a `RunDir` for these paths; no other module spells the names.
-Two questions have one answer each here:
-- `trained_to(max_steps)`: training reached max_steps (the last val loss is final), from done.json
-  or else metrics.jsonl;
-- `is_finished(max_steps)`: that, and final/ holds the weights: nothing is left to do.
+Everything outside train/ asks a `RunDir` for these paths. The names are spelled once: here, or by
+the module that owns the file's format (metrics.py, checkpoint.py, model/serialization.py), and
+imported from there. Two questions have one answer each here:
+- `trained_to(max_steps)`: training reached max_steps (its last val loss is final), from metrics.jsonl
+  or done.json;
+- `is_finished(max_steps)`: a train() call to max_steps completed, final/ included: nothing is left to do.
 """
 
 from __future__ import annotations
@@ -120,12 +121,16 @@ class RunDir:
         """Train and val rows by step (empty when nothing is logged yet)."""
         return read_metric_series(self.metrics)
 
+    def done_step(self) -> int | None:
+        """The step of the last train() call that completed (wrote final/ and then done.json)."""
+        step = self.read_json(self.done).get("final_step")
+        return int(step) if step is not None else None
+
     def last_step(self) -> int:
-        """The last step with a done.json record or a metrics row (0 before the first log)."""
-        done = self.read_json(self.done).get("final_step")
+        """The last step with a metrics row or a done.json record (0 before the first log)."""
         series = self.metric_series()
         logged = max((int(r["step"]) for r in series.train + series.val), default=0)
-        return max(logged, int(done) if done is not None else 0)
+        return max(logged, self.done_step() or 0)
 
     def trained_to(self, max_steps: int | None = None) -> bool:
         """Training reached `max_steps` (default: the run's own); its last validation loss is final."""
@@ -133,8 +138,11 @@ class RunDir:
         return target is not None and self.last_step() >= target
 
     def is_finished(self, max_steps: int | None = None) -> bool:
-        """Trained to `max_steps` and final/ holds the weights (a final/ from a shorter run does not count)."""
-        return self.has_final() and self.trained_to(max_steps)
+        """Nothing is left to do: a train() call to at least `max_steps` completed, final/ included
+        (final/ weights from a shorter run, or a call killed before final/, do not count)."""
+        target = self.max_steps() if max_steps is None else max_steps
+        done = self.done_step()
+        return target is not None and done is not None and done >= target and self.has_final()
 
     def write_done(self, record: dict[str, Any]) -> None:
         from difftransformer._io import atomic_write_text

@@ -27,7 +27,7 @@ from torch import nn
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
 from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
-from difftransformer.model.config import RUNTIME_FIELDS
+from difftransformer.model.config import model_identity
 from difftransformer.train.checkpoint import (
     CheckpointError,
     find_latest,
@@ -119,8 +119,8 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
     """Refuse a checkpoint that belongs to another experiment; warn about tolerated changes."""
     path = ckpt["path"]
     hint = "use another out_dir, or start over with --no-resume (resume=False)"
-    saved, wanted = ckpt["model_config"].to_dict(), model_config.to_dict()
-    diff = {k: (saved[k], wanted[k]) for k in saved if saved[k] != wanted[k] and k not in RUNTIME_FIELDS}
+    saved, wanted = model_identity(ckpt["model_config"].to_dict()), model_identity(model_config.to_dict())
+    diff = {k: (saved[k], wanted[k]) for k in saved if saved[k] != wanted.get(k)}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint {path} was trained with a different model config ({detail}); {hint}")
@@ -166,20 +166,27 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         run.path.mkdir(parents=True, exist_ok=True)
         model_config.save(run.model_config)
         cfg.save(run.train_config)
+    start_step = ckpt["step"] if ckpt else 0
+    if env.is_main and start_step < cfg.max_steps:
+        run.done.unlink(missing_ok=True)  # not done until this call has written final/
     env.barrier()
     parts = _build(model_config, cfg, env, ckpt, init_state)
-    start_step = ckpt["step"] if ckpt else 0
     if env.is_main:
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
                  cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
+    t0 = time.perf_counter()
     loop = _Loop(run, model_config, cfg, env, data, parts, ckpt)
     val_loss, train_time = loop.run(start_step)
     model = _write_final(run, model_config, cfg, env, parts.model, data.prepared)
     trained = cfg.max_steps - start_step
-    return TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
-                       tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
-                       metrics_path=run.metrics, model=model)
+    result = TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
+                         tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
+                         metrics_path=run.metrics, model=model)
+    if env.is_main:  # after final/: a run is finished only once its final weights are on disk
+        run.write_done({"final_step": result.final_step, "final_val_loss": result.final_val_loss,
+                        "tokens_per_s": result.tokens_per_s, "wall_s": time.perf_counter() - t0})
+    return result
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from difftransformer._io import atomic_write_text
+from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.report import sections
 from difftransformer.experiments.report.plots import plot_lambdas, plot_losses
 from difftransformer.experiments.report.runs import Run, load_runs
@@ -39,7 +40,7 @@ def _context(study: StudyDir) -> sections.Context:
     if not arms:
         raise FileNotFoundError(f"no runs in {study.path}: expected {MANIFEST_FILE} or <arm>/{METRICS_FILE} "
                                 f"folders (run `difftransformer compare` first)")
-    baseline = manifest.get("baseline") or ("transformer" if "transformer" in arms else arms[-1])
+    baseline = baseline_arm(arms)
     runs = load_runs(study, manifest)
     if not runs:
         raise FileNotFoundError(f"{study.path} lists arms {arms} but none has a {METRICS_FILE} yet")

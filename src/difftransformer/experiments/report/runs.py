@@ -21,26 +21,21 @@ class Run:
     val: list[dict[str, Any]] = field(default_factory=list)
     max_steps: int | None = None
     model: dict[str, Any] = field(default_factory=dict)  # the run's model_config.json
+    last_step: int = 0  # read once with the rows, so every number of a report comes from one snapshot
+    finished: bool = False  # trained to max_steps: the last validation loss is final (final/ need not exist)
 
     @classmethod
     def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None) -> Run:
         series = run_dir.metric_series()
         max_steps = run_dir.max_steps()
-        return cls(arm, seed, run_dir, series.train, series.val,
-                   max_steps if max_steps is not None else default_max_steps, run_dir.read_json(run_dir.model_config))
+        max_steps = max_steps if max_steps is not None else default_max_steps
+        last = max([int(r["step"]) for r in series.train + series.val] + [run_dir.done_step() or 0])
+        return cls(arm, seed, run_dir, series.train, series.val, max_steps, run_dir.read_json(run_dir.model_config),
+                   last, max_steps is not None and last >= max_steps)
 
     @property
     def final_val(self) -> float | None:
         return self.val[-1]["loss"] if self.val and self.val[-1].get("loss") is not None else None
-
-    @property
-    def last_step(self) -> int:
-        return self.dir.last_step()
-
-    @property
-    def finished(self) -> bool:
-        """Trained to max_steps, so the last validation loss is final (final/ need not exist yet)."""
-        return self.dir.trained_to(self.max_steps)
 
     @property
     def tokens(self) -> int:
