@@ -59,7 +59,87 @@ def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
         fsync_dir(path.parent)
 
 
+def default_permissions(path: str | Path) -> None:
+    """Give a file the permissions a plain `open()` would (0666 less the umask): some writers, such as
+    safetensors, create their files 0600 whatever the umask, which hides results from a group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
+
+
+# ----------------------------------------------------------------------------------------------
+# folder locks: one writer per run folder, study folder or data folder
+
+LOCK_FILE = ".lock"
+_held: dict[str, tuple[int, int]] = {}  # resolved folder -> (fd, depth): re-entrant within a process
+
+
+class FolderInUseError(RuntimeError):
+    """Another process is writing the folder (it holds its lock)."""
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        text = ""
+    return text or "a process that has not written its name yet"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, *, purpose: str = "write") -> Iterator[None]:
+    """Hold the exclusive lock of `folder` (created if missing) while the block runs.
+
+    A second process that asks for it fails at once with FolderInUseError naming the holder (pid,
+    host, command, start time). The lock is an advisory flock on `folder/.lock`: the operating
+    system releases it when the holder exits or is killed, so a lock is never stale, whatever the
+    file says. Re-entrant within one process. Where flock is missing (Windows) nothing is locked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    key = str(folder.resolve())
+    if key in _held:
+        fd, depth = _held[key]
+        _held[key] = (fd, depth + 1)
+        try:
+            yield
+        finally:
+            fd, depth = _held[key]
+            _held[key] = (fd, depth - 1)
+        return
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise FolderInUseError(f"{folder} is in use by another process ({_holder(path)}); wait for it to finish, "
+                               f"or {purpose} somewhere else") from None
+    _held[key] = (fd, 1)
+    try:
+        import datetime as dt
+        import socket
+        import sys
+
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}, since "
+                       f"{dt.datetime.now().astimezone().isoformat(timespec='seconds')}: "
+                       f"{' '.join(sys.argv) or 'python'}\n").encode(), 0)
+        yield
+    finally:
+        del _held[key]
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock

@@ -152,3 +152,26 @@ def test_a_renamed_flag_names_its_new_name(command, new, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, *(["some/model"] if command == "generate" else []), "--seed", "3"])
     assert e.value.code == 2 and f"--seed was renamed {new}" in capsys.readouterr().err
+
+
+def test_two_writers_into_one_folder_the_second_refuses_naming_the_first(workdir, tmp_path, capsys):
+    import time
+
+    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        for argv in (["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(run)],
+                     ["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(run)],
+                     ["prepare", str(workdir / "corpus"), "--out-dir", str(run), "--vocab-size", "300"]):
+            t0 = time.monotonic()
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by another process (pid {proc.pid}" in err and "Traceback" not in err, argv
+            assert time.monotonic() - t0 < 30
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing of it was touched
+    finally:
+        proc.kill()
+        proc.wait()

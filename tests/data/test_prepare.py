@@ -35,8 +35,9 @@ def test_prepare_data_writes_everything_and_is_idempotent(tmp_path, monkeypatch)
     monkeypatch.setattr(tokenizer_mod, "_train_bpe", lambda *a, **k: pytest.fail("retrained the tokenizer"))
     again = prepare_data(str(corpus), out, vocab_size=320, val_fraction=0.1, test_fraction=0.1, split_seed=1)
     assert again == data and not calls
-    assert {p: p.stat().st_mtime_ns for p in out.iterdir() if p.name != "prepared.json"} == {
-        p: m for p, m in mtimes.items() if p.name != "prepared.json"
+    rewritten_by_design = ("prepared.json", ".lock")  # the manifest, and the folder lock naming its holder
+    assert {p: p.stat().st_mtime_ns for p in out.iterdir() if p.name not in rewritten_by_design} == {
+        p: m for p, m in mtimes.items() if p.name not in rewritten_by_design
     }
 
 
@@ -158,3 +159,52 @@ def test_waiting_ranks_stop_at_once_when_rank_0_fails(tmp_path, monkeypatch):
     os.utime(stale, (time.time() - 3600, time.time() - 3600))  # an old launch's failure is not this one's
     with pytest.raises(TimeoutError, match="rank 1 waited 1s"):
         ensure_data(cfg, wait_s=1)
+
+
+def test_an_interrupted_re_prepare_is_never_used_as_a_mix(tmp_path, monkeypatch):
+    """Killed while re-preparing with a new tokenizer: no manifest is left beside the new train shard,
+    and a folder mixed by hand (or by an old version) is refused with the fix."""
+    from difftransformer.data import DataConfig, DataMismatchError, ensure_data
+
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, n_docs=10)
+    out = tmp_path / "data"
+    prepare_data(str(corpus), out, vocab_size=300)
+    original = prepare_mod.write_shard
+
+    def killed_after_train(base, *args, **kwargs):
+        meta = original(base, *args, **kwargs)
+        if kwargs["split"] == "train":
+            raise KeyboardInterrupt("killed mid-prepare")
+        return meta
+
+    monkeypatch.setattr(prepare_mod, "write_shard", killed_after_train)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(str(corpus), out, vocab_size=280)
+    monkeypatch.undo()
+    assert not PreparedData.exists(out)  # the next ensure_data prepares again instead of using a mix
+    data = ensure_data(DataConfig(corpus=str(corpus), data_dir=str(out), vocab_size=280))
+    assert data.vocab_size <= 280
+    # a mix made another way: the manifest of one tokenizer beside the train shard of another
+    manifest = json.loads((out / "prepared.json").read_text())
+    prepare_data(str(corpus), tmp_path / "other", vocab_size=300)
+    for name in ("train.bin", "train.json"):
+        (out / name).write_bytes((tmp_path / "other" / name).read_bytes())
+    (out / "prepared.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataMismatchError, match="train shard .* another tokenizer than its manifest names.*--force"):
+        PreparedData.load(out).verify()
+
+
+def test_a_corpus_edited_after_it_was_prepared_is_refused_until_prepared_again(tmp_path):
+    from difftransformer.data import DataConfig, DataMismatchError, ensure_data
+
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, n_docs=8)
+    cfg = DataConfig(corpus=str(corpus), data_dir=str(tmp_path / "data"), vocab_size=300)
+    ensure_data(cfg)
+    doc = sorted(corpus.iterdir())[0]
+    doc.write_text(doc.read_text() + " an edit.\n")
+    with pytest.raises(DataMismatchError, match="changed since it was prepared.*difftransformer prepare"):
+        ensure_data(cfg)
+    prepare_data(str(corpus), tmp_path / "data", vocab_size=300)
+    ensure_data(cfg)  # prepared again: accepted

@@ -61,3 +61,11 @@ def test_top_k_and_top_p_filters():
         filter_logits(logits, top_p=1.5)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         sample_next_token(logits, temperature=-1)
+
+
+def test_a_diverged_model_is_a_clear_error_not_a_sampling_traceback():
+    model = DiffTransformerLM(tiny())
+    with torch.no_grad():
+        model.norm.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="non-finite logits .* earlier checkpoint"):
+        model.generate(torch.tensor([[1, 2, 3]]), 4)

@@ -126,3 +126,30 @@ def test_kill_9_leaves_a_valid_checkpoint_and_resume_is_exact(data_dir, tmp_path
     assert res.final_step == steps
     assert_same_weights(ref.model, res.model)
     assert untimed(read_metrics(res.metrics_path)) == untimed(read_metrics(ref.metrics_path))
+
+
+def test_a_fresh_start_never_deletes_what_it_has_not_replaced(data_dir, tmp_path, monkeypatch):
+    """--no-resume (resume=False) with a config that fails, or a run killed before its first checkpoint,
+    leaves the old checkpoints; they go only once the new run has saved one."""
+    from difftransformer.train import RunDir
+
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2))
+    run = RunDir(tmp_path)
+    before = latest_dir(tmp_path).name
+    with pytest.raises(ValueError):  # the new model cannot be built: nothing is touched
+        train(tiny(hidden_size=65), make_cfg(data_dir, tmp_path, max_steps=2), resume=False)
+    assert latest_dir(tmp_path).name == before and not run.replaced_checkpoints.exists()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the first checkpoint")
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", killed)
+    import difftransformer.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
+    assert (run.replaced_checkpoints / before).is_dir()  # set aside, not deleted
+    monkeypatch.undo()
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
+    assert not run.replaced_checkpoints.exists() and latest_dir(tmp_path).name == "step_00000002"

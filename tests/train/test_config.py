@@ -23,7 +23,7 @@ def test_train_config_rejects_unknown_keys_and_bad_values():
         TrainConfig(batch_size=10, grad_accum_steps=4)
     with pytest.raises(TypeError, match="lr must be a float, got '1e-3'"):
         TrainConfig.from_dict({"lr": "1e-3"})
-    with pytest.raises(TypeError, match="max_steps must be a int"):
+    with pytest.raises(TypeError, match="max_steps must be an int"):
         TrainConfig(max_steps=True)
     with pytest.raises(ValueError, match="device must be"):
         TrainConfig(device="gpu")

@@ -130,3 +130,33 @@ def test_huge_lr_diverges(data_dir, tmp_path):
                    ckpt_interval=100, eval_interval=100)
     with pytest.raises(TrainingDivergedError, match=r"diverged at step \d+"):
         train(tiny(), cfg)
+
+
+def test_an_update_that_blows_up_the_weights_is_never_checkpointed(data_dir, tmp_path):
+    """The loss and gradient of step 2 are finite, its update (lr 1e6) is not sane: nothing of it is
+    saved, keep_last=1 does not prune the healthy checkpoint, and the message names that one."""
+    from difftransformer.train import RunDir
+
+    base = dict(lr_schedule="constant", warmup_steps=0, min_lr=0.0, ckpt_interval=1, keep_last=1, eval_interval=100)
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=1, lr=1e-3, **base))
+    healthy = load_checkpoint(tmp_path)
+    with pytest.raises(TrainingDivergedError, match=r"diverged by step 2: the weights' norm grew .*last good checkpoint "
+                                                    r"is step_00000001.*lower lr"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, lr=1e6, **base))
+    assert latest_dir(tmp_path).name == "step_00000001"
+    kept = load_checkpoint(tmp_path)  # intact and the same
+    assert all(torch.equal(kept["model"][k], healthy["model"][k]) for k in healthy["model"])
+    assert not RunDir(tmp_path).is_finished(3)
+    # resuming from it with a sane lr, as the message advises, finishes
+    res = train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, lr=1e-3, **base))
+    assert res.final_step == 3 and all(torch.isfinite(p).all() for p in res.model.parameters())
+
+
+def test_the_weight_guard_can_be_switched_off_and_is_validated(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_weight_growth must be >= 0"):
+        make_cfg(data_dir, tmp_path, max_weight_growth=-1.0)
+    base = dict(lr_schedule="constant", warmup_steps=0, min_lr=0.0, ckpt_interval=1, eval_interval=100, grad_clip=0.0)
+    with pytest.raises(TrainingDivergedError, match="norm grew"):  # guarded (the default), this jump is refused
+        train(tiny(), make_cfg(data_dir, tmp_path / "on", max_steps=1, lr=3.0, **base))
+    res = train(tiny(), make_cfg(data_dir, tmp_path / "off", max_steps=1, lr=3.0, max_weight_growth=0.0, **base))
+    assert res.final_step == 1  # a large (finite) jump is accepted when the norm check is off

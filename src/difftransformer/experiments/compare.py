@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer import dist
-from difftransformer._io import atomic_write_text
+from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.data import DataConfig, PreparedData, ensure_data
 from difftransformer.experiments.config import CompareConfig, baseline_arm
 from difftransformer.experiments.pairing import paired_init
@@ -57,8 +57,18 @@ class Study:
 
 def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 resume: bool = True, command: str | None = None, report: bool = True) -> Path:
-    """Train every arm for every seed (paired), then write <out_dir>/report.md; returns out_dir."""
+    """Train every arm for every seed (paired), then write <out_dir>/report.md; returns out_dir.
+
+    One comparison at a time per folder: a second one refuses at once (FolderInUseError)."""
     folder = StudyDir(out_dir)
+    if not dist.is_main():
+        return _run_compare(study, folder, arms, seeds, resume, command, report)
+    with folder_lock(folder.path, purpose="compare into another --out-dir"):
+        return _run_compare(study, folder, arms, seeds, resume, command, report)
+
+
+def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
+                 command: str | None, report: bool) -> Path:
     arms = list(arms or study.compare.arms)
     seeds = list(seeds if seeds is not None else (study.compare.seeds or [study.train.seed]))
     data = ensure_data(study.data)

@@ -14,10 +14,12 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftransformer._config import check_field_types
 from difftransformer._io import atomic_write_text
 from difftransformer.attention.backends import BACKENDS
 from difftransformer.model.kinds import AttentionKind, attention_kind
@@ -52,6 +54,7 @@ class DiffTransformerConfig:
     attn_deterministic: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model")
         attention_kind(self.attention)  # a known kind, or a ValueError naming the nearest one
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -77,8 +80,12 @@ class DiffTransformerConfig:
             raise ValueError(f"attn_backend 'triton' is the fused differential-attention kernel; attention="
                              f"{self.attention!r} has no Triton path. Use attn_backend 'auto' (PyTorch's "
                              f"FlashAttention through SDPA on CUDA, the fused C++ kernel on CPU)")
-        if not isinstance(self.attn_deterministic, bool):
-            raise ValueError(f"attn_deterministic must be true or false, got {self.attn_deterministic!r}")
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a positive number, got {getattr(self, name)}")
+        if self.lambda_init is not None and not math.isfinite(self.lambda_init):
+            raise ValueError(f"model.lambda_init must be a finite number or null (the depth schedule), "
+                             f"got {self.lambda_init}")
 
     @property
     def kind(self) -> AttentionKind:

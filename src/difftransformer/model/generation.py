@@ -29,8 +29,8 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) token ids. temperature 0 is greedy."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -67,6 +67,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
         for _ in range(max_new_tokens):
             logits = model(step_ids, attention_mask=None if mask is None else mask.bool(), position_ids=step_pos,
                            kv_cache=cache).logits[:, -1]
+            if out is input_ids and not bool(torch.isfinite(logits).all()):  # checked once, on the prompt
+                raise ValueError("the model produced non-finite logits (NaN or inf) for the prompt: its weights are "
+                                 "diverged or corrupt; generate from an earlier checkpoint")
             nxt = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)

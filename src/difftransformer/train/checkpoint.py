@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from difftransformer._io import atomic_write_text, fsync_dir, fsync_file
+from difftransformer._io import atomic_write_text, default_permissions, fsync_dir, fsync_file
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.train.config import TrainConfig
@@ -186,11 +186,15 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def _read_latest(root: Path) -> Path | None:
+    """The step folder `latest` names, if it names one of this folder's (never a path elsewhere)."""
     try:
         name = (root / LATEST).read_text(encoding="utf-8").strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
-    return root / name if name else None
+    if not _STEP_DIR.match(name):
+        log.warning("%s holds %r, not a step folder name; it is ignored", root / LATEST, name[:80])
+        return None
+    return root / name
 
 
 def save_checkpoint(
@@ -220,6 +224,8 @@ def save_checkpoint(
     save_file(weights, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
     optim_tensors, optim_meta = flatten_optimizer_state(optimizer_state)
     save_file(optim_tensors, str(tmp / OPTIM_FILE), metadata={"format": "pt", "step": str(step)})
+    for name in (MODEL_FILE, OPTIM_FILE):
+        default_permissions(tmp / name)
     model_config.save(tmp / MODEL_CONFIG_FILE)
     train_config.save(tmp / TRAIN_CONFIG_FILE)
     files = {}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftransformer._config import check_field_types
+
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -41,6 +43,9 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables
+    # Divergence guard: before every checkpoint the weights must be finite and their global norm within
+    # this factor of its value when the call started; otherwise nothing is saved (0 disables the norm check).
+    max_weight_growth: float = 10.0
     decay_norms_and_lambdas: bool = False  # by default no weight decay on norms, λ vectors, embeddings
     decay_embeddings: bool = False
     eval_interval: int = 100
@@ -58,7 +63,7 @@ class TrainConfig:
     progress: bool = True  # tqdm bar with loss, tokens/s, ETA
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_field_types(self, "TrainConfig")
         positive = ("seq_len", "batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
                     "log_interval", "ckpt_interval", "keep_last")
         for name in positive:
@@ -74,7 +79,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("weight_decay", "grad_clip", "max_weight_growth"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.adam_eps > 0:
@@ -88,21 +93,6 @@ class TrainConfig:
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
                              f"({self.grad_accum_steps}): every micro-batch has the same number of sequences")
-
-    def _check_types(self) -> None:
-        """JSON/YAML configs arrive untyped: reject "1e-3" strings and bools posing as ints early."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            want = f.type if isinstance(f.type, str) else f.type.__name__
-            if want == "float" and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, f.name, float(value))
-                continue
-            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-                  "float": isinstance(value, float),
-                  "bool": isinstance(value, bool),
-                  "str": isinstance(value, str)}[want]
-            if not ok:
-                raise TypeError(f"TrainConfig.{f.name} must be a {want}, got {value!r} ({type(value).__name__})")
 
     # -- derived ------------------------------------------------------------------------------
     @property

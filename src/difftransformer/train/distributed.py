@@ -69,7 +69,8 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device={spec!r} was requested but CUDA is not available; use device='cpu' or 'auto'")
+            raise ValueError(f"device={spec!r} was requested but CUDA is not available here; use device 'cpu' or "
+                             f"'auto' (--set train.device=auto)")
         index = int(spec.split(":", 1)[1]) if ":" in spec else local_rank % torch.cuda.device_count()
         return torch.device("cuda", index)
     return torch.device(spec)

@@ -6,6 +6,7 @@
       metrics.jsonl       one JSON row per logged step: kind "train" (loss, lr, λ, λ_init, ...) or "val"
       tb/                 TensorBoard event files (when train.tensorboard)
       checkpoints/        step_XXXXXXXX/ folders and `latest` (see checkpoint.py)
+      checkpoints.replaced/  a fresh start's predecessors, until it has saved a checkpoint of its own
       final/              config.json, model.safetensors, tokenizer.json: the trained model
       done.json           written by train() after final/: final step, val loss, tokens/s, wall time
       samples.json        the report's cached sample generations (experiments/report)
@@ -70,6 +71,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS_DIR
+
+    @property
+    def replaced_checkpoints(self) -> Path:
+        """Where a fresh start (resume=False) keeps the old checkpoints until it has saved one of its own."""
+        return self.path / f"{CHECKPOINTS_DIR}.replaced"
 
     @property
     def final(self) -> Path:

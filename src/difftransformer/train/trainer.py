@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from difftransformer._io import folder_lock
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
 from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
@@ -59,7 +61,7 @@ log = logging.getLogger("difftransformer.train")
 # Settings that only affect speed, I/O or how far to train: changing them on resume is silent.
 _FREELY_CHANGEABLE = {"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
                       "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
-                      "tensorboard", "progress"}
+                      "tensorboard", "progress", "max_weight_growth"}
 
 
 class TrainingDivergedError(RuntimeError):
@@ -160,6 +162,13 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
     env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
     run = RunDir(cfg.out_dir)
+    # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
+    with folder_lock(run.path, purpose="train into another out_dir") if env.is_main else contextlib.nullcontext():
+        return _train(run, model_config, cfg, env, init_state, resume)
+
+
+def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
+           init_state: dict[str, torch.Tensor] | None, resume: bool) -> TrainResult:
     data = _TrainData.load(model_config, cfg, env)
     ckpt = _resume_point(run, model_config, cfg, data.prepared, env, init_state, resume)
     if env.is_main:
@@ -171,12 +180,13 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         run.done.unlink(missing_ok=True)  # not done until this call has written final/
     env.barrier()
     parts = _build(model_config, cfg, env, ckpt, init_state)
+    aside = _set_aside_old_checkpoints(run) if not resume and env.is_main else None
     if env.is_main:
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
                  cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
     t0 = time.perf_counter()
-    loop = _Loop(run, model_config, cfg, env, data, parts, ckpt)
+    loop = _Loop(run, model_config, cfg, env, data, parts, ckpt, replaced=aside)
     val_loss, train_time = loop.run(start_step)
     model = _write_final(run, model_config, cfg, env, parts.model, data.prepared)
     trained = cfg.max_steps - start_step
@@ -187,6 +197,21 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         run.write_done({"final_step": result.final_step, "final_val_loss": result.final_val_loss,
                         "tokens_per_s": result.tokens_per_s, "wall_s": time.perf_counter() - t0})
     return result
+
+
+def _set_aside_old_checkpoints(run: RunDir) -> Path | None:
+    """Starting over (resume=False), once the new model is built: move the old checkpoints aside.
+
+    They are deleted when the new run has saved its first checkpoint, so a config error, a crash or
+    a kill before that never leaves the folder with nothing to resume from."""
+    if list_checkpoints(run.checkpoints):
+        shutil.rmtree(run.replaced_checkpoints, ignore_errors=True)  # older than the ones being set aside now
+        os.replace(run.checkpoints, run.replaced_checkpoints)
+    if not run.replaced_checkpoints.exists():
+        return None
+    log.warning("resume=False: the old checkpoints are set aside in %s until this run saves its first one",
+                run.replaced_checkpoints)
+    return run.replaced_checkpoints
 
 
 @dataclass
@@ -201,6 +226,7 @@ class _TrainData:
     @classmethod
     def load(cls, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv) -> _TrainData:
         data = PreparedData.load(cfg.data_dir)
+        data.verify()  # shards, tokenizer and manifest belong together
         if data.vocab_size > model_config.vocab_size:
             raise ValueError(f"the tokenizer in {cfg.data_dir} has {data.vocab_size} tokens but the model's "
                              f"vocab_size is {model_config.vocab_size}; set vocab_size >= {data.vocab_size}")
@@ -215,12 +241,9 @@ class _TrainData:
 
 def _resume_point(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, data: PreparedData,
                   env: DistEnv, init_state, resume: bool) -> dict[str, Any] | None:
-    """The checkpoint to continue from (checked against this run), or None to start fresh; a fresh
-    start (resume=False) removes the old checkpoints."""
+    """The checkpoint to continue from (checked against this run), or None to start fresh (resume=False
+    leaves old checkpoints alone here: see _set_aside_old_checkpoints)."""
     if not resume:
-        if env.is_main and list_checkpoints(run.checkpoints):
-            log.warning("resume=False: removing the old checkpoints in %s", run.checkpoints)
-            shutil.rmtree(run.checkpoints)
         return None
     latest = find_latest(run.checkpoints)
     if latest is None:
@@ -273,16 +296,20 @@ class _Loop:
     """The optimizer steps of one train() call, with logging, evaluation and checkpoints on their intervals."""
 
     def __init__(self, run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
-                 data: _TrainData, parts: _Parts, ckpt: dict[str, Any] | None):
-        self.run_dir, self.model_config, self.cfg, self.env, self.data, self.parts = run, model_config, cfg, env, data, parts
+                 data: _TrainData, parts: _Parts, ckpt: dict[str, Any] | None, replaced: Path | None = None):
+        self.run_dir, self.model_config, self.cfg = run, model_config, cfg
+        self.env, self.data, self.parts = env, data, parts
         self.elapsed_before = float(ckpt["state"].get("metrics", {}).get("elapsed_s", 0.0)) if ckpt else 0.0
         self.last_good = ckpt["path"].name if ckpt else None
         self.t_call = time.perf_counter()
+        self.replaced = replaced  # old checkpoints set aside by a fresh start, deleted after the first save
 
     def run(self, start_step: int) -> tuple[float | None, float]:
         """Train from start_step to max_steps; returns (last validation loss, seconds spent in steps)."""
         cfg, parts = self.cfg, self.parts
-        metrics = MetricsWriter(self.run_dir.metrics, tensorboard_dir=self.run_dir.tensorboard if cfg.tensorboard else None,
+        self.start_norm = (start_step, self.weight_norm())  # the healthy reference for the divergence guard
+        metrics = MetricsWriter(self.run_dir.metrics,
+                                tensorboard_dir=self.run_dir.tensorboard if cfg.tensorboard else None,
                                 enabled=self.env.is_main, progress=cfg.progress, start_step=start_step,
                                 max_steps=cfg.max_steps)
         train_time, window_time, window_steps = 0.0, 0.0, 0
@@ -312,6 +339,7 @@ class _Loop:
                     val_loss = self.evaluate()
                     metrics.val(done, val_loss, done * cfg.tokens_per_step)
                 if done % cfg.ckpt_interval == 0 or last:
+                    self.check_weights(done, lr)  # never checkpoint (or finish with) a diverged state
                     self.save(done)
                     self.last_good = step_dir_name(done)
             if start_step >= cfg.max_steps and self.data.val is not None:  # nothing left to train: report only
@@ -351,6 +379,33 @@ class _Loop:
         parts.optimizer.zero_grad(set_to_none=True)
         return loss_val, grad_norm
 
+    def weight_norm(self) -> float:
+        """The global L2 norm of the weights (a collective under FSDP: every rank calls). FSDP's sharded
+        parameters (DTensors) and any plain ones are normed apart: the two cannot share one call."""
+        params = [p.detach() for p in self.parts.model.parameters()]
+        squares = 0.0
+        sharded = [p for p in params if hasattr(p, "full_tensor")]
+        for group in (sharded, [p for p in params if not hasattr(p, "full_tensor")]):
+            if group:
+                squares += float(full_tensor(torch.nn.utils.get_total_norm(group))) ** 2
+        return math.sqrt(squares)
+
+    def check_weights(self, step: int, lr: float) -> None:
+        """TrainingDivergedError if the weights after `step` are not finite or their norm has grown past
+        max_weight_growth times its value when this call started: an update can blow the weights up
+        although the loss and gradient it was computed from were finite."""
+        norm, (ref_step, ref) = self.weight_norm(), self.start_norm
+        growth = self.cfg.max_weight_growth
+        if math.isfinite(norm) and not (growth > 0 and ref > 0 and norm > growth * ref):
+            return
+        what = (f"the weights are not finite (norm {norm})" if not math.isfinite(norm) else
+                f"the weights' norm grew to {norm:.4g}, {norm / ref:.3g}x its {ref:.4g} at step {ref_step} "
+                f"(limit train.max_weight_growth = {growth:g})")
+        raise TrainingDivergedError(
+            f"training diverged by step {step}: {what} (lr {lr:.3g}). Nothing was saved for it; the last good "
+            f"checkpoint is {self.last_good or 'none'}. Resume from it with a lower lr (--set train.lr=...), a "
+            f"longer warmup or gradient clipping")
+
     def evaluate(self) -> float:
         return evaluate(self.parts.model, self.data.val, self.cfg, self.data.micro, self.env, self.parts.amp)
 
@@ -372,6 +427,9 @@ class _Loop:
             path = save_checkpoint(self.run_dir.checkpoints, step, model_state, optim_state, state, self.model_config,
                                    cfg, cfg.keep_last)
             log.info("saved checkpoint %s", path)
+            if self.replaced is not None:  # the fresh start has a checkpoint of its own now
+                shutil.rmtree(self.replaced, ignore_errors=True)
+                self.replaced = None
         env.barrier()
 
 

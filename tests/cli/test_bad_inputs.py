@@ -1,0 +1,112 @@
+"""Bad input through the command line: a one-line error naming the value or file and the fix, exit
+code 2, never a traceback, and nothing of the user's work touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from difftransformer.cli import main
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _one_line_error(capsys, argv, *needles):
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.hidden_size=64.0", "model.hidden_size must be an int, got 64.0"),
+    ("model.initializer_range=-0.1", "initializer_range must be a positive number"),
+    ("model.rope_theta=-5.0", "rope_theta must be a positive number"),
+    ("model.lambda_init=nan", "lambda_init must be a finite number"),
+    ('model.attn_deterministic="no"', "attn_deterministic must be true or false"),
+    ('train.lr="fast"', "train] settings: TrainConfig.lr must be a float"),
+    ("train.max_weight_growth=-2.0", "max_weight_growth must be >= 0"),
+    ("data.split_seed=true", "split_seed must be an integer >= 0"),
+] + ([("train.device=cuda", "CUDA is not available")] if NO_CUDA else []))
+def test_bad_settings(workdir, tmp_path, capsys, override, needle):
+    _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", override,
+                             "--out-dir", str(tmp_path / "run")], needle)
+
+
+def test_out_dirs_that_cannot_be_written(workdir, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for out in (blocker, blocker / "below"):
+        _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)], str(blocker))
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--num-samples", "0"], "--num-samples must be at least 1"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "0"], "--top-k must be a positive integer"),
+    (["-n", "-3"], "--max-new-tokens must be >= 0"),
+] + ([(["--device", "cuda"], "CUDA is not available")] if NO_CUDA else []))
+def test_bad_generation_settings(compared, capsys, extra, needle):
+    _one_line_error(capsys, ["generate", str(compared / "diff"), "the union", *extra], needle)
+
+
+def test_a_file_that_is_not_a_tokenizer_and_a_foreign_tokenizer(compared, tmp_path, capsys):
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"not": "a tokenizer"}')
+    _one_line_error(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(junk)],
+                    "is not a tokenizer.json file")
+    from difftransformer.data import Tokenizer
+
+    Tokenizer.train(["a b c d e f g"] * 10, vocab_size=270).save(tmp_path / "foreign.json")
+    _one_line_error(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(tmp_path / "foreign.json")],
+                    "is not the tokenizer", "Leave --tokenizer out")
+
+
+def test_a_model_config_holding_nulls_or_strings(compared, tmp_path, capsys):
+    for bad in (None, "256"):
+        final = tmp_path / f"final-{bad}"
+        shutil.copytree(compared / "diff" / "final", final)
+        cfg = json.loads((final / "config.json").read_text())
+        cfg["hidden_size"] = bad
+        (final / "config.json").write_text(json.dumps(cfg))
+        _one_line_error(capsys, ["generate", str(final), "x"], "hidden_size must be an int")
+
+
+def test_a_corrupt_data_manifest_is_named(workdir, tmp_path, capsys):
+    data = tmp_path / "data"
+    assert main(["prepare", str(workdir / "corpus"), "--out-dir", str(data), "--vocab-size", "300",
+                 "--val-fraction", "0.2", "--test-fraction", "0.1"]) == 0
+    capsys.readouterr()
+    (data / "prepared.json").write_text('{"tokenizer": ')
+    _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", f'data.data_dir="{data}"',
+                             "--out-dir", str(tmp_path / "run")], str(data / "prepared.json"), "--force")
+
+
+def test_a_latest_pointer_outside_its_folder_is_not_followed(workdir, tmp_path, capsys, caplog):
+    run = tmp_path / "run"
+    argv = ["train", "--config", str(workdir / "tiny.toml"), "--set", "train.max_steps=4", "--out-dir", str(run)]
+    assert main(argv) == 0
+    (run / "checkpoints" / "latest").write_bytes(b"../../elsewhere\xff")
+    from difftransformer.train.checkpoint import find_latest
+
+    assert find_latest(run / "checkpoints").name == "step_00000004"  # the newest complete one, with a warning
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_dir(workdir, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(ro / "run")],
+                        str(ro))
+    finally:
+        ro.chmod(0o700)

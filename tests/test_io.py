@@ -1,0 +1,56 @@
+"""Atomic writes and folder locks: nothing torn, and one writer per folder with no stale locks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from difftransformer._io import FolderInUseError, folder_lock
+
+HOLD = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+        "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+
+
+def _holder(folder):
+    """A second process that takes the lock of `folder` and keeps it until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_process_is_refused_at_once_and_told_who_holds_the_folder(tmp_path):
+    proc = _holder(tmp_path / "run")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FolderInUseError, match=rf"run is in use by another process \(pid {proc.pid} on .*-c"):
+            with folder_lock(tmp_path / "run"):
+                pass
+        assert time.monotonic() - t0 < 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    proc = _holder(tmp_path / "run")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert "pid" in (tmp_path / "run" / ".lock").read_text()  # the file still names the dead holder ...
+    with folder_lock(tmp_path / "run"):  # ... but the lock went with it
+        pass
+
+
+def test_the_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
+    with folder_lock(tmp_path / "x"):
+        with folder_lock(tmp_path / "x"):
+            pass
+        with folder_lock(tmp_path / "x" / "."):  # the same folder spelled differently
+            pass
+    proc = _holder(tmp_path / "x")  # released: another process can take it
+    proc.kill()
+    proc.wait()
