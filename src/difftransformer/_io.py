@@ -67,6 +67,33 @@ def default_permissions(path: str | Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+class Folder:
+    """A folder the package writes (a run, a study): its path, and its entries declared with
+    `folder_entry`. Equal when the paths are; immutable."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.path))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+
+def folder_entry(*names: str) -> property:
+    """A read-only property giving `self.path / names...`: how a Folder names what it holds."""
+    return property(lambda self: self.path.joinpath(*names), doc=f"<folder>/{'/'.join(names)}")
+
+
 def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_text(text, encoding="utf-8")

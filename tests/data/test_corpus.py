@@ -183,3 +183,10 @@ def test_corpus_hash_sees_ids_text_and_boundaries():
     assert corpus_hash(a) == corpus_hash([Document("1", "ab"), Document("2", "c")])
     assert corpus_hash(a) != corpus_hash([Document("1", "a"), Document("2", "bc")])
     assert corpus_hash(a) != corpus_hash([Document("1", "ab"), Document("3", "c")])
+
+
+def test_a_binary_file_is_refused_not_trained_on(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.txt").write_bytes(b"GIF89a\x00\x01binary")
+    with pytest.raises(CorpusError, match=r"b.txt: a NUL byte at offset 6, so this is a binary file"):
+        load_corpus(str(tmp_path))

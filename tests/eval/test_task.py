@@ -67,18 +67,21 @@ def test_results_carry_provenance_and_are_json(data_dir):
     assert model.training  # run_task restores the mode it found
 
 
-def test_bad_requests_are_one_line_errors(data_dir):
-    model = UniformLM(300, context=16)
-    with pytest.raises(ValueError, match="unknown evaluation task 'heldout_los' \\(did you mean 'heldout-loss'\\?\\)"):
-        get_task("heldout_los")
-    with pytest.raises(ValueError, match="set EvalConfig.data_dir"):
-        run_task("heldout-loss", model, None, EvalConfig())
-    with pytest.raises(ValueError, match="seq_len 32 is beyond the model's context of 16"):
-        run_task("heldout-loss", model, None, EvalConfig(data_dir=data_dir, seq_len=32))
-    with pytest.raises(ValueError, match="split='train' would evaluate on the text the model was trained on"):
-        EvalConfig(split="train")
-    with pytest.raises(ValueError, match="split must be 'val' or 'test'"):
-        EvalConfig(split="validation")
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
-        EvalConfig(batch_size=0)
+BAD_REQUESTS = {  # what is asked -> the start of the one-line error
+    "an unknown task": (lambda d, m: get_task("heldout_los"),
+                        "unknown evaluation task 'heldout_los' \\(did you mean 'heldout-loss'\\?\\)"),
+    "no data": (lambda d, m: run_task("heldout-loss", m, None, EvalConfig()), "set EvalConfig.data_dir"),
+    "too long": (lambda d, m: run_task("heldout-loss", m, None, EvalConfig(data_dir=d, seq_len=32)),
+                 "seq_len 32 is beyond the model's context of 16"),
+    "the train split": (lambda d, m: EvalConfig(split="train"), "split='train' would evaluate on the text the model"),
+    "an unknown split": (lambda d, m: EvalConfig(split="validation"), "split must be 'val' or 'test'"),
+    "no batch": (lambda d, m: EvalConfig(batch_size=0), "batch_size must be a positive integer"),
+}
+
+
+@pytest.mark.parametrize("request_name", sorted(BAD_REQUESTS))
+def test_bad_requests_are_one_line_errors(data_dir, request_name):
+    ask, needle = BAD_REQUESTS[request_name]
+    with pytest.raises(ValueError, match=needle):
+        ask(data_dir, UniformLM(300, context=16))
     assert "heldout-loss" in TASKS

@@ -3,8 +3,9 @@
     difftransformer compare --config configs/demo.toml --out-dir runs/demo
     python -m difftransformer train --preset cpu-small --attention diff --set train.max_steps=500
 
-One module per subcommand (add_parser + run). Every subcommand has --help with examples. Works
-unchanged under `torchrun` (train, compare). A user mistake is one line on stderr and exit code 2.
+One module per subcommand, each declaring HELP, DESCRIPTION and EXAMPLES and defining
+add_arguments(parser) and run(args). Every subcommand has --help with examples. Works unchanged
+under `torchrun` (train, compare). A user mistake is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
             Run `difftransformer COMMAND --help` for each command's options.
             Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in COMMANDS.values():
-        module.add_parser(sub)
+    for name, module in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, formatter_class=Formatter, help=module.HELP,
+                                            description=module.DESCRIPTION, epilog=epilog(module.EXAMPLES)))
     return parser
 
 

@@ -22,12 +22,6 @@ def epilog(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
 
-def add_command(subparsers, name: str, *, help: str, description: str, examples: str) -> argparse.ArgumentParser:
-    """A subcommand parser with this CLI's formatting and an examples epilog."""
-    return subparsers.add_parser(name, formatter_class=Formatter, help=help, description=description,
-                                 epilog=epilog(examples))
-
-
 def add_config_args(p: argparse.ArgumentParser, attention_help: str, sections: str) -> None:
     """--config/--preset/--attention/--set/--out-dir/--no-resume, shared by train and compare."""
     g = p.add_argument_group("configuration (later wins: file < --preset/--attention < --set)")

@@ -6,28 +6,29 @@ import argparse
 import time
 
 from difftransformer import dist
-from difftransformer.cli.common import add_command, add_config_args, print_section
+from difftransformer.cli.common import add_config_args, print_section
 from difftransformer.data import ensure_data
 from difftransformer.experiments import CompareConfig, Study, StudyDir, parse_int_list, run_compare
 from difftransformer.run_config import ConfigError, load_run_config
 
 
-def add_parser(subparsers) -> None:
-    p = add_command(
-        subparsers, "compare", help="train DIFF and its matched Transformer side by side, then report",
-        description="Train every arm (an attention kind at the same size: DIFF and its matched Transformer by "
-                    "default) on the same data with paired initialisation and the same batches, for each training "
-                    "seed, then write <out>/report.md. One seed: <out>/<arm>/; several: <out>/seed<s>/<arm>/. "
-                    "Re-running continues unfinished arms and skips finished ones.",
-        examples="""
-            examples:
-              difftransformer compare --config configs/demo.toml --out-dir runs/demo
-              difftransformer compare --config configs/demo.toml --out-dir runs/demo3 --seeds 0,1,2
-              difftransformer compare --preset cpu-small --arms diff,transformer,diff_v2 --set train.max_steps=400
-              torchrun --nproc_per_node 8 -m difftransformer compare --config configs/gpu-350m.toml
+HELP = "train DIFF and its matched Transformer side by side, then report"
+DESCRIPTION = ("Train every arm (an attention kind at the same size: DIFF and its matched Transformer by "
+               "default) on the same data with paired initialisation and the same batches, for each training "
+               "seed, then write <out>/report.md. One seed: <out>/<arm>/; several: <out>/seed<s>/<arm>/. "
+               "Re-running continues unfinished arms and skips finished ones.")
+EXAMPLES = """
+    examples:
+      difftransformer compare --config configs/demo.toml --out-dir runs/demo
+      difftransformer compare --config configs/demo.toml --out-dir runs/demo3 --seeds 0,1,2
+      difftransformer compare --preset cpu-small --arms diff,transformer,diff_v2 --set train.max_steps=400
+      torchrun --nproc_per_node 8 -m difftransformer compare --config configs/gpu-350m.toml
 
-            The report says plainly when the arms cannot be separated: with one seed always, with several
-            when |mean paired difference| < 2 x its std over seeds.""")
+    The report says plainly when the arms cannot be separated: with one seed always, with several
+    when |mean paired difference| < 2 x its std over seeds."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "the size spec's own attention kind (default diff); the arms are derived from it",
                     "[model], [train], [data], [compare]")
     p.add_argument("--arms", metavar="KINDS", help="comma-separated attention kinds to compare (default: "

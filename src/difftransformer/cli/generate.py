@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.cli.common import add_command, add_renamed_flag
+from difftransformer.cli.common import add_renamed_flag
 from difftransformer.data import Tokenizer
 from difftransformer.eval import encode_prompt, generate_text, new_token_budget
 from difftransformer.experiments import StudyDir
@@ -16,17 +16,18 @@ from difftransformer.run_config import ConfigError
 from difftransformer.train import load_model
 
 
-def add_parser(subparsers) -> None:
-    p = add_command(
-        subparsers, "generate", help="generate text from a trained model",
-        description="Continue a prompt with a trained model: a final/ folder, a run folder (its final/, else "
-                    "its newest checkpoint) or a checkpoint folder. The tokenizer is final/tokenizer.json, the "
-                    "run's prepared data, or --tokenizer.",
-        examples="""
-            examples:
-              difftransformer generate runs/demo/diff "The state of the Union is"
-              difftransformer generate runs/demo/transformer/final "My fellow citizens," --temperature 0
-              difftransformer generate runs/diff --prompt "Congress must" -n 200 --top-p 0.9 --num-samples 3""")
+HELP = "generate text from a trained model"
+DESCRIPTION = ("Continue a prompt with a trained model: a final/ folder, a run folder (its final/, else "
+               "its newest checkpoint) or a checkpoint folder. The tokenizer is final/tokenizer.json, the "
+               "run's prepared data, or --tokenizer.")
+EXAMPLES = """
+    examples:
+      difftransformer generate runs/demo/diff "The state of the Union is"
+      difftransformer generate runs/demo/transformer/final "My fellow citizens," --temperature 0
+      difftransformer generate runs/diff --prompt "Congress must" -n 200 --top-p 0.9 --num-samples 3"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="PATH", help="final/ folder, run folder or checkpoint folder")
     p.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="prompt text (or use --prompt)")
     p.add_argument("--prompt", help="prompt text (default: empty, i.e. start a new document)")

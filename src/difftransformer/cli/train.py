@@ -5,29 +5,30 @@ from __future__ import annotations
 import argparse
 
 from difftransformer import dist
-from difftransformer.cli.common import add_command, add_config_args
+from difftransformer.cli.common import add_config_args
 from difftransformer.data import ensure_data
 from difftransformer.model import ATTENTION_KINDS
 from difftransformer.run_config import load_run_config
 from difftransformer.train import RunDir, train
 
 
-def add_parser(subparsers) -> None:
-    p = add_command(
-        subparsers, "train", help="train one model (prepares the data first if needed)",
-        description="Train one model from a config file and/or a preset. The data are prepared first if the "
-                    "data folder has none. Resumes from the newest checkpoint in the out dir unless --no-resume. "
-                    "Under torchrun every rank runs this same command (DDP; FSDP with --set train.fsdp=true).",
-        examples="""
-            examples:
-              difftransformer train --preset cpu-small --attention diff --out-dir runs/diff
-              difftransformer train --config configs/cpu-small.toml --set train.lr=6e-4 --set train.max_steps=2000
-              difftransformer train --preset tiny --set train.max_steps=50 --set train.seq_len=64
-              torchrun --nproc_per_node 8 -m difftransformer train --config configs/gpu-350m.toml
+HELP = "train one model (prepares the data first if needed)"
+DESCRIPTION = ("Train one model from a config file and/or a preset. The data are prepared first if the "
+               "data folder has none. Resumes from the newest checkpoint in the out dir unless --no-resume. "
+               "Under torchrun every rank runs this same command (DDP; FSDP with --set train.fsdp=true).")
+EXAMPLES = """
+    examples:
+      difftransformer train --preset cpu-small --attention diff --out-dir runs/diff
+      difftransformer train --config configs/cpu-small.toml --set train.lr=6e-4 --set train.max_steps=2000
+      difftransformer train --preset tiny --set train.max_steps=50 --set train.seq_len=64
+      torchrun --nproc_per_node 8 -m difftransformer train --config configs/gpu-350m.toml
 
-            config sections: [model] (preset + attention + overrides, or every DiffTransformerConfig field),
-            [train] (TrainConfig fields; train.seed is the training seed), [data] (corpus, vocab_size,
-            data_dir, val/test fractions, split_seed).""")
+    config sections: [model] (preset + attention + overrides, or every DiffTransformerConfig field),
+    [train] (TrainConfig fields; train.seed is the training seed), [data] (corpus, vocab_size,
+    data_dir, val/test fractions, split_seed)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "attention kind: " + ", ".join(ATTENTION_KINDS), "[model], [train], [data]")
 
 

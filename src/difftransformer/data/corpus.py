@@ -150,7 +150,12 @@ def corpus_hash(docs: Iterable[Document]) -> str:
 
 
 def _decode(data: bytes, path: Path, errors: str) -> str:
-    """Strict UTF-8 by default, with an error that points at the offending byte."""
+    """Strict UTF-8 by default, with an error that points at the offending byte. A NUL byte marks a
+    binary file (an image, an archive), which is refused rather than trained on as text."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise CorpusError(f"{path}: a NUL byte at offset {nul}, so this is a binary file, not text; remove it "
+                          f"from the corpus or narrow the spec to the text files (e.g. 'notes/**/*.txt')")
     try:
         text = data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:

@@ -12,10 +12,9 @@ A folder that was filled by hand (no compare.json) is still read: arms and seeds
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from difftransformer._io import Folder, folder_entry
 from difftransformer.train import RunDir
 
 MANIFEST_FILE = "compare.json"
@@ -25,30 +24,13 @@ LAMBDA_PLOT_FILE = "lambda.png"
 _SEED_PREFIX = "seed"
 
 
-@dataclass(frozen=True)
-class StudyDir:
+class StudyDir(Folder):
     """The folder of one comparison study (it need not exist yet)."""
 
-    path: Path
+    __slots__ = ()
 
-    def __init__(self, path: str | Path):
-        object.__setattr__(self, "path", Path(path))
-
-    @property
-    def manifest(self) -> Path:
-        return self.path / MANIFEST_FILE
-
-    @property
-    def report(self) -> Path:
-        return self.path / REPORT_FILE
-
-    @property
-    def loss_plot(self) -> Path:
-        return self.path / LOSS_PLOT_FILE
-
-    @property
-    def lambda_plot(self) -> Path:
-        return self.path / LAMBDA_PLOT_FILE
+    manifest, report, loss_plot, lambda_plot = map(folder_entry, (MANIFEST_FILE, REPORT_FILE, LOSS_PLOT_FILE,
+                                                                  LAMBDA_PLOT_FILE))
 
     def is_study(self) -> bool:
         """Whether a comparison has been started here (its manifest exists)."""

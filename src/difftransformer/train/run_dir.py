@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftransformer._io import Folder, atomic_write_text, folder_entry
 from difftransformer.data import PreparedData
 from difftransformer.model import DiffTransformerLM
 from difftransformer.model.serialization import WEIGHTS_NAME, is_pretrained_dir
@@ -40,62 +41,26 @@ TENSORBOARD_DIR = "tb"
 TOKENIZER_FILE = "tokenizer.json"
 DONE_FILE = "done.json"
 SAMPLES_FILE = "samples.json"
+REPLACED_CHECKPOINTS_DIR = f"{CHECKPOINTS_DIR}.replaced"
 
 
-@dataclass(frozen=True)
-class RunDir:
+class RunDir(Folder):
     """The folder of one training run (it need not exist yet)."""
 
-    path: Path
-
-    def __init__(self, path: str | Path):
-        object.__setattr__(self, "path", Path(path))
+    __slots__ = ()
 
     # -- where things are ---------------------------------------------------------------------------
-    @property
-    def model_config(self) -> Path:
-        return self.path / MODEL_CONFIG_FILE
-
-    @property
-    def train_config(self) -> Path:
-        return self.path / TRAIN_CONFIG_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS_FILE
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.path / TENSORBOARD_DIR
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS_DIR
-
-    @property
-    def replaced_checkpoints(self) -> Path:
-        """Where a fresh start (resume=False) keeps the old checkpoints until it has saved one of its own."""
-        return self.path / f"{CHECKPOINTS_DIR}.replaced"
-
-    @property
-    def final(self) -> Path:
-        return self.path / FINAL_DIR
-
-    @property
-    def final_weights(self) -> Path:
-        return self.final / WEIGHTS_NAME
-
-    @property
-    def final_tokenizer(self) -> Path:
-        return self.final / TOKENIZER_FILE
-
-    @property
-    def done(self) -> Path:
-        return self.path / DONE_FILE
-
-    @property
-    def samples(self) -> Path:
-        return self.path / SAMPLES_FILE
+    model_config = folder_entry(MODEL_CONFIG_FILE)
+    train_config = folder_entry(TRAIN_CONFIG_FILE)
+    metrics = folder_entry(METRICS_FILE)
+    tensorboard = folder_entry(TENSORBOARD_DIR)
+    checkpoints = folder_entry(CHECKPOINTS_DIR)
+    replaced_checkpoints = folder_entry(REPLACED_CHECKPOINTS_DIR)  # a fresh start's predecessors, until replaced
+    final = folder_entry(FINAL_DIR)
+    final_weights = folder_entry(FINAL_DIR, WEIGHTS_NAME)
+    final_tokenizer = folder_entry(FINAL_DIR, TOKENIZER_FILE)
+    done = folder_entry(DONE_FILE)
+    samples = folder_entry(SAMPLES_FILE)
 
     # -- what is there ------------------------------------------------------------------------------
     def has_metrics(self) -> bool:
@@ -151,8 +116,6 @@ class RunDir:
         return target is not None and done is not None and done >= target and self.has_final()
 
     def write_done(self, record: dict[str, Any]) -> None:
-        from difftransformer._io import atomic_write_text
-
         atomic_write_text(self.done, json.dumps(record, indent=2) + "\n")
 
 
