@@ -1,0 +1,108 @@
+"""Fault injection through the real command line: kill -9 at random points of `compare` and `prepare`,
+then run the same command again. Nothing is lost or mixed: the results equal an uninterrupted run's.
+
+The kill times are drawn from a seeded generator, so a failure reproduces; the runs are tiny, so the
+whole module stays within about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftransformer.cli import main
+from difftransformer.data import PreparedData
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen([sys.executable, "-m", "difftransformer", *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_after(proc: subprocess.Popen, seconds: float, once: Path | None = None) -> bool:
+    """SIGKILL `proc` `seconds` after it (re)writes `once` (or after its start), unless it ended first;
+    True when it was killed. Waiting for a file makes the kill land in a chosen phase on any machine."""
+    started, deadline = time.time(), time.monotonic() + 120
+
+    def written() -> bool:
+        try:
+            return once.stat().st_mtime >= started
+        except FileNotFoundError:
+            return False
+
+    while once is not None and not written() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        proc.wait(timeout=seconds)
+        return False
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "final" / "model.safetensors"))
+
+
+def test_compare_killed_at_random_points_ends_as_if_never_killed(workdir, tmp_path):
+    longer = ("--set", "train.max_steps=48", "--set", "train.ckpt_interval=4", "--set", "train.eval_interval=16",
+              "--set", "compare.sample_tokens=2")
+    reference = tmp_path / "reference"
+    assert main(["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(reference), *longer]) == 0
+    out = tmp_path / "killed"
+    argv = ("compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out), *longer)
+    rng = random.Random(13)
+    phases = [out / "compare.json", out / "diff" / "metrics.jsonl", out / "diff" / "checkpoints" / "latest",
+              out / "transformer" / "metrics.jsonl", out / "transformer" / "final"]
+    kills = sum(_kill_after(_cli(*argv), rng.uniform(0.0, 0.6), rng.choice(phases)) for _ in range(4))
+    assert kills >= 1
+    assert main(list(argv)) == 0  # the same command continues and finishes
+    for arm in ("diff", "transformer"):
+        a, b = _weights(out / arm), _weights(reference / arm)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (arm, kills)
+    assert not list(out.rglob("*.tmp")) and not (out / "diff" / "checkpoints.replaced").exists()
+
+
+def test_prepare_killed_while_re_preparing_never_leaves_a_usable_mix(workdir, tmp_path):
+    data = tmp_path / "data"
+    first = ("prepare", str(workdir / "corpus"), "--out-dir", str(data), "--vocab-size", "300")
+    assert main(list(first)) == 0
+    rng = random.Random(7)
+    for vocab in (280, 290, 260):
+        proc = _cli("prepare", str(workdir / "corpus"), "--out-dir", str(data), "--vocab-size", str(vocab))
+        _kill_after(proc, rng.uniform(0.0, 1.0), data / ".lock")
+        if PreparedData.exists(data):  # old data or new, never a mix: whatever a manifest names is whole
+            PreparedData.load(data).verify()
+    assert main(list(first)) == 0
+    prepared = PreparedData.load(data)
+    prepared.verify()
+    assert prepared.vocab_size <= 300 and not list(data.glob("*.tmp"))
+
+
+def test_a_second_writer_started_mid_run_is_refused_and_the_first_finishes(workdir, tmp_path):
+    out = tmp_path / "busy"
+    argv = ("train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out))
+    first = _cli(*argv)
+    deadline = time.monotonic() + 60
+    while not (out / ".lock").is_file() or not (out / ".lock").read_text():
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+        time.sleep(0.05)
+    second = _cli(*argv)
+    assert second.wait(timeout=60) == 2 and f"pid {first.pid}" in second.stderr.read()
+    assert first.wait(timeout=120) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
+    assert len(steps) == 6 and max(steps) == 8  # the first run's log is whole: 4 train rows and 2 val rows
