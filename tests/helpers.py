@@ -180,3 +180,16 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def latest_dir(out_dir) -> Path:
     root = Path(out_dir) / "checkpoints"
     return root / (root / "latest").read_text().strip()
+
+
+# ---------------------------------------------------------------- the command line
+def cli_fails(capsys, argv: list[str], *needles: str) -> str:
+    """Run the CLI in-process: it must exit 2 with exactly one line on stderr, no traceback, naming every needle."""
+    from difftransformer.cli import main
+
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err

@@ -146,7 +146,11 @@ def folder_lock(folder: str | Path, *, purpose: str = "write") -> Iterator[None]
             _held[key] = (fd, depth - 1)
         return
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:  # never through a symlink: truncating the lock file must not truncate anything else
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError as e:
+        raise FolderInUseError(f"{path} cannot be opened as a lock file ({e.strerror}); remove it if it is a "
+                               f"link or not a file") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

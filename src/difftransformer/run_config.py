@@ -101,12 +101,17 @@ def parse_scalar(text: str) -> Any:
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-def _yaml12_floats(node: Any) -> Any:
-    """PyYAML follows YAML 1.1, where 3e-4 is a string; read it as the float everyone means (YAML 1.2)."""
-    if isinstance(node, dict):
-        return {k: _yaml12_floats(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_yaml12_floats(v) for v in node]
+def _yaml12_floats(node: Any, seen: dict[int, Any] | None = None) -> Any:
+    """PyYAML follows YAML 1.1, where 3e-4 is a string; read it as the float everyone means (YAML 1.2).
+
+    Nodes that YAML aliases share are converted once (`seen`), so an alias "bomb" costs its size on
+    disk, not its expansion."""
+    seen = {} if seen is None else seen
+    if isinstance(node, (dict, list)):
+        if id(node) not in seen:
+            seen[id(node)] = ({k: _yaml12_floats(v, seen) for k, v in node.items()} if isinstance(node, dict)
+                              else [_yaml12_floats(v, seen) for v in node])
+        return seen[id(node)]
     return float(node) if isinstance(node, str) and _FLOAT_RE.match(node) else node
 
 
@@ -115,7 +120,10 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
         if path.suffix == ".toml":
             raw = tomllib.loads(text)
@@ -125,6 +133,8 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot parse {path}: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"cannot parse {path}: it nests too deeply to be a run config") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
     for name, body in raw.items():

@@ -235,3 +235,34 @@ def test_model_config_chooses_the_triton_backward(monkeypatch, deterministic):
     model(ids, ids).loss.backward()
     assert calls == [deterministic] * 2
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_the_cache_is_written_in_place_and_grows_by_doubling():
+    from difftransformer import KVCache
+
+    cache = KVCache(chunk=4)
+    k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 16)
+    ks, vs = cache.update(0, k, v)
+    assert torch.equal(ks, k) and torch.equal(vs, v) and len(cache) == 5
+    buffer = cache._buffers[0][0]
+    assert buffer.shape[2] == 8  # 5 rounded up to the chunk
+    for step in range(3):  # 6, 7, 8: written into the same buffer
+        k1, v1 = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 16)
+        ks, vs = cache.update(0, k1, v1)
+        assert cache._buffers[0][0].data_ptr() == buffer.data_ptr() and torch.equal(ks[:, :, -1:], k1)
+    ks, vs = cache.update(0, torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 16))  # 9 > 8: doubled, kept
+    assert cache._buffers[0][0].shape[2] == 16 and torch.equal(ks[:, :, :5], k) and cache.length(0) == 9
+    assert KVCache(capacity=40).update(1, k, v)[0].shape[2] == 5
+    with pytest.raises(ValueError, match="capacity must be a positive"):
+        KVCache(capacity=0)
+
+
+def test_a_cache_used_with_gradients_concatenates():
+    from difftransformer import KVCache
+
+    cache = KVCache()
+    k = torch.randn(1, 2, 3, 4, requires_grad=True)
+    ks, _ = cache.update(0, k, k.detach())
+    ks2, _ = cache.update(0, k * 2, k.detach())
+    ks2.sum().backward()
+    assert torch.allclose(k.grad, torch.full_like(k, 3.0))

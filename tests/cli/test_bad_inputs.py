@@ -11,17 +11,9 @@ import pytest
 import torch
 
 from difftransformer.cli import main
+from tests.helpers import cli_fails
 
 NO_CUDA = not torch.cuda.is_available()
-
-
-def _one_line_error(capsys, argv, *needles):
-    assert main(argv) == 2, argv
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -35,7 +27,7 @@ def _one_line_error(capsys, argv, *needles):
     ("data.split_seed=true", "split_seed must be an integer >= 0"),
 ] + ([("train.device=cuda", "CUDA is not available")] if NO_CUDA else []))
 def test_bad_settings(workdir, tmp_path, capsys, override, needle):
-    _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", override,
+    cli_fails(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", override,
                              "--out-dir", str(tmp_path / "run")], needle)
 
 
@@ -43,7 +35,7 @@ def test_out_dirs_that_cannot_be_written(workdir, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     for out in (blocker, blocker / "below"):
-        _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)], str(blocker))
+        cli_fails(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)], str(blocker))
     assert blocker.read_text() == "not a folder"
 
 
@@ -55,18 +47,18 @@ def test_out_dirs_that_cannot_be_written(workdir, tmp_path, capsys):
     (["-n", "-3"], "--max-new-tokens must be >= 0"),
 ] + ([(["--device", "cuda"], "CUDA is not available")] if NO_CUDA else []))
 def test_bad_generation_settings(compared, capsys, extra, needle):
-    _one_line_error(capsys, ["generate", str(compared / "diff"), "the union", *extra], needle)
+    cli_fails(capsys, ["generate", str(compared / "diff"), "the union", *extra], needle)
 
 
 def test_a_file_that_is_not_a_tokenizer_and_a_foreign_tokenizer(compared, tmp_path, capsys):
     junk = tmp_path / "junk.json"
     junk.write_text('{"not": "a tokenizer"}')
-    _one_line_error(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(junk)],
+    cli_fails(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(junk)],
                     "is not a tokenizer.json file")
     from difftransformer.data import Tokenizer
 
     Tokenizer.train(["a b c d e f g"] * 10, vocab_size=270).save(tmp_path / "foreign.json")
-    _one_line_error(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(tmp_path / "foreign.json")],
+    cli_fails(capsys, ["generate", str(compared / "diff"), "x", "--tokenizer", str(tmp_path / "foreign.json")],
                     "is not the tokenizer", "Leave --tokenizer out")
 
 
@@ -77,7 +69,7 @@ def test_a_model_config_holding_nulls_or_strings(compared, tmp_path, capsys):
         cfg = json.loads((final / "config.json").read_text())
         cfg["hidden_size"] = bad
         (final / "config.json").write_text(json.dumps(cfg))
-        _one_line_error(capsys, ["generate", str(final), "x"], "hidden_size must be an int")
+        cli_fails(capsys, ["generate", str(final), "x"], "hidden_size must be an int")
 
 
 def test_a_corrupt_data_manifest_is_named(workdir, tmp_path, capsys):
@@ -86,7 +78,7 @@ def test_a_corrupt_data_manifest_is_named(workdir, tmp_path, capsys):
                  "--val-fraction", "0.2", "--test-fraction", "0.1"]) == 0
     capsys.readouterr()
     (data / "prepared.json").write_text('{"tokenizer": ')
-    _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", f'data.data_dir="{data}"',
+    cli_fails(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--set", f'data.data_dir="{data}"',
                              "--out-dir", str(tmp_path / "run")], str(data / "prepared.json"), "--force")
 
 
@@ -106,7 +98,7 @@ def test_a_read_only_out_dir(workdir, tmp_path, capsys):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        _one_line_error(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(ro / "run")],
+        cli_fails(capsys, ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(ro / "run")],
                         str(ro))
     finally:
         ro.chmod(0o700)

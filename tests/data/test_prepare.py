@@ -105,7 +105,8 @@ def test_ensure_data_prepares_once_and_refuses_a_folder_made_from_other_settings
     for changed, needle in ((dict(corpus=str(other)), "prepared from corpus"),
                             (dict(split_seed=3), "was split with"),
                             (dict(val_fraction=0.3), "was split with"),
-                            (dict(vocab_size=100), "more than data.vocab_size = 100")):
+                            (dict(vocab_size=100), "prepared with data.vocab_size = 300, not 100"),
+                            (dict(vocab_size=1000), "prepared with data.vocab_size = 300, not 1000")):
         with pytest.raises(DataMismatchError, match=needle):
             ensure_data(DataConfig(**{**cfg.to_dict(), **changed}))
 

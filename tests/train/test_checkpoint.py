@@ -150,6 +150,7 @@ def test_a_fresh_start_never_deletes_what_it_has_not_replaced(data_dir, tmp_path
     with pytest.raises(KeyboardInterrupt):
         train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
     assert (run.replaced_checkpoints / before).is_dir()  # set aside, not deleted
+    assert (run.replaced / "metrics.jsonl").is_file() and (run.replaced / "final").is_dir()  # with its log, weights
     monkeypatch.undo()
     train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
-    assert not run.replaced_checkpoints.exists() and latest_dir(tmp_path).name == "step_00000002"
+    assert not run.replaced.exists() and latest_dir(tmp_path).name == "step_00000002"

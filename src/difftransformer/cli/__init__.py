@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from safetensors import SafetensorError
+
 from difftransformer import dist
 from difftransformer._io import FolderInUseError
 from difftransformer.cli import compare, generate, prepare, report, train
@@ -28,7 +30,7 @@ COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, g
 # A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
 # one line that names the file. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,
-               OSError)
+               OSError, SafetensorError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,6 +53,13 @@ def add_renamed_flag(p: argparse.ArgumentParser, old: str, new: str, why: str) -
     p.add_argument(old, action=_Renamed, new=new, why=why)
 
 
+def out_dir(args: argparse.Namespace) -> str | None:
+    """--out-dir as given (None when left out); an empty one is an error, not the default folder."""
+    if args.out_dir is not None and not args.out_dir.strip():
+        raise ValueError("--out-dir is empty; name the folder to write into")
+    return args.out_dir
+
+
 def print_section(markdown: Path, heading: str) -> None:
     """Print one `## heading` section of a Markdown file (the verdict of a report)."""
     lines = markdown.read_text(encoding="utf-8").splitlines()

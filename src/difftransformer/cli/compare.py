@@ -6,7 +6,7 @@ import argparse
 import time
 
 from difftransformer import dist
-from difftransformer.cli.common import add_config_args, print_section
+from difftransformer.cli.common import add_config_args, out_dir, print_section
 from difftransformer.data import ensure_data
 from difftransformer.experiments import CompareConfig, Study, StudyDir, parse_int_list, run_compare
 from difftransformer.run_config import ConfigError, load_run_config
@@ -41,13 +41,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
     arms = seeds = None
     try:
-        if args.arms:
+        if args.arms is not None:
             arms = CompareConfig(arms=args.arms).arms  # validates the names with a did-you-mean
-        if args.seeds:
+        if args.seeds is not None:
             seeds = parse_int_list(args.seeds, "--seeds")
+            if not seeds:
+                raise ValueError(f"--seeds {args.seeds!r} names no seed; give training seeds like 0,1,2")
+            CompareConfig(seeds=seeds)  # >= 0, below 2**32, no seed twice
     except ValueError as e:
-        raise ConfigError(str(e)) from None
-    study_dir = StudyDir(args.out_dir or cfg.compare.out_dir)
+        raise ConfigError(str(e).replace("compare.seeds", "--seeds")) from None
+    study_dir = StudyDir(out_dir(args) or cfg.compare.out_dir)
     data = ensure_data(cfg.data)
     cfg.resolve_vocab(data.vocab_size)
     t0 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -66,8 +67,12 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
         print("(--temperature 0 is greedy: --top-k/--top-p have no effect)", file=sys.stderr)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if not 0 <= args.sample_seed < 2**63:
+        raise ConfigError(f"--sample-seed must be in [0, 2**63), got {args.sample_seed}")
 
 
 def _tokenizer(args: argparse.Namespace, loaded) -> Tokenizer:
@@ -75,19 +80,14 @@ def _tokenizer(args: argparse.Namespace, loaded) -> Tokenizer:
     tok_path = Path(args.tokenizer) if args.tokenizer else loaded.tokenizer_path
     if tok_path is None:
         raise ConfigError(f"no tokenizer found next to {args.model}; pass --tokenizer path/to/tokenizer.json")
-    try:
-        tok = Tokenizer.from_file(tok_path)
-    except Exception as e:  # the tokenizers library's own parse error
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ConfigError(f"{tok_path} is not a tokenizer.json file ({str(e).splitlines()[0][:120]})") from None
+    tok = Tokenizer.from_file(tok_path)
     if tok.vocab_size > loaded.model.config.vocab_size:
         raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
                           f"{loaded.model.config.vocab_size}; pass the tokenizer the model was trained with")
-    own = loaded.tokenizer_path
-    if args.tokenizer and own is not None and Tokenizer.from_file(own).hash != tok.hash:
-        raise ConfigError(f"{tok_path} is not the tokenizer {args.model} was trained with ({own}); its text would "
-                          f"be garbage. Leave --tokenizer out to use that one")
+    own = loaded.tokenizer_hash or (Tokenizer.from_file(loaded.tokenizer_path).hash if loaded.tokenizer_path else None)
+    if own is not None and tok.hash != own:
+        raise ConfigError(f"{tok_path} is not the tokenizer {args.model} was trained with (hash {own[:12]}, this one "
+                          f"{tok.hash[:12]}); its text would be garbage. Leave --tokenizer out to use that one")
     return tok
 
 
@@ -95,12 +95,16 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_pos is not None:
         raise ConfigError("give the prompt either as an argument or with --prompt, not both")
     prompt = args.prompt if args.prompt is not None else (args.prompt_pos or "")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8 on the command line arrive as surrogates
+        raise ConfigError("the prompt is not valid UTF-8 text; pass it as UTF-8") from None
     _check_sampling(args)
     _refuse_study_folder(Path(args.model))
     loaded = load_model(args.model, args.device)
+    model, tok = loaded.model, _tokenizer(args, loaded)
     if loaded.checkpoint_step is not None:
         print(f"(no final/ model; using {loaded.source})", file=sys.stderr)
-    model, tok = loaded.model, _tokenizer(args, loaded)
     n = new_token_budget(model, encode_prompt(tok, prompt), args.max_new_tokens)
     if n < args.max_new_tokens:
         print(f"(generating {n} tokens: the model's context is {model.config.max_position_embeddings})",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from difftransformer import dist
-from difftransformer.cli.common import add_config_args
+from difftransformer.cli.common import add_config_args, out_dir
 from difftransformer.data import ensure_data
 from difftransformer.model import ATTENTION_KINDS
 from difftransformer.run_config import load_run_config
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
-    if args.out_dir:
+    if out_dir(args) is not None:
         cfg.train.out_dir = args.out_dir
     data = ensure_data(cfg.data)
     cfg.resolve_vocab(data.vocab_size)

@@ -53,6 +53,7 @@ class PreparedData:
     vocab_size: int
     corpus: str = ""
     split_config: dict[str, Any] = field(default_factory=dict)
+    requested_vocab_size: int | None = None  # what the BPE was asked for (None: a given tokenizer)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(self.tokenizer_path)
@@ -72,6 +73,7 @@ class PreparedData:
             "tokenizer_hash": self.tokenizer_hash,
             "vocab_size": self.vocab_size,
             "split_config": self.split_config,
+            "requested_vocab_size": self.requested_vocab_size,
             "shards": {s: rel(p) for s, p in self.shards.items()},
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
@@ -107,6 +109,7 @@ class PreparedData:
             vocab_size=m["vocab_size"],
             corpus=m.get("corpus", ""),
             split_config=_current_split_keys(m.get("split_config", {})),
+            requested_vocab_size=m.get("requested_vocab_size"),
         )
 
     def verify(self) -> None:
@@ -217,9 +220,17 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
         vocab_size=tok.vocab_size,
         corpus=str(corpus),
         split_config={"val_fraction": val_fraction, "test_fraction": test_fraction, "split_seed": split_seed},
+        requested_vocab_size=None if tokenizer_path is not None else vocab_size,
     )
     data.save()
     return data
+
+
+def prepare_command(config: DataConfig) -> str:
+    """The `difftransformer prepare` command line that prepares `config`'s data again, every setting spelled."""
+    vocab = f"--tokenizer {config.tokenizer_path}" if config.tokenizer_path else f"--vocab-size {config.vocab_size}"
+    return (f"difftransformer prepare {config.corpus} --out-dir {config.resolved_dir()} {vocab} --val-fraction "
+            f"{config.val_fraction:g} --test-fraction {config.test_fraction:g} --split-seed {config.split_seed}")
 
 
 def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:
@@ -288,6 +299,9 @@ def _check_same_data(data: PreparedData, config: DataConfig) -> None:
         if Tokenizer.from_file(config.tokenizer_path).hash != data.tokenizer_hash:
             raise DataMismatchError(f"{data.out_dir} was tokenised with another tokenizer than "
                                     f"{config.tokenizer_path}; {fix}")
+    elif data.requested_vocab_size not in (None, config.vocab_size):
+        raise DataMismatchError(f"{data.out_dir} was prepared with data.vocab_size = {data.requested_vocab_size}, not "
+                                f"{config.vocab_size}; {fix}")
     elif data.vocab_size > config.vocab_size:
         raise DataMismatchError(f"{data.out_dir} has a {data.vocab_size}-token tokenizer, more than data.vocab_size "
                                 f"= {config.vocab_size}; {fix}")
@@ -302,9 +316,8 @@ def _check_corpus_unchanged(data: PreparedData, config: DataConfig) -> None:
     now = corpus_hash(load_corpus(config.corpus))
     if now != data.corpus_hash:
         raise DataMismatchError(f"the corpus {config.corpus!r} changed since it was prepared into {data.out_dir} "
-                                f"(content hash {now[:12]}, prepared from {data.corpus_hash[:12]}); run "
-                                f"`difftransformer prepare {config.corpus} --out-dir {data.out_dir}` to prepare it "
-                                f"again, or restore the corpus")
+                                f"(content hash {now[:12]}, prepared from {data.corpus_hash[:12]}); prepare it again "
+                                f"with `{prepare_command(config)}`, or restore the corpus")
 
 
 def _same_corpus(a: str, b: str) -> bool:

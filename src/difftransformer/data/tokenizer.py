@@ -44,7 +44,12 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist")
-        tok = cls(HFTokenizer.from_file(str(path)), eos_token)
+        try:
+            inner = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path} is not a tokenizer.json file ({str(e).splitlines()[0][:120]}); give the "
+                             f"tokenizer.json saved with a model or in a prepared-data folder") from None
+        tok = cls(inner, eos_token)
         tok.path = path
         return tok
 

@@ -31,6 +31,7 @@ from difftransformer.experiments.study_dir import StudyDir
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
 from difftransformer.train import TrainConfig, train
+from difftransformer.train.config import FREELY_CHANGEABLE
 
 log = logging.getLogger("difftransformer.experiments")
 
@@ -158,6 +159,13 @@ def _merge_manifest(folder: StudyDir, new: dict[str, Any]) -> dict[str, Any]:
 
 def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
     """Resuming into a folder that holds another comparison would mix two studies in one report."""
+    recipe = {k: v for k, v in new["train"].items() if k not in FREELY_CHANGEABLE}
+    changed = {k: (old.get("train", {}).get(k), v) for k, v in recipe.items()
+               if "train" in old and old["train"].get(k, v) != v}
+    if changed:
+        detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
+        raise StudyMismatchError(f"{path} was trained with another recipe ({detail}); every arm of a study trains "
+                                 f"with one recipe. Use another --out-dir for the new one")
     for key in ("models", "data"):
         o, n = dict(old.get(key, {})), dict(new[key])
         if key == "data":  # what the tokens are matters; where they are cached does not

@@ -59,8 +59,9 @@ class CompareConfig:
         if len(set(self.arms)) != len(self.arms):
             raise ValueError(f"compare.arms lists an arm twice: {self.arms}")
         if self.seeds is not None:
-            if not isinstance(self.seeds, list) or not all(_natural(s) for s in self.seeds):
-                raise ValueError(f"compare.seeds must be a list of integers >= 0 like [0, 1, 2], got {self.seeds!r}")
+            if not isinstance(self.seeds, list) or not all(_natural(s) and s < 2**32 for s in self.seeds):
+                raise ValueError(f"compare.seeds must be a list of integers in [0, 2**32) like [0, 1, 2], "
+                                 f"got {self.seeds!r}")
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"compare.seeds lists a seed twice: {self.seeds}")
         self._check_samples()

@@ -37,7 +37,19 @@ class StudyDir(Folder):
         return self.manifest.is_file()
 
     def read_manifest(self) -> dict[str, Any] | None:
-        return json.loads(self.manifest.read_text(encoding="utf-8")) if self.manifest.is_file() else None
+        """The manifest (None when there is none yet); an unreadable one is a ValueError naming the file."""
+        if not self.manifest.is_file():
+            return None
+        try:
+            manifest = json.loads(self.manifest.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.manifest} is not readable JSON ({e}); restore it, or delete it to have the "
+                             f"study read from its run folders") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("arms"), list) \
+                or not isinstance(manifest.get("seeds"), list):
+            raise ValueError(f"{self.manifest} lacks its list of arms or seeds; restore it, or delete it to have "
+                             f"the study read from its run folders")
+        return manifest
 
     def run_dir(self, arm: str, seed: int, multi_seed: bool) -> RunDir:
         """Where the run of `arm` with training seed `seed` goes."""

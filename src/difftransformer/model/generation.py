@@ -61,7 +61,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
         B = input_ids.shape[0]
         mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
         positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = KVCache() if use_cache else None
+        cache = KVCache(capacity=input_ids.shape[1] + max_new_tokens) if use_cache else None
         out, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         step_ids, step_pos = input_ids, positions
         for _ in range(max_new_tokens):

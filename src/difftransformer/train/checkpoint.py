@@ -306,6 +306,8 @@ def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
     claimed = state.pop("state_sha256", None)
     if claimed != _json_digest(state):
         raise _corrupt(ckpt, f"{STATE_FILE} does not match its own checksum")
+    if not isinstance(state.get("files"), dict) or "step" not in state:
+        raise _corrupt(ckpt, f"{STATE_FILE} lacks its list of files or its step")
     for name, digest in state["files"].items():
         f = ckpt / name
         if not f.is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
 # resumed with the same values (the rest, e.g. lr after a divergence, may change with a warning).
 RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed")
+# Fields that only affect speed, I/O or how far to train: a resumed run (or a continued study) may change them.
+FREELY_CHANGEABLE = frozenset({"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
+                               "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
+                               "tensorboard", "progress", "max_weight_growth"})
 
 
 @dataclass
@@ -82,8 +87,12 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "max_weight_growth"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.adam_eps > 0:
-            raise ValueError(f"TrainConfig.adam_eps must be > 0, got {self.adam_eps}")
+        if not 0 < self.adam_eps < math.inf:
+            raise ValueError(f"TrainConfig.adam_eps must be a positive number, got {self.adam_eps}")
+        if not self.out_dir.strip():
+            raise ValueError("TrainConfig.out_dir is empty; name the folder to train into (--out-dir DIR)")
+        if self.seed >= 2**32:
+            raise ValueError(f"TrainConfig.seed must be below 2**32, got {self.seed}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"TrainConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.precision not in PRECISIONS:

@@ -61,7 +61,7 @@ def read_metric_series(path: str | Path) -> MetricSeries:
     path = Path(path)
     by_kind: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "val": {}}
     for row in (read_metrics(path) if path.is_file() else []):
-        if row.get("kind") in by_kind and "step" in row:
+        if row.get("kind") in by_kind and isinstance(row.get("step"), int):  # a row without a step is not one
             by_kind[row["kind"]][int(row["step"])] = row
     return MetricSeries(*([rows[s] for s in sorted(rows)] for rows in by_kind.values()))
 

@@ -6,7 +6,8 @@
       metrics.jsonl       one JSON row per logged step: kind "train" (loss, lr, λ, λ_init, ...) or "val"
       tb/                 TensorBoard event files (when train.tensorboard)
       checkpoints/        step_XXXXXXXX/ folders and `latest` (see checkpoint.py)
-      checkpoints.replaced/  a fresh start's predecessors, until it has saved a checkpoint of its own
+      replaced/           a fresh start's predecessor (its checkpoints, metrics, final/, done.json, tb/),
+                          kept until the new run has saved a checkpoint of its own
       final/              config.json, model.safetensors, tokenizer.json: the trained model
       done.json           written by train() after final/: final step, val loss, tokens/s, wall time
       samples.json        the report's cached sample generations (experiments/report)
@@ -41,7 +42,7 @@ TENSORBOARD_DIR = "tb"
 TOKENIZER_FILE = "tokenizer.json"
 DONE_FILE = "done.json"
 SAMPLES_FILE = "samples.json"
-REPLACED_CHECKPOINTS_DIR = f"{CHECKPOINTS_DIR}.replaced"
+REPLACED_DIR = "replaced"
 
 
 class RunDir(Folder):
@@ -55,7 +56,8 @@ class RunDir(Folder):
     metrics = folder_entry(METRICS_FILE)
     tensorboard = folder_entry(TENSORBOARD_DIR)
     checkpoints = folder_entry(CHECKPOINTS_DIR)
-    replaced_checkpoints = folder_entry(REPLACED_CHECKPOINTS_DIR)  # a fresh start's predecessors, until replaced
+    replaced = folder_entry(REPLACED_DIR)  # a fresh start's predecessor (checkpoints, metrics, final/ ...)
+    replaced_checkpoints = folder_entry(REPLACED_DIR, CHECKPOINTS_DIR)
     final = folder_entry(FINAL_DIR)
     final_weights = folder_entry(FINAL_DIR, WEIGHTS_NAME)
     final_tokenizer = folder_entry(FINAL_DIR, TOKENIZER_FILE)
@@ -125,6 +127,7 @@ class LoadedModel:
     tokenizer_path: Path | None  # None when neither the model folder nor the run's data has one
     source: str  # what was loaded, for messages: "final weights in ..." or "checkpoint ... at step N"
     checkpoint_step: int | None = None  # the step, when no final/ model existed and a checkpoint was loaded
+    tokenizer_hash: str | None = None  # of the tokenizer the model was trained with, when it is known
 
 
 def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
@@ -139,6 +142,18 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     ckpt = load_checkpoint(path, map_location=device)  # raises CheckpointError naming what it expected
     model = DiffTransformerLM(ckpt["model_config"], device=device)
     model.load_state_dict(ckpt["model"], strict=True)
-    data_dir = Path(ckpt["train_config"].data_dir)
-    tok = PreparedData.load(data_dir).tokenizer_path if PreparedData.exists(data_dir) else None
-    return LoadedModel(model, tok, f"checkpoint {ckpt['path']} at step {ckpt['step']}", ckpt["step"])
+    trained_with = ckpt["state"].get("data", {}).get("tokenizer_hash")
+    return LoadedModel(model, _data_tokenizer(Path(ckpt["train_config"].data_dir), trained_with),
+                       f"checkpoint {ckpt['path']} at step {ckpt['step']}", ckpt["step"], trained_with)
+
+
+def _data_tokenizer(data_dir: Path, trained_with: str | None) -> Path | None:
+    """The tokenizer of the run's prepared data, if that folder still holds the one it trained with
+    (a relative data_dir is read from here; prepared again since, it may hold another)."""
+    if not PreparedData.exists(data_dir):
+        return None
+    data = PreparedData.load(data_dir)
+    if trained_with is not None and data.tokenizer_hash != trained_with:
+        log.warning("%s now holds another tokenizer than the run trained with; pass --tokenizer", data_dir)
+        return None
+    return data.tokenizer_path

@@ -40,7 +40,7 @@ from difftransformer.train.checkpoint import (
     set_rng_state,
     step_dir_name,
 )
-from difftransformer.train.config import RESUME_MUST_MATCH, TrainConfig
+from difftransformer.train.config import FREELY_CHANGEABLE, RESUME_MUST_MATCH, TrainConfig
 from difftransformer.train.distributed import (
     DistEnv,
     apply_activation_checkpointing,
@@ -57,11 +57,6 @@ from difftransformer.train.optim import build_optimizer, lr_at, set_lr
 from difftransformer.train.run_dir import RunDir
 
 log = logging.getLogger("difftransformer.train")
-
-# Settings that only affect speed, I/O or how far to train: changing them on resume is silent.
-_FREELY_CHANGEABLE = {"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
-                      "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
-                      "tensorboard", "progress", "max_weight_growth"}
 
 
 class TrainingDivergedError(RuntimeError):
@@ -116,6 +111,23 @@ def evaluate(model: nn.Module, dataset: TokenDataset, cfg: TrainConfig, micro: i
     return float(totals[0] / totals[1])
 
 
+def _check_same_run(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig) -> None:
+    """A folder that holds a run of another model or batch recipe (its checkpoints deleted, say) is not
+    overwritten by resume=True: that needs --no-resume (which sets the old run aside) or another out_dir."""
+    saved_model, saved_train = run.read_json(run.model_config), run.read_json(run.train_config)
+    if not saved_model or not (run.has_metrics() or run.has_final()):
+        return
+    diff = {k: (v, model_identity(model_config.to_dict()).get(k)) for k, v in model_identity(saved_model).items()
+            if model_identity(model_config.to_dict()).get(k) != v}
+    diff.update({k: (saved_train.get(k), getattr(cfg, k)) for k in RESUME_MUST_MATCH
+                 if k in saved_train and saved_train[k] != getattr(cfg, k)})
+    if diff:
+        detail = ", ".join(f"{k}: {a!r} there vs {b!r} requested" for k, (a, b) in diff.items())
+        raise CheckpointError(f"{run.path} holds another run ({detail}) and no checkpoint to resume; use another "
+                              f"out_dir, or --no-resume (resume=False) to replace it (the old run is kept aside "
+                              f"until the new one saves a checkpoint)")
+
+
 def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg: TrainConfig,
                   data: PreparedData, warn: bool = True) -> None:
     """Refuse a checkpoint that belongs to another experiment; warn about tolerated changes."""
@@ -139,7 +151,7 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
     if ckpt["step"] > cfg.max_steps:
         raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past max_steps={cfg.max_steps}; "
                               f"raise max_steps or {hint}")
-    changed = {k: v for k, v in tdiff.items() if k not in _FREELY_CHANGEABLE}
+    changed = {k: v for k, v in tdiff.items() if k not in FREELY_CHANGEABLE}
     if not warn:
         return
     if changed:
@@ -161,6 +173,9 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
     env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
+    if model_config.attn_backend == "triton" and env.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attn_backend 'triton' runs on CUDA, and this run's device is {env.device}; use "
+                         f"attn_backend 'auto' (the fused C++ kernel on CPU) or train on a GPU")
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
     with folder_lock(run.path, purpose="train into another out_dir") if env.is_main else contextlib.nullcontext():
@@ -180,7 +195,7 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
         run.done.unlink(missing_ok=True)  # not done until this call has written final/
     env.barrier()
     parts = _build(model_config, cfg, env, ckpt, init_state)
-    aside = _set_aside_old_checkpoints(run) if not resume and env.is_main else None
+    aside = _set_aside_previous_run(run) if not resume and env.is_main else None
     if env.is_main:
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
@@ -199,19 +214,24 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     return result
 
 
-def _set_aside_old_checkpoints(run: RunDir) -> Path | None:
-    """Starting over (resume=False), once the new model is built: move the old checkpoints aside.
+def _set_aside_previous_run(run: RunDir) -> Path | None:
+    """Starting over (resume=False), once the new model is built: move the previous run's checkpoints,
+    metrics, final/ weights, done.json and TensorBoard logs into run.replaced.
 
     They are deleted when the new run has saved its first checkpoint, so a config error, a crash or
-    a kill before that never leaves the folder with nothing to resume from."""
-    if list_checkpoints(run.checkpoints):
-        shutil.rmtree(run.replaced_checkpoints, ignore_errors=True)  # older than the ones being set aside now
-        os.replace(run.checkpoints, run.replaced_checkpoints)
-    if not run.replaced_checkpoints.exists():
+    a kill before that loses nothing. A set-aside run is only replaced by one that has checkpoints."""
+    entries = (run.checkpoints, run.metrics, run.final, run.done, run.tensorboard)
+    if list_checkpoints(run.checkpoints) or (not run.replaced.exists() and any(e.exists() for e in entries)):
+        shutil.rmtree(run.replaced, ignore_errors=True)
+        run.replaced.mkdir()
+        for entry in entries:
+            if entry.exists():
+                os.replace(entry, run.replaced / entry.name)
+    if not run.replaced.exists():
         return None
-    log.warning("resume=False: the old checkpoints are set aside in %s until this run saves its first one",
-                run.replaced_checkpoints)
-    return run.replaced_checkpoints
+    log.warning("resume=False: the previous run is set aside in %s until this run saves its first checkpoint",
+                run.replaced)
+    return run.replaced
 
 
 @dataclass
@@ -247,6 +267,7 @@ def _resume_point(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainCo
         return None
     latest = find_latest(run.checkpoints)
     if latest is None:
+        _check_same_run(run, model_config, cfg)  # a run whose checkpoints were deleted is not silently replaced
         return None
     ckpt = load_checkpoint(latest)
     _check_resume(ckpt, model_config, cfg, data, warn=env.is_main)

@@ -18,6 +18,12 @@ def _pyplot():
     return plt
 
 
+def _mtok(row: dict) -> float:
+    """Training tokens of a logged row, in millions (0 for a row that does not say)."""
+    tokens = row.get("tokens")
+    return tokens / 1e6 if isinstance(tokens, (int, float)) else 0.0
+
+
 def _ema(xs: list[float], span: float) -> list[float]:
     alpha, out, v = 2.0 / (span + 1.0), [], None
     for x in xs:
@@ -43,11 +49,11 @@ def plot_losses(runs: dict[tuple[str, int], Run], arms: list[str], seeds: list[i
     for i, arm in enumerate(arms):
         c = colors[i % len(colors)]
         arm_runs = [runs[arm, s] for s in seeds if (arm, s) in runs]
-        val_curves = [[(r["tokens"] / 1e6, r["loss"]) for r in run.val if r.get("loss") is not None]
+        val_curves = [[(_mtok(r), r["loss"]) for r in run.val if r.get("loss") is not None]
                       for run in arm_runs]
         train_curves = []
         for run in arm_runs:
-            pts = [(r["tokens"] / 1e6, r["loss"]) for r in run.train if r.get("loss") is not None]
+            pts = [(_mtok(r), r["loss"]) for r in run.train if r.get("loss") is not None]
             if pts:
                 train_curves.append(list(zip([x for x, _ in pts], _ema([y for _, y in pts], max(2, len(pts) / 20)))))
         for ax, curves in ((ax_val, val_curves), (ax_tr, train_curves)):
@@ -89,7 +95,7 @@ def plot_lambdas(runs: dict[tuple[str, int], Run], arms: list[str], seed: int, p
         n_layers = len(rows[-1]["lambdas"])
         cmap = plt.get_cmap("viridis")
         for layer in range(n_layers):
-            pts = [(r["tokens"] / 1e6, r["lambdas"][layer]) for r in rows
+            pts = [(_mtok(r), r["lambdas"][layer]) for r in rows
                    if layer < len(r["lambdas"]) and r["lambdas"][layer] is not None]
             color = cmap(layer / max(1, n_layers - 1))
             if pts:

@@ -169,7 +169,10 @@ def samples(ctx: Context) -> Lines:
     from difftransformer.experiments.report.samples import sample_texts
 
     rep = ctx.manifest.get("report", {})
-    prompts = rep.get("prompts") or ["The state of the Union is", "My fellow citizens,", "Congress must"]
+    prompts = rep["prompts"] if "prompts" in rep else ["The state of the Union is", "My fellow citizens,",
+                                                       "Congress must"]
+    if not prompts:
+        return ["## Samples", "", "(none: compare.prompts is empty)", ""]
     first_seed = ctx.seeds[0]
     sample_seed = int(rep.get("sample_seed", 0))
     L = ["## Samples", "",
