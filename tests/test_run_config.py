@@ -121,3 +121,12 @@ def test_study_and_data_settings_are_checked_before_anything_runs(override, need
     overrides = [override] + (["data.val_fraction=0.5"] if "test_fraction" in override else [])
     with pytest.raises(ConfigError, match=needle):
         load_run_config(preset="tiny", overrides=overrides)
+
+
+def test_yaml_reads_floats_as_yaml_1_2_keeps_quoted_strings_and_refuses_a_repeated_key(tmp_path):
+    (tmp_path / "a.yaml").write_text('train: {lr: 3e-4}\ndata: {corpus: "1e3"}\n')
+    cfg = load_run_config(tmp_path / "a.yaml")
+    assert cfg.train.lr == 3e-4 and cfg.data.corpus == "1e3"  # unquoted: a float; quoted: the text it says
+    (tmp_path / "b.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match="cannot parse .*b.yaml.*key 'lr' is given twice"):
+        load_run_config(tmp_path / "b.yaml")

@@ -98,21 +98,24 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with two YAML 1.2 rules that run configs need: 3e-4 is a float (YAML 1.1
+    reads it as a string; a quoted "3e-4" stays a string), and a key given twice in one mapping is an
+    error instead of a silent last-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
-def _yaml12_floats(node: Any, seen: dict[int, Any] | None = None) -> Any:
-    """PyYAML follows YAML 1.1, where 3e-4 is a string; read it as the float everyone means (YAML 1.2).
-
-    Nodes that YAML aliases share are converted once (`seen`), so an alias "bomb" costs its size on
-    disk, not its expansion."""
-    seen = {} if seen is None else seen
-    if isinstance(node, (dict, list)):
-        if id(node) not in seen:
-            seen[id(node)] = ({k: _yaml12_floats(v, seen) for k, v in node.items()} if isinstance(node, dict)
-                              else [_yaml12_floats(v, seen) for v in node])
-        return seen[id(node)]
-    return float(node) if isinstance(node, str) and _FLOAT_RE.match(node) else node
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                    list("-+0123456789."))
 
 
 def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -128,7 +131,7 @@ def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
         if path.suffix == ".toml":
             raw = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            raw = _yaml12_floats(yaml.safe_load(text) or {})
+            raw = yaml.load(text, Loader=_Yaml12Loader) or {}
         else:
             raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:

@@ -142,3 +142,11 @@ def test_an_edited_state_file_is_called_corrupt(workdir, tmp_path, capsys):
     state["state_sha256"] = _json_digest(state)
     state_path.write_text(json.dumps(state))
     cli_fails(capsys, _train(workdir, run, "train.max_steps=8"), "lacks its list of files")
+
+
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line(compared, tmp_path, capsys):
+    final = tmp_path / "final"
+    shutil.copytree(compared / "diff" / "final", final)
+    (final / "config.json").write_text("{}")
+    cli_fails(capsys, ["generate", str(final), "x"], "do not match the model described by config.json",
+              "more)", "edited")

@@ -54,4 +54,8 @@ def load_weights(model: nn.Module, weights: Path, device="cpu") -> None:
     except SafetensorError as e:
         raise ValueError(f"{weights} is not a readable safetensors file ({e}); it may be truncated or corrupted") from e
     except RuntimeError as e:
-        raise ValueError(f"the weights in {weights} do not match the model described by {CONFIG_NAME}: {e}") from e
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else lines[0] if lines else type(e).__name__
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 else ""
+        raise ValueError(f"the weights in {weights} do not match the model described by {CONFIG_NAME} next to them: "
+                         f"{detail}{more}; was the config edited, or copied from another model?") from None
