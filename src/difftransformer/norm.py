@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The widest of fp32 and the given tensors' floating dtypes: never below fp32, never below the input."""
+def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
+    """The widest of fp32 and the inputs' floating dtypes (tensors or dtypes): never below fp32, never
+    below the input."""
     dtype = torch.float32
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
+    for x in inputs:
+        d = x if isinstance(x, torch.dtype) else None if x is None else x.dtype
+        if d is not None and d.is_floating_point:
+            dtype = torch.promote_types(dtype, d)
     return dtype
 
 

@@ -16,6 +16,8 @@ fp32 at most, so float64 inputs are never sent to them ('auto' takes sdpa; askin
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 BACKENDS = ("auto", "eager", "sdpa", "triton", "cpp")
@@ -44,7 +46,7 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
     if backend == "auto":
         return _auto(device, has_padding, dtype, ordinary)
     if backend == "triton":
-        _check_triton(has_padding, dtype, ordinary)
+        _check_triton(has_padding, dtype, ordinary, device)
     if backend == "cpp":
         _check_cpp(device, dtype)
     return backend
@@ -53,9 +55,11 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
 def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, ordinary: bool) -> str:
     """The 'auto' rule. On CUDA, Triton for half precision only: exact fp32 products have no
     tensor-core path there and SDPA's fp32 kernels are the better choice."""
-    if (device.type == "cuda" and not ordinary and not has_padding and dtype in (None, *_HALF)
-            and triton_runs()):
-        return "triton"
+    if device.type == "cuda" and not ordinary and not has_padding and dtype in (None, *_HALF):
+        from difftransformer import kernels
+
+        if kernels.triton_runs():
+            return "triton"
     if device.type == "cpu" and dtype in (None, *_FUSED_DTYPES):
         from difftransformer.kernels import flash_cpu
 
@@ -64,7 +68,10 @@ def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, or
     return "sdpa"
 
 
-def _check_triton(has_padding: bool, dtype: torch.dtype | None, ordinary: bool) -> None:
+def _check_triton(has_padding: bool, dtype: torch.dtype | None, ordinary: bool, device: torch.device | None) -> None:
+    if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend 'triton' runs on CUDA, and these tensors are on {device.type}; use 'auto' "
+                         f"(the fused C++ kernel on CPU) or move the model to a GPU")
     if ordinary:
         raise ValueError("backend 'triton' is the fused kernel for differential attention; ordinary attention "
                          "(the Transformer baseline, DIFF V2) has no Triton kernel here. Use 'auto' or 'sdpa' "
@@ -86,13 +93,6 @@ def _check_cpp(device: torch.device, dtype: torch.dtype | None) -> None:
                          f"'sdpa' or 'eager' (or 'auto', which picks sdpa for {dtype})")
 
 
-def triton_runs() -> bool:
-    """Whether the Triton kernel can run here: Triton imports, and there is CUDA or TRITON_INTERPRET=1."""
-    from difftransformer import kernels
-
-    return kernels.triton_runs()
-
-
 def prepare_backend(backend: str, device, dtype: torch.dtype | None = None, *, ordinary: bool = False) -> None:
     """Check a layer's backend at construction and build what `resolve_backend` would pick on `device`.
 
@@ -105,7 +105,7 @@ def prepare_backend(backend: str, device, dtype: torch.dtype | None = None, *, o
     check_backend_name(backend)
     device = torch.device(device) if device is not None else torch.get_default_device()
     if backend == "triton":
-        _check_triton(False, dtype, ordinary)
+        _check_triton(False, dtype, ordinary, None)  # a layer made on CPU may be moved to the GPU later
     if device.type == "cpu" and (backend == "cpp" or not torch.cuda.is_available()):
         if resolve_backend(backend, device, dtype=dtype, ordinary=ordinary) == "cpp":  # 'auto' built it to decide
             from difftransformer.kernels import flash_cpu

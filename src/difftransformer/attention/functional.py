@@ -136,7 +136,7 @@ def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale):
     B, two_h, T, d = q.shape
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
     n_rep = h // h_kv
-    f = compute_dtype(q, lam)
+    f = lam.dtype  # compute_dtype(q): differential_attention has cast λ to it
     qc = q.to(f).view(B, h, 2, T, d)
     kc = k.to(f).view(B, h_kv, 2, S, d).repeat_interleave(n_rep, dim=1)  # (B, h, 2, S, d)
     vc = v.to(f).repeat_interleave(n_rep, dim=1)  # (B, h, S, 2d)

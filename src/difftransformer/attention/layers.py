@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.attention.backends import check_backend_name, prepare_backend
+from difftransformer.attention.backends import prepare_backend
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
@@ -48,9 +48,8 @@ class _SelfAttention(nn.Module):
                              f"so that every kv head serves the same number of query heads")
         if depth < 0:
             raise ValueError(f"depth is the 0-based layer index and must be >= 0; got {depth}")
-        check_backend_name(backend)
+        prepare_backend(backend, device, dtype, ordinary=self.ordinary_attention)  # checks the name too
         self.embed_dim, self.depth, self.backend = embed_dim, depth, backend
-        prepare_backend(backend, device, dtype, ordinary=self.ordinary_attention)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
@@ -131,7 +130,7 @@ class MultiheadDiffAttention(_SelfAttention):
         self.head_dim, self.scaling = d, d ** -0.5
         self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
-        lambda_dtype = compute_dtype(torch.empty(0, dtype=dtype or torch.get_default_dtype()))
+        lambda_dtype = compute_dtype(dtype or torch.get_default_dtype())
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=lambda_dtype)))
         self.subln = RMSNorm(2 * d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from difftransformer._config import check_field_types
 from difftransformer._version import __version__
 
 
@@ -40,10 +41,10 @@ class EvalConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "EvalConfig")
         for name in ("batch_size", "seq_len", "max_windows"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"EvalConfig.{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"EvalConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.split == "train":
             raise ValueError("EvalConfig.split='train' would evaluate on the text the model was trained on; "
                              "use 'val' or 'test'")

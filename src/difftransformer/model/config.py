@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from difftransformer._config import check_field_types
 from difftransformer._io import atomic_write_text
-from difftransformer.attention.backends import BACKENDS
+from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.model.kinds import AttentionKind, attention_kind
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")  # counted in the configured kind's units
@@ -86,6 +88,11 @@ class DiffTransformerConfig:
         if self.lambda_init is not None and not math.isfinite(self.lambda_init):
             raise ValueError(f"model.lambda_init must be a finite number or null (the depth schedule), "
                              f"got {self.lambda_init}")
+
+    def backend_on(self, device: torch.device) -> str:
+        """The backend this model's attention uses on `device` (the one rule of attention/backends.py);
+        a ValueError, before anything runs, when it cannot run there ('triton' without CUDA)."""
+        return resolve_backend(self.attn_backend, device, ordinary=not self.kind.fused_kernel)
 
     @property
     def kind(self) -> AttentionKind:

@@ -99,9 +99,10 @@ class RunDir(Folder):
         step = self.read_json(self.done).get("final_step")
         return int(step) if step is not None else None
 
-    def last_step(self) -> int:
-        """The last step with a metrics row or a done.json record (0 before the first log)."""
-        series = self.metric_series()
+    def last_step(self, series: MetricSeries | None = None) -> int:
+        """The last step with a metrics row or a done.json record (0 before the first log); `series`:
+        rows already read, so that a caller's numbers all come from one reading of the file."""
+        series = self.metric_series() if series is None else series
         logged = max((int(r["step"]) for r in series.train + series.val), default=0)
         return max(logged, self.done_step() or 0)
 

@@ -173,9 +173,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
     env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
-    if model_config.attn_backend == "triton" and env.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"attn_backend 'triton' runs on CUDA, and this run's device is {env.device}; use "
-                         f"attn_backend 'auto' (the fused C++ kernel on CPU) or train on a GPU")
+    model_config.backend_on(env.device)  # a backend that cannot run on this device fails before any write
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
     with folder_lock(run.path, purpose="train into another out_dir") if env.is_main else contextlib.nullcontext():

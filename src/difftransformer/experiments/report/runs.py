@@ -29,7 +29,7 @@ class Run:
         series = run_dir.metric_series()
         max_steps = run_dir.max_steps()
         max_steps = max_steps if max_steps is not None else default_max_steps
-        last = max([int(r["step"]) for r in series.train + series.val] + [run_dir.done_step() or 0])
+        last = run_dir.last_step(series)
         return cls(arm, seed, run_dir, series.train, series.val, max_steps, run_dir.read_json(run_dir.model_config),
                    last, max_steps is not None and last >= max_steps)
 
