@@ -117,8 +117,8 @@ def _check_same_run(run: RunDir, model_config: DiffTransformerConfig, cfg: Train
     saved_model, saved_train = run.read_json(run.model_config), run.read_json(run.train_config)
     if not saved_model or not (run.has_metrics() or run.has_final()):
         return
-    diff = {k: (v, model_identity(model_config.to_dict()).get(k)) for k, v in model_identity(saved_model).items()
-            if model_identity(model_config.to_dict()).get(k) != v}
+    wanted = model_identity(model_config.to_dict())
+    diff = {k: (v, wanted.get(k)) for k, v in model_identity(saved_model).items() if wanted.get(k) != v}
     diff.update({k: (saved_train.get(k), getattr(cfg, k)) for k in RESUME_MUST_MATCH
                  if k in saved_train and saved_train[k] != getattr(cfg, k)})
     if diff:
