@@ -4,6 +4,7 @@ from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
+    ScoreHook,
     differential_attention,
     lambda_init_fn,
     multihead_attention,
@@ -14,6 +15,6 @@ from difftransformer.attention.rope import RotaryEmbedding
 
 __all__ = [
     "BACKENDS", "AttentionMaps", "KVCache", "MultiheadAttention", "MultiheadDiffAttention",
-    "MultiheadDiffAttentionV2", "RotaryEmbedding", "differential_attention", "lambda_init_fn",
+    "MultiheadDiffAttentionV2", "RotaryEmbedding", "ScoreHook", "differential_attention", "lambda_init_fn",
     "multihead_attention", "reparameterized_lambda", "resolve_backend",
 ]

@@ -36,12 +36,13 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
 
     device/dtype: of the inputs (dtype None: not known yet); ordinary: the call is
     `multihead_attention` (the baseline's, or DIFF V2's paired heads), not `differential_attention`;
-    need_maps: the caller wants the attention maps.
+    need_maps: the caller wants the attention maps, or a score hook that reads the explicit logits.
     """
     check_backend_name(backend)
     if need_maps:
         if backend not in ("auto", "eager"):
-            raise ValueError(f"attention maps can only be returned by the 'eager' backend, not {backend!r}")
+            raise ValueError(f"attention maps and score hooks need the explicit maps of the 'eager' backend, "
+                             f"not {backend!r}; use backend 'eager' or 'auto'")
         return "eager"
     if backend == "auto":
         return _auto(device, has_padding, dtype, ordinary)

@@ -15,18 +15,32 @@ Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys
     out: (B, h, T, 2d) = (A1 - lam * A2) V, head i reading kv group i // (h / h_kv)
 Causal masks are bottom-right aligned: query t sits at absolute position t + S - T, so the same
 call serves full sequences and cached decoding.
+
+Score hooks: white-box probes (activation outliers, attention-logit quantisation) read or replace
+the pre-softmax logits through the explicit `score_hook` argument, never by patching this module.
+A hook is called as `hook(scores, visible)` with
+    scores   (B, heads, maps, T, S) = q k^T * scale in the compute dtype, for every query head
+             (GQA already expanded); maps = 2 for differential attention ([Q1 K1^T, Q2 K2^T]),
+             1 for ordinary attention
+    visible  bool, broadcastable to scores, True where the query may read the key; None if all may
+and returns None (it only looked) or a tensor of scores' shape that replaces them; entries that
+are not visible are masked afterwards whatever it holds. A hook needs the explicit maps, so the
+call runs on the eager backend (as with return_maps).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from difftransformer.attention.backends import resolve_backend
 from difftransformer.norm import compute_dtype
+
+
+ScoreHook = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 class AttentionMaps(NamedTuple):
@@ -93,23 +107,25 @@ def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
 
 def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
                            scale: float | None = None, backend: str = "auto",
-                           return_maps: bool = False, deterministic: bool = True):
+                           return_maps: bool = False, deterministic: bool = True,
+                           score_hook: ScoreHook | None = None):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every head; see the module doc.
 
     Returns the (B, h, T, 2d) output in q's dtype, and `AttentionMaps` when `return_maps`.
     A query that sees no key (fully padded) outputs zeros.
     deterministic=False lets the Triton backend use its one-pass backward (dQ summed with atomics);
     eager and cpp are deterministic anyway, sdpa follows torch.use_deterministic_algorithms.
+    score_hook: see the module doc (runs the eager backend).
     """
     h, h_kv, T = _check_diff_shapes(q, k, v, lam)
     B, S, d = q.shape[0], k.shape[2], q.shape[-1]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
     lam = torch.as_tensor(lam, device=q.device).to(compute_dtype(q))
-    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
-                            dtype=q.dtype)
+    which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
+                            has_padding=key_padding_mask is not None, dtype=q.dtype)
     if which == "eager":
-        out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale)
+        out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook)
         return (out, maps) if return_maps else out
     if which == "sdpa":
         return _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale)
@@ -132,7 +148,20 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Te
     return probs * any_visible
 
 
-def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale):
+def _apply_score_hook(hook: ScoreHook | None, scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """scores (B, heads, maps, T, S) after the hook; a returned tensor must keep the shape."""
+    if hook is None:
+        return scores
+    new = hook(scores, visible)
+    if new is None:
+        return scores
+    if new.shape != scores.shape:
+        raise ValueError(f"a score hook must return scores of shape {tuple(scores.shape)} (or None); "
+                         f"got {tuple(new.shape)}")
+    return new
+
+
+def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook=None):
     B, two_h, T, d = q.shape
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
     n_rep = h // h_kv
@@ -142,7 +171,9 @@ def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale):
     vc = v.to(f).repeat_interleave(n_rep, dim=1)  # (B, h, S, 2d)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, h, 2, T, S)
     mask = _visibility(T, S, causal, key_padding_mask, q.device)
-    probs = _masked_softmax(scores, None if mask is None else mask[:, :, None])
+    mask = None if mask is None else mask[:, :, None]
+    scores = _apply_score_hook(score_hook, scores, mask)
+    probs = _masked_softmax(scores, mask)
     a1, a2 = probs[:, :, 0], probs[:, :, 1]
     diff = a1 - lam * a2
     out = torch.matmul(diff, vc).to(q.dtype)
@@ -192,8 +223,11 @@ def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
 
 
 def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,
-                        backend: str = "auto", return_maps: bool = False):
-    """Ordinary (GQA) attention with the same masking rules. q (B, H, T, d), k/v (B, H_kv, S, d)."""
+                        backend: str = "auto", return_maps: bool = False, score_hook: ScoreHook | None = None):
+    """Ordinary (GQA) attention with the same masking rules. q (B, H, T, d), k/v (B, H_kv, S, d).
+
+    Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook: see the
+    module doc (maps = 1; runs the eager backend)."""
     if q.dim() != 4 or k.shape != v.shape[:-1] + (k.shape[-1],) or q.shape[1] % k.shape[1]:
         raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d) with H % H_kv == 0; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -201,13 +235,17 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     H_kv, S = k.shape[1], k.shape[2]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
-    which = resolve_backend(backend, q.device, need_maps=return_maps, has_padding=key_padding_mask is not None,
-                            dtype=q.dtype, ordinary=True)
+    which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
+                            has_padding=key_padding_mask is not None, dtype=q.dtype, ordinary=True)
     if which == "eager":
         n_rep = H // H_kv
         f = compute_dtype(q)
         scores = torch.matmul(q.to(f), k.to(f).repeat_interleave(n_rep, 1).transpose(-1, -2)) * scale
-        probs = _masked_softmax(scores, _visibility(T, S, causal, key_padding_mask, q.device))
+        mask = _visibility(T, S, causal, key_padding_mask, q.device)
+        if score_hook is not None:
+            hooked = _apply_score_hook(score_hook, scores[:, :, None], None if mask is None else mask[:, :, None])
+            scores = hooked[:, :, 0]
+        probs = _masked_softmax(scores, mask)
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
     if which == "cpp" and v.shape[-1] == d:  # the C++ kernel's ordinary path has v's dim = q's dim

@@ -8,6 +8,10 @@ Head-count conventions (the source of most bugs in public re-implementations):
 - `MultiheadDiffAttentionV2(num_heads=H)`: H is the baseline's own head count; 2H query heads
   are computed internally and paired.
 All layers do causal self-attention with RoPE at positions 0..T-1 (or after the cached prefix).
+
+Every layer has a `score_hook` attribute (None by default): set it to a `ScoreHook` and each
+forward hands the pre-softmax logits to it (see attention/functional.py) on the eager backend.
+This is the explicit entry point of the white-box probes (eval/probes/); nothing is patched.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from difftransformer.attention.backends import prepare_backend
 from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
+    ScoreHook,
     differential_attention,
     lambda_init_fn,
     multihead_attention,
@@ -53,6 +58,7 @@ class _SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
+        self.score_hook: ScoreHook | None = None  # see the module doc
 
     def _make_projections(self, q_dim: int, kv_dim: int, o_dim: int, out_name: str, device, dtype) -> None:
         """q/k/v projections from embed_dim and the output projection back, all without bias."""
@@ -171,7 +177,7 @@ class MultiheadDiffAttention(_SelfAttention):
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
         res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
-                                     deterministic=self.deterministic)
+                                     deterministic=self.deterministic, score_hook=self.score_hook)
         o, maps = res if return_attention else (res, None)
         o = self._head_norm_and_scale(o)
         out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
@@ -209,7 +215,7 @@ class MultiheadAttention(_SelfAttention):
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, self.num_heads, self.num_kv_heads, d, d)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
-                                  backend=self.backend, return_maps=return_attention)
+                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook)
         o, probs = res if return_attention else (res, None)
         if self.subln is not None:
             o = self.subln(o)
@@ -247,7 +253,7 @@ class MultiheadDiffAttentionV2(_SelfAttention):
         H, d = self.num_heads, self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * H, self.num_kv_heads, d, d)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
-                                  backend=self.backend, return_maps=return_attention)
+                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook)
         attn, probs = res if return_attention else (res, None)
         f = compute_dtype(attn)
         lam = torch.sigmoid(self.lambda_proj(x).to(f)).transpose(1, 2)[..., None]  # (B, H, T, 1)

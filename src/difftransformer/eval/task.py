@@ -8,7 +8,11 @@ see logits only, through `eval/lm.py`; white-box probes that look inside attenti
     result.metrics["loss"], result.to_dict()           # JSON: settings, weights hash, version, time
 
 Adding a task: subclass `Task`, set `name` and `description`, implement `run`, decorate with
-`@register_task`. `run` must be deterministic given `EvalConfig.eval_seed`.
+`@register_task`. `run` must be deterministic given `EvalConfig.eval_seed`. A task's own settings
+are a dataclass named by its `Options` (int, float, bool, str fields, or tuples of them, each with a
+default and `metadata={"help": ...}`): `get_task("needle", lengths=(256, 512))` sets them, the
+CLI turns every field into a flag, and the result records them under settings["options"]. A task
+whose paper measurement has a figure implements `plot(result, path)` (a PNG).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import difflib
 import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -65,15 +70,85 @@ class TaskResult:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class NoOptions:
+    """The options of a task that has none of its own."""
+
+
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def option_kind(f: dataclasses.Field) -> tuple[type, bool]:
+    """(element type, is_tuple) of an option field: `int`, `float`, `bool`, `str` or `tuple[X, ...]`."""
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    text = text.replace(" ", "")
+    if text.startswith("tuple[") and text.endswith(",...]") and text[6:-5] in _SCALARS:
+        return _SCALARS[text[6:-5]], True
+    if text in _SCALARS:
+        return _SCALARS[text], False
+    raise TypeError(f"option {f.name} has type {text}; task options are int, float, bool, str or tuple[X, ...]")
+
+
+def _check_option(owner: str, f: dataclasses.Field, value: Any) -> Any:
+    """The value, converted where lossless (int -> float, list -> tuple), or a ValueError naming the field."""
+    kind, is_tuple = option_kind(f)
+
+    def one(v: Any) -> Any:
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ValueError(f"{owner}.{f.name} takes {kind.__name__} values, got {v!r} ({type(v).__name__})")
+        return v
+
+    if is_tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ValueError(f"{owner}.{f.name} takes a list of {kind.__name__} values, got {value!r}")
+        return tuple(one(v) for v in value)
+    return one(value)
+
+
 class Task(abc.ABC):
-    """One measurement of one model. Subclasses set `name`, `description` and implement `run`."""
+    """One measurement of one model. Subclasses set `name`, `description` and implement `run`.
+
+    white_box: the task looks inside attention (eval/probes/) and runs only on this package's models;
+    black-box tasks see logits only and run on any causal LM with the `eval/lm.py` interface."""
 
     name: ClassVar[str]
     description: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    white_box: ClassVar[bool] = False
+
+    def __init__(self, options: Any = None, **overrides: Any):
+        """`options`: an instance of `Options` (default: its defaults); `overrides`: fields to change."""
+        options = self.Options() if options is None else options
+        if not isinstance(options, self.Options):
+            raise TypeError(f"task {self.name!r} takes {self.Options.__name__} options, got {type(options).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(options)}
+        for key in overrides:
+            if key not in fields:
+                close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"task {self.name!r} has no option {key!r}{hint}; its options: "
+                                 f"{', '.join(fields) or 'none'}")
+        checked = {k: _check_option(f"{self.name}", fields[k], v) for k, v in overrides.items()}
+        self.options = dataclasses.replace(options, **checked)
+        for f in fields.values():  # the defaults and the dataclass's own checks too
+            _check_option(self.name, f, getattr(self.options, f.name))
+        self.check_options()
+
+    def check_options(self) -> None:
+        """Refuse option values that cannot work (a ValueError naming the option and the fix)."""
 
     @abc.abstractmethod
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         """Evaluate `model` (in eval mode, on cfg.device) and return its result."""
+
+    def plot(self, result: TaskResult, path: Path) -> bool:
+        """Draw the result as the paper's figure into the PNG `path`; False when the task has none."""
+        return False
+
+    def options_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.options).items()}
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -87,15 +162,16 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-def get_task(name: str) -> Task:
-    """A new instance of the task called `name`; an unknown name is a ValueError listing the tasks.
+def get_task(name: str, **options: Any) -> Task:
+    """A new instance of the task called `name` with these options changed from their defaults; an
+    unknown name or option is a ValueError listing what exists.
 
     The built-in tasks register themselves when `difftransformer.eval` is imported (eval/tasks/)."""
     if name not in TASKS:
         close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown evaluation task {name!r}{hint}; available: {', '.join(sorted(TASKS))}")
-    return TASKS[name]()
+    return TASKS[name](**options)
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -119,6 +195,8 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
         result = task.run(model, tokenizer, cfg)
     finally:
         model.train(was_training)
+    if task.Options is not NoOptions:
+        result.settings = {**result.settings, "options": task.options_dict()}
     result.provenance = {"weights_sha256": weights_hash(model), "package_version": __version__,
                          "started": started.isoformat(timespec="seconds"),
                          "seconds": round(time.perf_counter() - t0, 3)}

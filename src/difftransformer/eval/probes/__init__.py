@@ -1,0 +1,13 @@
+"""White-box probes: evaluation tasks that look inside attention (the only part of eval/ that may).
+
+They run on this package's models only, through the explicit entry points in `hooks.py`.
+Importing this package registers them with `difftransformer.eval.task`."""
+
+from difftransformer.eval.probes.hooks import (
+    attention_layers,
+    capture_layer_outputs,
+    inspect_attention,
+    require_own_model,
+)
+
+__all__ = ["attention_layers", "capture_layer_outputs", "inspect_attention", "require_own_model"]

@@ -1,0 +1,74 @@
+"""How a white-box probe looks inside one of our models: through explicit entry points only.
+
+    with inspect_attention(model, lambda i: my_hook_for_layer(i)):   # every layer on the eager path
+        model(ids)                                                    # my hook sees each layer's logits
+    with capture_layer_outputs(model, lambda i, h: ...):              # each decoder block's output
+        model(ids)
+
+Attention layers expose a `score_hook` attribute (attention/functional.py states its contract);
+decoder blocks are ordinary modules whose outputs a forward hook reads. Both are restored on exit,
+also when the forward raises. A model that is not one of ours (a Hugging Face model, a module of
+another design) is refused with a one-line error: its attention cannot be opened.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from difftransformer.attention import MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
+from difftransformer.attention import ScoreHook
+from difftransformer.model import DiffTransformerLM
+
+_ATTENTION_LAYERS = (MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2)
+
+
+def require_own_model(model: nn.Module, task: str) -> DiffTransformerLM:
+    """`model` if this package built it; else a ValueError: a white-box probe cannot open other models."""
+    if not isinstance(model, DiffTransformerLM):
+        raise ValueError(f"{task} looks inside attention and needs one of this package's models (a run folder, "
+                         f"final/ folder or checkpoint); got a {type(model).__name__}. Black-box tasks (needle, "
+                         f"long-context, icl, hallucination) run on other causal LMs")
+    return model
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The attention layer of each decoder block, in depth order."""
+    return [block.self_attn for block in require_own_model(model, "this probe").layers]
+
+
+@contextmanager
+def inspect_attention(model: nn.Module, make_hook: Callable[[int], ScoreHook | None] | None = None) -> Iterator[None]:
+    """Run every attention layer on the eager backend (explicit maps, return_attention works whatever
+    backend the model was built with) and give layer i the score hook make_hook(i), if any."""
+    layers = attention_layers(model)
+    saved = [(layer.backend, layer.score_hook) for layer in layers]
+    try:
+        for i, layer in enumerate(layers):
+            layer.backend = "eager"
+            layer.score_hook = make_hook(i) if make_hook is not None else None
+        yield
+    finally:
+        for layer, (backend, hook) in zip(layers, saved):
+            layer.backend, layer.score_hook = backend, hook
+
+
+@contextmanager
+def capture_layer_outputs(model: nn.Module, fn: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """Call fn(i, hidden) with each decoder block's output (B, T, E), after both residual adds."""
+    blocks = require_own_model(model, "this probe").layers
+
+    def hook_for(i: int):
+        def hook(_module, _inputs, output):
+            fn(i, output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    handles = [block.register_forward_hook(hook_for(i)) for i, block in enumerate(blocks)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
