@@ -115,7 +115,7 @@ def test_eager_maps_are_the_differential_map():
 
 def test_maps_only_from_eager():
     q, k, v = random_inputs(1, 2, 1, 4, 4, 8)
-    with pytest.raises(ValueError, match="only be returned by the 'eager' backend"):
+    with pytest.raises(ValueError, match="explicit maps of the 'eager' backend"):
         differential_attention(q, k, v, 0.5, backend="sdpa", return_maps=True)
     with pytest.raises(ValueError, match="unknown attention backend"):
         differential_attention(q, k, v, 0.5, backend="flash9")

@@ -43,17 +43,31 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 @contextmanager
 def inspect_attention(model: nn.Module, make_hook: Callable[[int], ScoreHook | None] | None = None) -> Iterator[None]:
     """Run every attention layer on the eager backend (explicit maps, return_attention works whatever
-    backend the model was built with) and give layer i the score hook make_hook(i), if any."""
+    backend the model was built with) and give layer i the score hook make_hook(i), if any.
+
+    A hook already on a layer stays and runs first: the new one sees the scores it left (so a test
+    can plant logits that a probe then measures, and probes nest)."""
     layers = attention_layers(model)
     saved = [(layer.backend, layer.score_hook) for layer in layers]
     try:
         for i, layer in enumerate(layers):
             layer.backend = "eager"
-            layer.score_hook = make_hook(i) if make_hook is not None else None
+            new = make_hook(i) if make_hook is not None else None
+            if new is not None:
+                layer.score_hook = new if layer.score_hook is None else _chain(layer.score_hook, new)
         yield
     finally:
         for layer, (backend, hook) in zip(layers, saved):
             layer.backend, layer.score_hook = backend, hook
+
+
+def _chain(first: ScoreHook, second: ScoreHook) -> ScoreHook:
+    def both(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor | None:
+        changed = first(scores, visible)
+        scores = scores if changed is None else changed
+        again = second(scores, visible)
+        return scores if again is None else again
+    return both
 
 
 @contextmanager
