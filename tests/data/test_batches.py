@@ -55,8 +55,11 @@ def test_batch_errors(seq_tokens, tok, tmp_path):
     pattern = rf"split 'val' has {small.num_tokens} tokens, fewer than seq_len \+ 1 = 65.*smaller seq_len or more data"
     with pytest.raises(ValueError, match=pattern):
         BatchSampler(small, batch_size=2, seq_len=64)
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(ValueError, match=pattern + ": a larger val/test fraction"):
         next(iter_eval_batches(small, 2, 64))
+    write_shard(tmp_path / "train", [Document("a", "the of")], tok, split="train")
+    with pytest.raises(ValueError, match="smaller val/test fractions \\(they take documents from train\\)"):
+        BatchSampler(TokenDataset(tmp_path / "train"), batch_size=2, seq_len=64)
 
 
 def test_eval_batches_cover_in_order_without_overlap(seq_tokens):

@@ -166,6 +166,9 @@ def test_error_jsonl_missing_or_bad_text_field(tmp_path):
     write_jsonl(f, [{"text": 5}])
     with pytest.raises(CorpusError, match=r"d\.jsonl:1: text field 'text' must be a string, got int"):
         load_corpus(f)
+    f.write_text('{"text": "ok"}\n{"text": "half of a pair \\udc80 here"}\n', encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"d\.jsonl:2: text field 'text' holds a lone surrogate '\\udc80' at char"):
+        load_corpus(f)
 
 
 def test_error_duplicate_ids_and_unknown_options(tmp_path):

@@ -1,6 +1,7 @@
 """Token shards: contents, dtype by vocabulary size, metadata, errors."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,3 +52,16 @@ def test_shard_errors_and_empty_split(tok, tmp_path):
         fh.truncate(2)
     with pytest.raises(ValueError, match="stale or truncated"):
         TokenDataset(tmp_path / "train")
+
+
+def test_a_full_disk_is_named_with_the_file(tmp_path):
+    """numpy's own message ("N requested and 0 written") names neither the file nor the cause."""
+    import numpy as np
+
+    from difftransformer.data.shards import _write_tokens
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "wb") as fh, pytest.raises(OSError, match=r"could not write the tokens of .*train\.bin "
+                                                                     r"\(.*\); is the disk full"):
+        _write_tokens(fh, np.arange(50_000, dtype=np.uint16), tmp_path / "train.bin")

@@ -1,4 +1,5 @@
-"""The `difftransformer` command: prepare data, train one model, compare arms side by side, generate, report.
+"""The `difftransformer` command: prepare data, train one model, compare arms side by side, generate, report,
+evaluate.
 
     difftransformer compare --config configs/demo.toml --out-dir runs/demo
     python -m difftransformer train --preset cpu-small --attention diff --set train.max_steps=500
@@ -19,14 +20,14 @@ from safetensors import SafetensorError
 
 from difftransformer import dist
 from difftransformer._io import FolderInUseError
-from difftransformer.cli import compare, generate, prepare, report, train
+from difftransformer.cli import compare, eval as eval_cmd, generate, prepare, report, train
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
 from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
 DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
-COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report)}
+COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd)}
 # A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
 # one line that names the file. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="difftransformer", formatter_class=Formatter,
         description="Differential Transformer (arXiv 2410.05258): prepare data, train, compare DIFF with its "
-                    "matched Transformer, generate text, write reports.",
+                    "matched Transformer, generate text, write reports, run the paper's evaluations.",
         epilog=epilog("""
             examples:
               difftransformer prepare sotu --vocab-size 8192
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
               difftransformer compare --config configs/demo.toml --out-dir runs/demo
               difftransformer generate runs/demo/diff "The state of the Union is"
               difftransformer report runs/demo
+              difftransformer eval all runs/demo/diff
 
             Run `difftransformer COMMAND --help` for each command's options.
             Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))

@@ -6,7 +6,11 @@ import argparse
 import textwrap
 from pathlib import Path
 
+from difftransformer.data import Tokenizer
+from difftransformer.experiments import StudyDir
 from difftransformer.model import ATTENTION_KINDS, PRESETS
+from difftransformer.run_config import ConfigError
+from difftransformer.train import LoadedModel, load_model
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
@@ -67,3 +71,35 @@ def print_section(markdown: Path, heading: str) -> None:
         start = lines.index(heading) + 1
         end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
         print("\n".join(lines[start:end]).strip())
+
+
+def load_trained(path: str, device: str) -> LoadedModel:
+    """A trained model from a final/, run or checkpoint folder (a comparison folder is refused by name)."""
+    _refuse_study_folder(Path(path))
+    return load_model(path, device)
+
+
+def _refuse_study_folder(path: Path) -> None:
+    """A study folder holds several models; name them instead of failing on a missing checkpoint."""
+    study = StudyDir(path)
+    if study.is_study():
+        arms = [str(r.path.relative_to(path)) for r in study.run_dirs()]
+        raise ConfigError(f"{path} is a comparison folder; pick one arm, e.g. {path / (arms[0] if arms else 'diff')}"
+                          f" (arms: {', '.join(arms) or 'none yet'})")
+
+
+def model_tokenizer(model_path: str, tokenizer_arg: str | None, loaded: LoadedModel) -> Tokenizer:
+    """The tokenizer the model was trained with, or `tokenizer_arg` (--tokenizer) if it is that one
+    (or the model records none)."""
+    tok_path = Path(tokenizer_arg) if tokenizer_arg else loaded.tokenizer_path
+    if tok_path is None:
+        raise ConfigError(f"no tokenizer found next to {model_path}; pass --tokenizer path/to/tokenizer.json")
+    tok = Tokenizer.from_file(tok_path)
+    if tok.vocab_size > loaded.model.config.vocab_size:
+        raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
+                          f"{loaded.model.config.vocab_size}; pass the tokenizer the model was trained with")
+    own = loaded.tokenizer_hash or (Tokenizer.from_file(loaded.tokenizer_path).hash if loaded.tokenizer_path else None)
+    if own is not None and tok.hash != own:
+        raise ConfigError(f"{tok_path} is not the tokenizer {model_path} was trained with (hash {own[:12]}, this one "
+                          f"{tok.hash[:12]}); its text would be garbage. Leave --tokenizer out to use that one")
+    return tok

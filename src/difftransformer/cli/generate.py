@@ -9,12 +9,9 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.cli.common import add_renamed_flag
-from difftransformer.data import Tokenizer
+from difftransformer.cli.common import add_renamed_flag, load_trained, model_tokenizer
 from difftransformer.eval import encode_prompt, generate_text, new_token_budget
-from difftransformer.experiments import StudyDir
 from difftransformer.run_config import ConfigError
-from difftransformer.train import load_model
 
 
 HELP = "generate text from a trained model"
@@ -44,15 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_renamed_flag(p, "--seed", "--sample-seed", "it seeds the sampling, not training")
 
 
-def _refuse_study_folder(path: Path) -> None:
-    """A study folder holds several models; name them instead of failing on a missing checkpoint."""
-    study = StudyDir(path)
-    if study.is_study():
-        arms = [str(r.path.relative_to(path)) for r in study.run_dirs()]
-        raise ConfigError(f"{path} is a comparison folder; pick one arm, e.g. {path / (arms[0] if arms else 'diff')}"
-                          f" (arms: {', '.join(arms) or 'none yet'})")
-
-
 def _check_sampling(args: argparse.Namespace) -> None:
     """Settings that would fail mid-generation, or be ignored without a word, are refused or named first."""
     if args.num_samples < 1:
@@ -75,22 +63,6 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--sample-seed must be in [0, 2**63), got {args.sample_seed}")
 
 
-def _tokenizer(args: argparse.Namespace, loaded) -> Tokenizer:
-    """The tokenizer the model was trained with, or --tokenizer if it is that one (or the model has none)."""
-    tok_path = Path(args.tokenizer) if args.tokenizer else loaded.tokenizer_path
-    if tok_path is None:
-        raise ConfigError(f"no tokenizer found next to {args.model}; pass --tokenizer path/to/tokenizer.json")
-    tok = Tokenizer.from_file(tok_path)
-    if tok.vocab_size > loaded.model.config.vocab_size:
-        raise ConfigError(f"tokenizer {tok_path} has {tok.vocab_size} tokens but the model only "
-                          f"{loaded.model.config.vocab_size}; pass the tokenizer the model was trained with")
-    own = loaded.tokenizer_hash or (Tokenizer.from_file(loaded.tokenizer_path).hash if loaded.tokenizer_path else None)
-    if own is not None and tok.hash != own:
-        raise ConfigError(f"{tok_path} is not the tokenizer {args.model} was trained with (hash {own[:12]}, this one "
-                          f"{tok.hash[:12]}); its text would be garbage. Leave --tokenizer out to use that one")
-    return tok
-
-
 def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_pos is not None:
         raise ConfigError("give the prompt either as an argument or with --prompt, not both")
@@ -100,9 +72,8 @@ def run(args: argparse.Namespace) -> int:
     except UnicodeEncodeError:  # bytes that were not UTF-8 on the command line arrive as surrogates
         raise ConfigError("the prompt is not valid UTF-8 text; pass it as UTF-8") from None
     _check_sampling(args)
-    _refuse_study_folder(Path(args.model))
-    loaded = load_model(args.model, args.device)
-    model, tok = loaded.model, _tokenizer(args, loaded)
+    loaded = load_trained(args.model, args.device)
+    model, tok = loaded.model, model_tokenizer(args.model, args.tokenizer, loaded)
     if loaded.checkpoint_step is not None:
         print(f"(no final/ model; using {loaded.source})", file=sys.stderr)
     n = new_token_budget(model, encode_prompt(tok, prompt), args.max_new_tokens)

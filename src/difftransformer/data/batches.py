@@ -31,9 +31,11 @@ def _check_length(n: int, seq_len: int, name: str) -> None:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if n < seq_len + 1:
+        more = ("a larger corpus, or smaller val/test fractions (they take documents from train)"
+                if "train" in name else "a larger val/test fraction or corpus")
         raise ValueError(
             f"{name} has {n} tokens, fewer than seq_len + 1 = {seq_len + 1} needed for one window; "
-            "use a smaller seq_len or more data (e.g. a larger val/test fraction or corpus)"
+            f"use a smaller seq_len or more data: {more}"
         )
 
 

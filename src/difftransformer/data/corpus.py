@@ -242,6 +242,12 @@ def _parse_jsonl(text: str, path: Path, rel: str, text_field: str, id_field: str
         value = row[text_field]
         if not isinstance(value, str):
             raise CorpusError(f"{where}: text field {text_field!r} must be a string, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape such as \ud800 that is half of a pair
+            raise CorpusError(f"{where}: text field {text_field!r} holds a lone surrogate {value[e.start]!r} at "
+                              f"character {e.start} (a JSON \\uD8xx-\\uDFxx escape without its pair), which is "
+                              f"not text; fix or drop that escape") from None
         doc_id = row.get(id_field)
         meta = {k: v for k, v in row.items() if k not in (text_field, id_field)}
         meta.update(path=str(path), line=lineno)

@@ -70,7 +70,7 @@ def write_shard(
                 for enc in tokenizer.encode_batch([d.text for d in chunk]):
                     ids.extend(enc)
                     ids.append(tokenizer.eos_id)
-                np.asarray(ids, dtype=dtype).tofile(fh)
+                _write_tokens(fh, np.asarray(ids, dtype=dtype), bin_path)
                 num_tokens += len(ids)
                 bar.update(len(chunk))
             bar.close()
@@ -89,6 +89,16 @@ def write_shard(
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         meta_path.unlink(missing_ok=True)  # never leave old metadata beside a new token file
     return meta
+
+
+def _write_tokens(fh, ids: np.ndarray, bin_path: Path) -> None:
+    """Append ids to the open token file; a short write (a full disk) is an OSError naming the file."""
+    try:
+        ids.tofile(fh)
+        fh.flush()
+    except OSError as e:  # numpy says only "N requested and M written"
+        raise OSError(f"could not write the tokens of {bin_path} ({e.strerror or e}); is the disk full? "
+                      f"Free space or prepare into another --out-dir (nothing was replaced)") from None
 
 
 def read_shard_meta(path: str | Path) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from difftransformer.eval.lm import (
 )
 from difftransformer.eval.task import TASKS, EvalConfig, Task, TaskResult, get_task, register_task, run_task
 from difftransformer.eval.tasks import HeldOutLoss  # registers the built-in tasks
+from difftransformer.eval import probes  # registers the white-box probes
 
 __all__ = [
     "TASKS", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult", "continuation_logprob",

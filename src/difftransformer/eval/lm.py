@@ -63,10 +63,12 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, tempera
 @torch.no_grad()
 def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood in nats of each token given the ones before it: (B, T) ids -> (B, T - 1),
-    entry t scoring ids[:, t + 1]. Computed from fp32 (or wider) logits."""
+    entry t scoring ids[:, t + 1]. Computed from fp32 (or wider) logits. The last id is only a target,
+    never an input, so T may be one more than the model's context (a causal model's logits at earlier
+    positions do not depend on later inputs)."""
     if ids.dim() != 2 or ids.shape[1] < 2:
         raise ValueError(f"token_nll needs (batch, seq_len) ids with seq_len >= 2, got shape {tuple(ids.shape)}")
-    logits = model(ids).logits[:, :-1]
+    logits = model(ids[:, :-1]).logits
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
 

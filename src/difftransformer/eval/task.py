@@ -195,8 +195,9 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
         result = task.run(model, tokenizer, cfg)
     finally:
         model.train(was_training)
+    result.settings = {**result.settings, "eval_config": dataclasses.asdict(cfg)}
     if task.Options is not NoOptions:
-        result.settings = {**result.settings, "options": task.options_dict()}
+        result.settings["options"] = task.options_dict()
     result.provenance = {"weights_sha256": weights_hash(model), "package_version": __version__,
                          "started": started.isoformat(timespec="seconds"),
                          "seconds": round(time.perf_counter() - t0, 3)}

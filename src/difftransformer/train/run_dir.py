@@ -11,6 +11,7 @@
       final/              config.json, model.safetensors, tokenizer.json: the trained model
       done.json           written by train() after final/: final step, val loss, tokens/s, wall time
       samples.json        the report's cached sample generations (experiments/report)
+      eval/               evaluation results of the final model: <task>.json (+ .png), see eval/results.py
 
 Everything outside train/ asks a `RunDir` for these paths. The names are spelled once: here, or by
 the module that owns the file's format (metrics.py, checkpoint.py, model/serialization.py), and
@@ -43,6 +44,7 @@ TOKENIZER_FILE = "tokenizer.json"
 DONE_FILE = "done.json"
 SAMPLES_FILE = "samples.json"
 REPLACED_DIR = "replaced"
+EVAL_DIR = "eval"
 
 
 class RunDir(Folder):
@@ -63,6 +65,7 @@ class RunDir(Folder):
     final_tokenizer = folder_entry(FINAL_DIR, TOKENIZER_FILE)
     done = folder_entry(DONE_FILE)
     samples = folder_entry(SAMPLES_FILE)
+    evals = folder_entry(EVAL_DIR)
 
     # -- what is there ------------------------------------------------------------------------------
     def has_metrics(self) -> bool:
@@ -89,6 +92,16 @@ class RunDir(Folder):
         """The run's training seed, from its train_config.json."""
         value = self.read_json(self.train_config).get("seed")
         return int(value) if value is not None else None
+
+    def seq_len(self) -> int | None:
+        """The length the run trained at, from its train_config.json."""
+        value = self.read_json(self.train_config).get("seq_len")
+        return int(value) if value is not None else None
+
+    def data_dir(self) -> Path | None:
+        """The run's prepared-data folder, from its train_config.json (relative paths as written)."""
+        value = self.read_json(self.train_config).get("data_dir")
+        return Path(value) if value else None
 
     def metric_series(self) -> MetricSeries:
         """Train and val rows by step (empty when nothing is logged yet)."""

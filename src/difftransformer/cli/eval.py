@@ -1,0 +1,247 @@
+"""`difftransformer eval`: the paper's measurements on one trained model, and two models side by side.
+
+    difftransformer eval needle runs/demo/diff --lengths 128,256
+    difftransformer eval all runs/demo/diff
+    difftransformer eval compare runs/demo/transformer runs/demo/diff
+
+Each task is a subcommand whose flags are the task's own options (eval/task.py turns the fields of
+its Options dataclass into flags), plus the settings every task shares. Results go to the run's
+eval/ folder (`<task>.json`, and `<task>.png` where the paper has a figure) and are reused while the
+weights and settings are unchanged (eval/results.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftransformer.cli.common import Formatter, epilog, load_trained, model_tokenizer
+from difftransformer.eval import TASKS, EvalConfig, Task, get_task, run_task
+from difftransformer.eval.compare import compare_table
+from difftransformer.eval.results import ResultsDir
+from difftransformer.eval.task import option_kind, weights_hash
+from difftransformer.run_config import ConfigError
+from difftransformer.train import RunDir
+from difftransformer.train.run_dir import EVAL_DIR
+
+HELP = "evaluate a model with the paper's measurements (retrieval, attention noise, outliers, ...)"
+DESCRIPTION = ("Run one of the paper's evaluations on a trained model (a run folder, its final/ folder or a "
+               "checkpoint), `all` of them, or `compare` two models in one Markdown table beside the paper's "
+               "numbers. Results are written as JSON (settings, weights hash, package version, time taken) and, "
+               "where the paper has a figure, a PNG, into the run's eval/ folder; a result for the same weights "
+               "and settings is reused.")
+EXAMPLES = """
+    examples:
+      difftransformer eval needle runs/demo/diff
+      difftransformer eval needle runs/demo/diff --lengths 128,256 --samples 20 --haystack needles
+      difftransformer eval outliers runs/demo/transformer --tokens 20000
+      difftransformer eval all runs/demo/diff
+      difftransformer eval compare runs/demo/transformer runs/demo/diff --out runs/demo/eval.md
+      difftransformer eval needle --help        # the task's own options"""
+ALL, COMPARE = "all", "compare"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="task", metavar="TASK", required=True,
+                           help=f"one of: {', '.join(sorted(TASKS))}, {ALL}, {COMPARE}")
+    for name in sorted(TASKS):
+        cls = TASKS[name]
+        tp = sub.add_parser(name, formatter_class=Formatter, help=cls.description,
+                            description=f"{name}: {cls.description}." + (" White box: needs one of this package's "
+                                                                          "models." if cls.white_box else ""),
+                            epilog=epilog(f"""
+                                example:
+                                  difftransformer eval {name} runs/demo/diff"""))
+        tp.add_argument("model", metavar="MODEL", help="run folder, final/ folder or checkpoint folder")
+        _add_shared(tp)
+        _add_options(tp, cls)
+    ap = sub.add_parser(ALL, formatter_class=Formatter, help="run every task with its defaults",
+                        description="Run every evaluation task on MODEL with its default options; results "
+                                    "already there for these weights and settings are reused.")
+    ap.add_argument("model", metavar="MODEL", help="run folder, final/ folder or checkpoint folder")
+    ap.add_argument("--tasks", metavar="LIST", help="comma-separated subset of the tasks (default: all)")
+    _add_shared(ap)
+    cp = sub.add_parser(COMPARE, formatter_class=Formatter, help="two models side by side, beside the paper",
+                        description="Evaluate MODEL_A and MODEL_B with every task (reusing stored results) and "
+                                    "print one Markdown table: each metric for both, B - A, and the paper's "
+                                    "Transformer and DIFF numbers where it has them. Put the baseline first.")
+    cp.add_argument("model", metavar="MODEL_A", help="the baseline, e.g. runs/demo/transformer")
+    cp.add_argument("model_b", metavar="MODEL_B", help="e.g. runs/demo/diff")
+    cp.add_argument("--tasks", metavar="LIST", help="comma-separated subset of the tasks (default: all)")
+    cp.add_argument("--out", metavar="FILE", help="also write the table to this Markdown file")
+    cp.add_argument("--no-run", action="store_true", help="only read stored results; run nothing")
+    _add_shared(cp)
+
+
+def _add_shared(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shared settings")
+    g.add_argument("--data-dir", metavar="DIR", help="prepared-data folder for held-out text (default: the run's own)")
+    g.add_argument("--split", default="test", choices=("test", "val"), help="held-out split (default test)")
+    g.add_argument("--eval-seed", type=int, default=0, metavar="N",
+                   help="seeds the task's own randomness: prompts, subsets, orders (default 0)")
+    g.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per forward (default 8)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json, if not the one saved with the model")
+    g.add_argument("--out-dir", metavar="DIR", help="where results go (default: the run's eval/ folder)")
+    g.add_argument("--force", action="store_true", help="run again even if a stored result matches")
+
+
+def _add_options(p: argparse.ArgumentParser, cls: type[Task]) -> None:
+    """One flag per field of the task's Options: --name-with-dashes; lists are comma-separated."""
+    fields = dataclasses.fields(cls.Options)
+    if not fields:
+        return
+    g = p.add_argument_group(f"{cls.name} options")
+    for f in fields:
+        kind, is_tuple = option_kind(f)
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(cls.Options(), f.name)
+        shown = ",".join(map(str, default)) if is_tuple else default
+        text = f"{f.metadata.get('help', '')} (default: {shown if shown not in ('', ()) else 'automatic'})"
+        if kind is bool and not is_tuple:
+            g.add_argument(flag, dest=f"opt_{f.name}", action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            g.add_argument(flag, dest=f"opt_{f.name}", type=_parser(kind, is_tuple, flag), default=None,
+                           metavar=("LIST" if is_tuple else kind.__name__.upper()), help=text)
+
+
+def _parser(kind: type, is_tuple: bool, flag: str):
+    def one(text: str) -> Any:
+        try:
+            return kind(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes {kind.__name__} values; {text!r} is not one") from None
+
+    def parse(text: str) -> Any:
+        if not is_tuple:
+            return one(text)
+        return tuple(one(t) for t in text.split(",") if t.strip())
+    return parse
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def _task_names(args: argparse.Namespace) -> list[str]:
+    if not getattr(args, "tasks", None):
+        return sorted(TASKS)
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for name in names:
+        get_task(name)  # an unknown name is a one-line error with the list
+    return names
+
+
+class _Model:
+    """A loaded model with what evaluating it needs: tokenizer, default data, results folder."""
+
+    def __init__(self, path: str, args: argparse.Namespace):
+        self.path = path
+        if not Path(path).exists():
+            raise ConfigError(f"{path} does not exist; give a run folder, final/ folder or checkpoint folder")
+        self.loaded = load_trained(path, args.device)
+        self.model = self.loaded.model
+        self.tokenizer = model_tokenizer(path, args.tokenizer, self.loaded)
+        self.run = _run_of(Path(path))
+        self.hash = weights_hash(self.model)
+        data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
+        self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split,
+                              eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
+        self.results = ResultsDir(args.out_dir or self._default_results())
+
+    def _default_results(self) -> Path:
+        step = self.loaded.checkpoint_step
+        if self.run is not None:
+            return self.run.evals if step is None else self.run.evals / f"step_{step:08d}"
+        return Path(self.path) / EVAL_DIR
+
+    def task(self, name: str, options: dict[str, Any]) -> Task:
+        task = get_task(name, **options)
+        fields = {f.name for f in dataclasses.fields(task.Options)}
+        if "train_length" in fields and "train_length" not in options and self.run and self.run.seq_len():
+            task = get_task(name, **options, train_length=self.run.seq_len())
+        return task
+
+    def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
+        """The task's result for this model: stored if it matches, else run now and saved."""
+        settings = {"eval_config": dataclasses.asdict(self.cfg), "options": task.options_dict()
+                    if dataclasses.fields(task.Options) else {}}
+        cached = None if force else self.results.cached(task.name, self.hash, settings)
+        if cached is not None:
+            print(f"{task.name}: reusing {self.results.json_path(task.name)} (same weights and settings)",
+                  file=sys.stderr)
+            return cached
+        print(f"{task.name}: evaluating {self.path} ...", file=sys.stderr)
+        result = run_task(task, self.model, self.tokenizer, self.cfg)
+        for path in self.results.save(result, task.plot):
+            print(f"  wrote {path}", file=sys.stderr)
+        return result.to_dict()
+
+
+def _run_of(path: Path) -> RunDir | None:
+    """The run folder a model path belongs to (the folder itself, the parent of final/, or the run
+    that holds a checkpoint), if any."""
+    for candidate in (path, path.parent, path.parent.parent):
+        if RunDir(candidate).train_config.is_file():
+            return RunDir(candidate)
+    return None
+
+
+def _check_shared(args: argparse.Namespace) -> None:
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if not 0 <= args.eval_seed < 2**63:
+        raise ConfigError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
+
+
+def _print_metrics(name: str, record: dict[str, Any]) -> None:
+    print(f"## {name}")
+    for key, value in record.get("metrics", {}).items():
+        print(f"  {key:<32} {value:.4g}" if isinstance(value, float) else f"  {key:<32} {value}")
+
+
+def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dict[str, Any]]:
+    """Every named task on one model; a task that cannot run on it (no held-out data, say) is named
+    and skipped, so that the others still run."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = model.evaluate(model.task(name, {}), force)
+        except ValueError as e:
+            print(f"{name}: skipped: {e}", file=sys.stderr)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_shared(args)
+    if args.task == COMPARE:
+        a, b = _Model(args.model, args), _Model(args.model_b, args)
+        names = _task_names(args)
+        if args.no_run:
+            ra = {k: v for k, v in a.results.all().items() if k in names}
+            rb = {k: v for k, v in b.results.all().items() if k in names}
+        else:
+            ra, rb = _evaluate_all(a, names, args.force), _evaluate_all(b, names, args.force)
+        table = compare_table(ra, rb, (args.model, args.model_b),
+                              (a.model.config.attention, b.model.config.attention))
+        print(table)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(table + "\n", encoding="utf-8")
+            print(f"wrote {args.out}", file=sys.stderr)
+        return 0
+    model = _Model(args.model, args)
+    if args.task == ALL:
+        for name, record in _evaluate_all(model, _task_names(args), args.force).items():
+            _print_metrics(name, record)
+        return 0
+    record = model.evaluate(model.task(args.task, _options(args)), args.force)
+    _print_metrics(args.task, record)
+    return 0

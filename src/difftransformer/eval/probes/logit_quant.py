@@ -1,0 +1,156 @@
+"""`logit-quant`: how a model degrades when its pre-softmax attention logits are quantised (Fig. 8).
+
+Protocol (paper §3.8; docs/evaluation.md): dynamic absmax post-training fake quantisation of the
+attention logits, both maps for DIFF (Q1K1ᵀ/√d and Q2K2ᵀ/√d, each its own tensor), the one map of
+ordinary attention:
+
+    s = max|x| / (2^(b-1) - 1),    x̂ = round(x / s) · s,    then the softmax as usual.
+
+Choices where the paper is silent, all recorded in the result:
+- 16 bits means unquantised (the paper's reference is its BF16 model); 8, 6, 4 (and any b >= 2) are
+  quantised as above.
+- Granularity: "tensor" = one scale per sequence, layer and map (the max over every head, query and
+  key: the harshest), "row" = one scale per query row of each head and map. Both by default.
+- The max is over the entries a query may see: causally masked logits are never computed by a real
+  kernel, so they neither set the scale nor matter after the softmax.
+- The metrics are the held-out loss (the `heldout-loss` windows of the test split) and, as a task
+  accuracy, forced-choice multi-needle retrieval (the `needle` task's scoring) at each bit width;
+  the paper used zero-shot HellaSwag, which does not exist offline.
+
+The quantiser is applied through the layers' explicit score hook (eval/probes/hooks.py); nothing is
+patched, and the model is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from difftransformer.eval.probes.hooks import inspect_attention, require_own_model
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+UNQUANTISED_BITS = 16
+GRANULARITIES = ("tensor", "row")
+
+
+def fake_quantize(scores: torch.Tensor, visible: torch.Tensor | None, bits: int, granularity: str) -> torch.Tensor:
+    """Dynamic absmax fake quantisation of scores (B, heads, maps, T, S) to `bits` bits.
+
+    The scale comes from the visible entries only: per (sequence, map) for "tensor", per
+    (sequence, head, map, query) for "row". A group whose visible entries are all 0 stays 0."""
+    if bits < 2:
+        raise ValueError(f"bits must be >= 2 (one sign bit and at least one magnitude bit), got {bits}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    magnitude = scores.abs() if visible is None else scores.abs().masked_fill(~visible, 0.0)
+    if granularity == "row":
+        absmax = magnitude.amax(dim=-1, keepdim=True)
+    else:  # over heads, queries and keys, separately for each sequence and map
+        absmax = magnitude.amax(dim=(1, 3, 4), keepdim=True)
+    step = absmax / (2 ** (bits - 1) - 1)
+    step = torch.where(step > 0, step, torch.ones_like(step))  # all-zero groups: x / 1 rounds to 0 already
+    return torch.round(scores / step) * step
+
+
+@dataclass
+class LogitQuantOptions:
+    bits: tuple[int, ...] = field(default=(16, 8, 6, 4), metadata={"help": "bit widths; 16 is the unquantised "
+                                                                           "reference"})
+    granularity: tuple[str, ...] = field(default=GRANULARITIES, metadata={
+        "help": "scale per 'tensor' (sequence, layer, map) and/or per 'row' (query row of a head)"})
+    windows: int = field(default=32, metadata={"help": "held-out windows (of the model's context) for the loss"})
+    needle_samples: int = field(default=40, metadata={
+        "help": "forced-choice needle prompts for the accuracy (0: loss only)"})
+    needle_length: int = field(default=0, metadata={"help": "needle prompt length in tokens (0: the model's "
+                                                             "context)"})
+
+
+@register_task
+class LogitQuant(Task):
+    name = "logit-quant"
+    description = ("held-out loss and forced-choice needle accuracy with the attention logits quantised to "
+                   "16/8/6/4 bits (dynamic absmax, per tensor and per row)")
+    Options = LogitQuantOptions
+    white_box = True
+
+    def check_options(self) -> None:
+        o = self.options
+        if not o.bits or any(b < 2 for b in o.bits):
+            raise ValueError(f"logit-quant bits must each be >= 2 (16 = unquantised), got {list(o.bits)}")
+        bad = [g for g in o.granularity if g not in GRANULARITIES]
+        if bad or not o.granularity:
+            raise ValueError(f"logit-quant granularity takes {', '.join(GRANULARITIES)}, got {list(o.granularity)}")
+        if o.windows < 1 or o.needle_samples < 0 or o.needle_length < 0:
+            raise ValueError("logit-quant windows must be >= 1, needle_samples and needle_length >= 0")
+
+    def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
+        require_own_model(model, self.name)
+        o = self.options
+        loss_cfg = EvalConfig(data_dir=cfg.data_dir, split=cfg.split, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                              max_windows=o.windows, eval_seed=cfg.eval_seed, device=cfg.device)
+        samples = self._needle_samples(model, tokenizer, cfg) if o.needle_samples else None
+        cells: dict[str, dict[str, float]] = {}
+        reference = self._measure(model, tokenizer, loss_cfg, samples, None, "tensor")
+        for granularity in o.granularity:
+            for bits in sorted(set(o.bits), reverse=True):
+                measured = reference if bits >= UNQUANTISED_BITS else self._measure(
+                    model, tokenizer, loss_cfg, samples, bits, granularity)
+                cells[f"{granularity}/{bits}"] = measured
+        metrics = {}
+        for key, m in cells.items():
+            metrics[f"loss@{key}"] = m["loss"]
+            metrics[f"loss_increase@{key}"] = m["loss"] - reference["loss"]
+            if "needle_accuracy" in m:
+                metrics[f"needle_accuracy@{key}"] = m["needle_accuracy"]
+        return TaskResult(
+            task=self.name, metrics=metrics,
+            settings={"formula": "s = max|x| / (2^(b-1) - 1) over visible entries; x_hat = round(x / s) * s",
+                      "unquantised_bits": UNQUANTISED_BITS, "data_dir": cfg.data_dir, "split": cfg.split,
+                      "needle": None if samples is None else {"prompts": len(samples), "length": self._length(model)}},
+            details={"cells": cells, "reference": reference})
+
+    def _length(self, model) -> int:
+        return self.options.needle_length or model.config.max_position_embeddings
+
+    def _needle_samples(self, model, tokenizer, cfg: EvalConfig):
+        from difftransformer.eval.tasks import needle
+
+        return needle.forced_choice_samples(model, tokenizer, cfg, self.options.needle_samples, self._length(model))
+
+    def _measure(self, model, tokenizer, loss_cfg: EvalConfig, samples, bits: int | None,
+                 granularity: str) -> dict[str, float]:
+        def make_hook(_layer: int):
+            if bits is None:
+                return None
+            return lambda scores, visible: fake_quantize(scores, visible, bits, granularity)
+
+        with inspect_attention(model, make_hook):
+            out = {"loss": HeldOutLoss().run(model, tokenizer, loss_cfg).metrics["loss"]}
+            if samples is not None:
+                from difftransformer.eval.tasks import needle
+
+                out["needle_accuracy"] = needle.forced_choice_accuracy(model, samples, loss_cfg)
+        return out
+
+    def plot(self, result: TaskResult, path) -> bool:
+        from matplotlib.figure import Figure
+
+        cells = result.details["cells"]
+        keys = ["loss"] + (["needle_accuracy"] if "needle_accuracy" in result.details["reference"] else [])
+        fig = Figure(figsize=(4.2 * len(keys), 3.4))
+        for i, key in enumerate(keys):
+            ax = fig.add_subplot(1, len(keys), i + 1)
+            for granularity in self.options.granularity:
+                pts = sorted((int(k.split("/")[1]), v[key]) for k, v in cells.items() if k.startswith(granularity))
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"per {granularity}")
+            ax.set_xlabel("bits of the attention logits")
+            ax.set_ylabel("held-out loss (nats)" if key == "loss" else "needle accuracy (forced choice)")
+            ax.invert_xaxis()
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle("Attention-logit quantisation (cf. paper Fig. 8)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return True

@@ -1,0 +1,84 @@
+"""A folder of evaluation results for ONE model: `<task>.json` (+ `<task>.png`), and when one may be reused.
+
+    results = ResultsDir("runs/demo/diff/eval")
+    cached = results.cached("needle", weights_sha256, settings)   # a dict, or None: run the task
+    results.save(result, png_writer)                                # atomic; the PNG when the task has a figure
+
+A stored result is reused only when it belongs to the same weights (sha256 of every tensor) and the
+same settings (the task's options and the EvalConfig fields that change numbers). Anything else,
+or a file that cannot be read, means the task runs again; nothing is ever merged or guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+from difftransformer._io import atomic_write_text
+from difftransformer.eval.task import TaskResult
+
+# EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
+UNSCORED = ("device", "batch_size")
+
+
+def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The part of a result's settings that decides its numbers (the run's own bookkeeping left out)."""
+    cfg = {k: v for k, v in settings.get("eval_config", {}).items() if k not in UNSCORED}
+    return {"eval_config": cfg, "options": settings.get("options", {})}
+
+
+class ResultsDir:
+    """Where one model's evaluation results live; the folder is made on the first save."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def json_path(self, task: str) -> Path:
+        return self.path / f"{task}.json"
+
+    def png_path(self, task: str) -> Path:
+        return self.path / f"{task}.png"
+
+    def load(self, task: str) -> dict[str, Any] | None:
+        """The stored result of `task` as a dict; None when there is none or it cannot be read."""
+        try:
+            data = json.loads(self.json_path(task).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("task") == task else None
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        """Every readable result in the folder, by task name."""
+        if not self.path.is_dir():
+            return {}
+        found = {p.stem: self.load(p.stem) for p in sorted(self.path.glob("*.json"))}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def cached(self, task: str, weights_sha256: str, settings: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored result if it was computed from these weights with these settings, else None."""
+        stored = self.load(task)
+        if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
+            return None
+        return stored if comparable_settings(stored.get("settings", {})) == comparable_settings(settings) else None
+
+    def save(self, result: TaskResult, plot: Callable[[TaskResult, Path], bool] | None = None) -> list[Path]:
+        """Write `<task>.json` (and `<task>.png` when `plot` draws one) atomically; the paths written."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        written = []
+        png = self.png_path(result.task)
+        # the temporary name ends in .png: plotting libraries pick the format from the suffix
+        tmp = png.with_name(f".{png.stem}.{secrets.token_hex(4)}.png")
+        try:
+            if plot is not None and plot(result, tmp) and tmp.is_file() and tmp.stat().st_size:
+                os.replace(tmp, png)
+                written.append(png)
+            else:
+                png.unlink(missing_ok=True)  # a stale figure of an earlier result must not stay beside this one
+        finally:
+            tmp.unlink(missing_ok=True)
+        path = self.json_path(result.task)
+        atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=True) + "\n")
+        return [path, *written]

@@ -1,0 +1,206 @@
+"""`long-context`: NLL by position in long held-out documents (paper Fig. 4) and the AR-hit / Others
+loss slices (paper Table 6, after Zoology).
+
+Protocol (evaluation-protocols.md, sections 3 and 8):
+- Documents: the held-out split (cfg.split, "test" by default) of a prepared corpus, cut at the
+  tokenizer's EOS id (every document is followed by EOS in the token file). Each document is scored
+  from its start as in training, where the EOS before a document acts as its beginning: the model
+  reads [EOS, d_1, ..., d_{L-1}] and is scored on d_1 .. d_L, so position t is the t-th token of the
+  document, predicted from the t tokens before it (EOS included).
+- The curve: the mean NLL at each position t over the documents, and its cumulative average
+  (1/t) * sum_{s<=t} NLL_s, plotted against t on a log axis. Log-spaced buckets of positions
+  [1, 1], [2, 3], [4, 7], ... (powers of two; the last cut at L) give the mean NLL over each range.
+- AR hits: a scored token is an AR hit when its bigram (previous token, token) already occurred
+  earlier in the same scored sequence (it could be predicted by recall); all other tokens are
+  "Others". The EOS that starts the sequence counts as the previous token of d_1 (that bigram is
+  always new). Reported: the mean NLL on each slice and its token count.
+
+Choices where the paper is silent:
+- Documents shorter than L tokens are SKIPPED, never concatenated: every position t then averages
+  over the same documents, and position t is always a position inside one document (concatenating
+  would put document starts, where the loss jumps, at arbitrary positions). A split with no
+  document of L tokens is a one-line error naming its longest document.
+- Only each document's first L tokens are scored (one sequence per document: "position" means
+  position in the document), in the split's order; `documents` (and cfg.max_windows, each document
+  being one window) caps how many, the first ones in order, so the choice needs no seed.
+- L: the option `length`; 0 takes cfg.seq_len, else the model's max_position_embeddings. Beyond
+  the model's context it is refused: a model is not asked for positions it cannot represent.
+- `train_length` (0 = unknown) marks where the model's training length ends: the result gives the
+  mean per-position NLL over positions 1..train_length and train_length+1..L (the latter only when
+  train_length < L). Position t is inside the training length when t <= train_length (its input
+  positions 0..t-1 were all seen in training).
+- The AR-hit slices use the same documents and positions as the curve.
+
+Black box: only `model(ids).logits` and `model.config.max_position_embeddings` are used. NLL is
+computed from fp32 (or wider) logits, as in `eval/lm.token_nll`; the model reads exactly L tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from difftransformer.data import PreparedData
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+
+
+@dataclass
+class LongContextOptions:
+    length: int = field(default=0, metadata={
+        "help": "scored tokens per document (positions 1..length); 0: EvalConfig.seq_len, else the model's context"})
+    documents: int = field(default=0, metadata={
+        "help": "how many documents to score (the first long-enough ones in split order); 0: all"})
+    train_length: int = field(default=0, metadata={
+        "help": "the model's training sequence length, marked on the curve (mean NLL before/after it); 0: unknown"})
+
+
+def split_documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
+    """The documents of a token stream in which every document is followed by `eos_id` (views, in
+    order, EOS excluded). A trailing piece without its EOS counts as a document too; empty ones do not."""
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id)
+    starts = np.concatenate(([0], ends + 1))
+    ends = np.concatenate((ends, [len(tokens)]))
+    return [tokens[s:e] for s, e in zip(starts, ends) if e > s]
+
+
+def ar_hits(ids: torch.Tensor) -> torch.Tensor:
+    """(B, N) token ids -> (B, N) bool: entry t is True when t >= 1 and the bigram (ids[t-1], ids[t])
+    already occurred at (s-1, s) for some s < t in the same row (an associative-recall hit, Zoology).
+    Entry 0 has no previous token and is never a hit."""
+    ids = ids.long().cpu()
+    B, N = ids.shape
+    hits = torch.zeros(B, N, dtype=torch.bool)
+    if N < 2:
+        return hits
+    vocab = int(ids.max()) + 1
+    codes = ids[:, :-1] * vocab + ids[:, 1:]  # code j: the bigram that ends at position j + 1
+    pos = torch.arange(N - 1)
+    for b in range(B):
+        uniq, inverse = torch.unique(codes[b], return_inverse=True)
+        first = torch.full((len(uniq),), N, dtype=torch.long).scatter_reduce(0, inverse, pos, "amin")
+        hits[b, 1:] = pos > first[inverse]
+    return hits
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    """Log-spaced, inclusive ranges of positions covering 1..length: [1,1], [2,3], [4,7], ... (last cut)."""
+    out, lo = [], 1
+    while lo <= length:
+        out.append((lo, min(2 * lo - 1, length)))
+        lo *= 2
+    return out
+
+
+@torch.no_grad()
+def score_documents(model, seqs: torch.Tensor, batch_size: int, device: str) -> torch.Tensor:
+    """(D, L + 1) sequences [EOS, d_1..d_L] -> (D, L) float64 NLL of d_t given EOS, d_1..d_{t-1};
+    the model reads L tokens per sequence, batch_size sequences at a time."""
+    out = []
+    for i in range(0, seqs.shape[0], batch_size):
+        ids = seqs[i:i + batch_size].to(device)
+        logits = model(ids[:, :-1]).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        out.append(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").double().cpu())
+    return torch.cat(out)
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    return float(x.mean()) if x.numel() else None
+
+
+@register_task
+class LongContext(Task):
+    name = "long-context"
+    description = ("cumulative average NLL against position in long held-out documents (Fig. 4), and the loss on "
+                   "AR-hit / other tokens (Table 6)")
+    Options = LongContextOptions
+
+    def check_options(self) -> None:
+        for key in ("length", "documents", "train_length"):
+            value = getattr(self.options, key)
+            if value < 0:
+                raise ValueError(f"long-context option {key} must be >= 0 (0 = automatic), got {value}")
+
+    def _length(self, model, cfg: EvalConfig) -> int:
+        context = model.config.max_position_embeddings
+        length = self.options.length or cfg.seq_len or context
+        if length > context:
+            raise ValueError(f"length {length} is beyond the model's context of {context} tokens "
+                             f"(max_position_embeddings); use length <= {context}")
+        return length
+
+    def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
+        if cfg.data_dir is None:
+            raise ValueError("long-context reads held-out documents: set EvalConfig.data_dir (--data-dir) to a "
+                             "prepared-data folder (e.g. cache/data/sotu-8192)")
+        length = self._length(model, cfg)
+        data = PreparedData.load(cfg.data_dir)
+        split = data.dataset(cfg.split)
+        tokens = np.asarray(split.tokens)
+        docs = split_documents(tokens, split.eos_id)
+        chosen = [i for i, d in enumerate(docs) if len(d) >= length]
+        if not chosen:
+            longest = max((len(d) for d in docs), default=0)
+            raise ValueError(f"no document in the {cfg.split} split of {cfg.data_dir} has {length} tokens or more "
+                             f"(the longest has {longest}; shorter documents are skipped); use length <= {longest}")
+        cap = min(self.options.documents or len(chosen), cfg.max_windows or len(chosen))
+        chosen = chosen[:cap]
+        seqs = torch.tensor(np.stack([np.concatenate(([split.eos_id], docs[i][:length])) for i in chosen])
+                            .astype(np.int64))
+        nll = score_documents(model, seqs, cfg.batch_size, cfg.device)  # (D, L)
+        hits = ar_hits(seqs)[:, 1:]
+        return self._result(nll, hits, length, chosen, [len(docs[i]) for i in chosen], data, cfg)
+
+    def _result(self, nll: torch.Tensor, hits: torch.Tensor, length: int, chosen: list[int], doc_lengths: list[int],
+                data: PreparedData, cfg: EvalConfig) -> TaskResult:
+        per_position = nll.mean(dim=0)  # (L,)
+        cumulative = per_position.cumsum(0) / torch.arange(1, length + 1, dtype=torch.float64)
+        buckets = [{"first": lo, "last": hi, "nll": float(per_position[lo - 1:hi].mean())}
+                   for lo, hi in position_buckets(length)]
+        slices = {"ar_hit": {"loss": _mean(nll[hits]), "tokens": int(hits.sum())},
+                  "others": {"loss": _mean(nll[~hits]), "tokens": int((~hits).sum())}}
+        metrics: dict[str, float] = {"final_cumulative_nll": float(cumulative[-1])}
+        metrics.update({f"nll_positions_{b['first']}_{b['last']}": b["nll"] for b in buckets})
+        for key, s in slices.items():
+            if s["loss"] is not None:
+                metrics[f"{key}_loss"] = s["loss"]
+        metrics["ar_hit_fraction"] = slices["ar_hit"]["tokens"] / nll.numel()
+        train_length = self.options.train_length
+        if train_length:
+            metrics["nll_within_train_length"] = float(per_position[:train_length].mean())
+            if train_length < length:
+                metrics["nll_beyond_train_length"] = float(per_position[train_length:].mean())
+        return TaskResult(
+            task=self.name,
+            metrics=metrics,
+            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "length": length,
+                      "documents": len(chosen), "tokens": nll.numel(), "train_length": train_length or None,
+                      "short_documents": "skipped", "corpus_hash": data.corpus_hash,
+                      "tokenizer_hash": data.tokenizer_hash},
+            details={"positions_nll": per_position.tolist(), "cumulative_nll": cumulative.tolist(),
+                     "buckets": buckets, "slices": slices,
+                     "documents": [{"index": i, "tokens": n} for i, n in zip(chosen, doc_lengths)]},
+        )
+
+    def plot(self, result: TaskResult, path: Path) -> bool:
+        from matplotlib.figure import Figure
+
+        cumulative = result.details["cumulative_nll"]
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        ax.plot(range(1, len(cumulative) + 1), cumulative, label="cumulative average NLL")
+        train_length = result.settings.get("train_length")
+        if train_length:
+            ax.axvline(train_length, color="grey", linestyle="--", label=f"training length {train_length}")
+        ax.set_xscale("log")
+        ax.set_xlabel("position t (tokens)")
+        ax.set_ylabel("average NLL of tokens 1..t (nats)")
+        ax.set_title(f"{result.settings['documents']} documents, {result.settings['split']} split")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return True
