@@ -9,5 +9,7 @@ from difftransformer.eval.probes.hooks import (
     inspect_attention,
     require_own_model,
 )
+from difftransformer.eval.probes.logit_quant import LogitQuant, fake_quantize
 
-__all__ = ["attention_layers", "capture_layer_outputs", "inspect_attention", "require_own_model"]
+__all__ = ["LogitQuant", "attention_layers", "capture_layer_outputs", "fake_quantize", "inspect_attention",
+           "require_own_model"]

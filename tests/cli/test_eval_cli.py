@@ -1,0 +1,56 @@
+"""`difftransformer eval`: one task, reuse of stored results, all, compare, and bad inputs in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from difftransformer.cli import main
+from difftransformer.eval import TASKS
+from tests.helpers import cli_fails
+
+
+def test_one_task_writes_json_and_png_and_is_reused(compared, capsys):
+    run = compared / "diff"
+    argv = ["eval", "logit-quant", str(run), "--windows", "2", "--needle-samples", "0", "--bits", "16,4"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    record = json.loads((run / "eval" / "logit-quant.json").read_text())
+    assert (run / "eval" / "logit-quant.png").read_bytes()[:4] == b"\x89PNG"
+    assert record["settings"]["options"]["bits"] == [16, 4] and record["settings"]["options"]["windows"] == 2
+    assert record["settings"]["eval_config"]["data_dir"]  # the run's own prepared data, found by itself
+    assert record["metrics"]["loss_increase@tensor/16"] == 0.0 and record["metrics"]["loss@tensor/4"] > 0
+    assert "loss@row/4" in out.out
+    assert main(argv) == 0
+    assert "reusing" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--bits", "16,6"]) == 0  # other settings: computed again
+    assert "evaluating" in capsys.readouterr().err
+
+
+def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):
+    out = tmp_path / "cmp.md"
+    assert main(["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks",
+                 "heldout-loss", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "| heldout-loss | loss |" in table and "A: transformer | B: diff" in table
+    a = json.loads((compared / "transformer" / "eval" / "heldout-loss.json").read_text())["metrics"]["loss"]
+    b = json.loads((compared / "diff" / "eval" / "heldout-loss.json").read_text())["metrics"]["loss"]
+    assert f"| {b - a:.4g} |" in table
+
+
+def test_every_task_has_help_with_its_options(capsys):
+    for name in TASKS:
+        with pytest.raises(SystemExit) as e:
+            main(["eval", name, "--help"])
+        assert e.value.code == 0
+    assert "--bits LIST" in capsys.readouterr().out  # the last one printed includes logit-quant's options
+
+
+def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
+    run = str(compared / "diff")
+    cli_fails(capsys, ["eval", "logit-quant", run, "--bits", "1"], "bits must each be >= 2")
+    cli_fails(capsys, ["eval", "heldout-loss", str(tmp_path / "nope")], "does not exist")
+    cli_fails(capsys, ["eval", "all", run, "--tasks", "neddle,heldout-loss"], "unknown evaluation task 'neddle'")
+    cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "0"], "--batch-size must be a positive")
+    cli_fails(capsys, ["eval", "heldout-loss", str(compared)], "is a comparison folder")
