@@ -55,3 +55,50 @@ def test_bad_settings():
     with pytest.raises(ValueError, match="granularity"):
         fake_quantize(x, None, 4, "head")
     assert fake_quantize(x, None, 4, "row").tolist() == x.tolist()  # all zeros stay zero, no NaN
+
+
+def _peaked_model(kind):
+    from difftransformer.model import DiffTransformerLM
+    from tests.helpers import tiny
+
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny(kind, vocab_size=300)).eval()
+    with torch.no_grad():
+        for block in model.layers:
+            block.self_attn.q_proj.weight.mul_(40)  # large, spread logits: quantisation has something to lose
+    return model
+
+
+@pytest.mark.parametrize("kind", ["diff", "transformer"])
+def test_two_bits_change_the_model_far_more_than_eight(kind):
+    from difftransformer.eval.probes import inspect_attention
+
+    model = _peaked_model(kind)
+    ids = torch.randint(0, 300, (2, 24))
+    ref = torch.log_softmax(model(ids).logits, -1)
+
+    def kl(bits):
+        with inspect_attention(model, lambda i: (lambda s, vis: fake_quantize(s, vis, bits, "tensor"))):
+            got = torch.log_softmax(model(ids).logits, -1)
+        return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+    two, eight = kl(2), kl(8)
+    assert two > 1e-3 and eight < two / 20
+
+
+def test_the_task_reference_is_exactly_unquantised(data_dir):
+    from difftransformer.data import PreparedData
+    from difftransformer.eval import EvalConfig, get_task, run_task
+
+    model = _peaked_model("diff")
+    tok = PreparedData.load(data_dir).tokenizer()
+    cfg = EvalConfig(data_dir=data_dir, seq_len=32)
+    result = run_task(get_task("logit-quant", bits=(16, 2), windows=3, needle_samples=0), model, tok, cfg)
+    plain = run_task("heldout-loss", model, tok, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=3))
+    # the probe runs eager attention, the plain model its fused kernel: equal to fp32 rounding
+    assert result.metrics["loss@tensor/16"] == pytest.approx(plain.metrics["loss"], rel=1e-6)
+    assert result.metrics["loss@tensor/16"] == result.metrics["loss@row/16"]
+    assert result.metrics["loss_increase@tensor/16"] == 0.0
+    assert result.metrics["loss@tensor/2"] != plain.metrics["loss"]
+    with pytest.raises(ValueError, match="needs one of this package's models"):
+        run_task(get_task("logit-quant"), torch.nn.Linear(2, 2), tok, cfg)
