@@ -10,6 +10,7 @@ from difftransformer.eval.probes.hooks import (
     require_own_model,
 )
 from difftransformer.eval.probes.logit_quant import LogitQuant, fake_quantize
+from difftransformer.eval.probes.outliers import Outliers
 
-__all__ = ["LogitQuant", "attention_layers", "capture_layer_outputs", "fake_quantize", "inspect_attention",
+__all__ = ["LogitQuant", "Outliers", "attention_layers", "capture_layer_outputs", "fake_quantize", "inspect_attention",
            "require_own_model"]

@@ -5,15 +5,17 @@ Protocol (evaluation-protocols.md, section 6):
   and the median, global over layers, heads, positions and keys / channels, and also per layer:
   * |attention logits|: exactly the `scores` a score hook receives (attention/functional.py), i.e.
     |q1 k1^T / sqrt(d)| and |q2 k2^T / sqrt(d)| (both maps) for differential attention and
-    |q k^T / sqrt(d)| for ordinary attention, for every query head. Causally masked (future) entries
+    |q k^T / sqrt(d)| for ordinary attention, for every query head (DIFF V2: its 2H paired query heads,
+    one ordinary map each; settings["maps_per_layer"] records what each layer gave). Causally masked (future) entries
     are excluded through the hook's `visible` mask; a value a hook earlier in the chain planted at a
     visible entry is counted as the model would use it.
   * |hidden states|: every entry of each decoder block's output, after both residual adds.
 - Text: non-overlapping windows of seq_len tokens (cfg.seq_len, else the model's context) cut in
   order from the held-out split (cfg.split), as `heldout-loss` and the trainer's validation cut them
   (windows may span document boundaries, as training windows do). The token budget `tokens` is
-  rounded up to whole windows (the paper used 0.4M tokens; the default is sized to finish well
-  within 2 minutes on the CPU demo model); cfg.max_windows caps the windows too.
+  rounded up to whole windows (the paper used 0.4M tokens; the default, 32,768 = 128 windows of the
+  demo model's 256, finishes well within 2 minutes on the CPU demo model); cfg.max_windows caps the
+  windows too. A budget below 1 is refused.
 
 Streaming, in memory independent of the token budget:
 - top-k: a running top-100 per layer and kind; each batch's top-100 is merged with it (top-100 of
@@ -21,8 +23,9 @@ Streaming, in memory independent of the token budget:
 - median: a log-spaced histogram per layer and kind, bins of width 1e-3 in log10 over [1e-8, 1e8)
   (16,000 bins), exact zeros counted apart, values below 1e-8 / at or above 1e8 in an under / overflow
   bin. The median is the lower median (the value of 0-based rank floor((N-1)/2), as torch.median)
-  estimated by the geometric centre of its bin: relative error at most 10^0.0005 - 1 = 0.115%. (In
-  an under/overflow bin it is reported as that bound, 1e-8 or 1e8.) NaN entries are counted and left out.
+  estimated by the geometric centre of its bin: relative error at most 10^0.0005 - 1 = 0.115% (plus
+  under 1e-5 from binning by fp32 logarithms when the values are fp32 or narrower). In an under/overflow
+  bin it is reported as that bound, 1e-8 or 1e8. NaN entries are counted and left out.
 - Memory: the state is 2 kinds x layers x (16,002 int64 bins + 100 values + counters) ~ 128 KiB per
   layer and kind, whatever the budget; the transient peak is a small multiple (about 3x) of ONE
   layer's logits for ONE batch (B x heads x maps x T x S values), while that layer's hook runs.
@@ -47,7 +50,7 @@ from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_tas
 TOP_KS = (1, 2, 3, 10, 100)
 LOG10_MIN, LOG10_MAX, LOG10_BIN = -8.0, 8.0, 1e-3
 NUM_BINS = round((LOG10_MAX - LOG10_MIN) / LOG10_BIN)  # 16,000 finite bins, plus under- and overflow
-MEDIAN_RELATIVE_ERROR = 10 ** (LOG10_BIN / 2) - 1  # half a bin, as a factor: 0.115%
+MEDIAN_RELATIVE_ERROR = 10 ** (LOG10_BIN / 2) - 1  # half a bin, as a factor: 0.115% (+ < 1e-5 from fp32 logs)
 KINDS = ("attention_logits", "hidden_states")
 
 
@@ -77,8 +80,8 @@ class AbsStats:
 
     @torch.no_grad()
     def update(self, values: torch.Tensor) -> None:
-        a = values.detach().reshape(-1).abs()
-        a = a.to(torch.promote_types(a.dtype, torch.float32))  # bins from fp32 logs (or wider), also for bf16
+        a = values.detach().reshape(-1)
+        a = a.to(torch.promote_types(a.dtype, torch.float32)).abs()  # bins from fp32 logs (or wider), also for bf16
         nan = torch.isnan(a)
         if bool(nan.any()):
             self.nans += nan.sum()
@@ -86,10 +89,13 @@ class AbsStats:
         if a.numel() == 0:
             return
         self.top = merge_topk(self.top, torch.topk(a, min(self.k, a.numel())).values.double(), self.k)
-        positive = a[a > 0]
-        self.zeros += a.numel() - positive.numel()
-        index = torch.floor((torch.log10(positive) - LOG10_MIN) / LOG10_BIN).clamp_(-1, NUM_BINS) + 1
-        self.hist += torch.bincount(index.long(), minlength=NUM_BINS + 2)
+        zeros = a.numel() - torch.count_nonzero(a)
+        index = torch.log10(a).mul_(1 / LOG10_BIN).sub_(LOG10_MIN / LOG10_BIN)  # in place: one temporary
+        index = index.floor_().clamp_(-1, NUM_BINS).add_(1).long()  # log10(0) = -inf lands in the underflow bin
+        hist = torch.bincount(index, minlength=NUM_BINS + 2)
+        hist[0] -= zeros  # exact zeros are counted apart
+        self.hist += hist
+        self.zeros += zeros
 
     @property
     def count(self) -> int:
@@ -147,8 +153,8 @@ class OutlierState:
     def score_hook(self, i: int):
         def hook(scores: torch.Tensor, visible: torch.Tensor | None) -> None:
             self.maps[i] = scores.shape[2]
-            a = scores.detach().abs()
-            self.layers["attention_logits"][i].update(a if visible is None else a.masked_select(visible))
+            v = scores.detach()
+            self.layers["attention_logits"][i].update(v if visible is None else v.masked_select(visible))
         return hook
 
     def hidden(self, i: int, h: torch.Tensor) -> None:
@@ -237,7 +243,8 @@ class Outliers(Task):
             ax = fig.add_subplot(1, 2, n + 1)
             values = [result.metrics.get(f"{kind}_{key}", math.nan) for key in (*(f"top{k}" for k in TOP_KS),
                                                                                  "median")]
-            ax.bar(labels, values)
+            bars = ax.bar(labels, values)
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
             ax.set_yscale("log")
             ax.set_title(f"|{kind.replace('_', ' ')}|")
             ax.tick_params(axis="x", labelrotation=45)

@@ -2,5 +2,6 @@
 package registers them with `difftransformer.eval.task`."""
 
 from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+from difftransformer.eval.tasks.long_context import LongContext
 
-__all__ = ["HeldOutLoss"]
+__all__ = ["HeldOutLoss", "LongContext"]

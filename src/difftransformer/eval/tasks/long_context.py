@@ -32,7 +32,9 @@ Choices where the paper is silent:
 - The AR-hit slices use the same documents and positions as the curve.
 
 Black box: only `model(ids).logits` and `model.config.max_position_embeddings` are used. NLL is
-computed from fp32 (or wider) logits, as in `eval/lm.token_nll`; the model reads exactly L tokens.
+computed by `eval/lm.token_nll` (fp32 or wider logits); the model reads exactly L tokens.
+Scoring is batched (cfg.batch_size documents per forward) and summed as it goes: memory is one
+batch's logits (B x L x vocab) plus O(L) running sums, whatever the number of documents.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from difftransformer.data import PreparedData
+from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 
@@ -95,21 +97,24 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
     return out
 
 
-@torch.no_grad()
-def score_documents(model, seqs: torch.Tensor, batch_size: int, device: str) -> torch.Tensor:
-    """(D, L + 1) sequences [EOS, d_1..d_L] -> (D, L) float64 NLL of d_t given EOS, d_1..d_{t-1};
-    the model reads L tokens per sequence, batch_size sequences at a time."""
-    out = []
-    for i in range(0, seqs.shape[0], batch_size):
-        ids = seqs[i:i + batch_size].to(device)
-        logits = model(ids[:, :-1]).logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        out.append(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").double().cpu())
-    return torch.cat(out)
+@dataclass
+class _Totals:
+    """Running sums over the scored documents: memory O(L), whatever their number."""
 
+    position_sum: torch.Tensor  # (L,) summed NLL at each position
+    documents: int = 0
+    hit_sum: float = 0.0
+    hit_tokens: int = 0
+    other_sum: float = 0.0
+    other_tokens: int = 0
 
-def _mean(x: torch.Tensor) -> float | None:
-    return float(x.mean()) if x.numel() else None
+    def add(self, nll: torch.Tensor, hits: torch.Tensor) -> None:
+        self.position_sum += nll.sum(0)
+        self.documents += nll.shape[0]
+        self.hit_sum += float(nll[hits].sum())
+        self.hit_tokens += int(hits.sum())
+        self.other_sum += float(nll[~hits].sum())
+        self.other_tokens += int((~hits).sum())
 
 
 @register_task
@@ -149,26 +154,29 @@ class LongContext(Task):
                              f"(the longest has {longest}; shorter documents are skipped); use length <= {longest}")
         cap = min(self.options.documents or len(chosen), cfg.max_windows or len(chosen))
         chosen = chosen[:cap]
-        seqs = torch.tensor(np.stack([np.concatenate(([split.eos_id], docs[i][:length])) for i in chosen])
-                            .astype(np.int64))
-        nll = score_documents(model, seqs, cfg.batch_size, cfg.device)  # (D, L)
-        hits = ar_hits(seqs)[:, 1:]
-        return self._result(nll, hits, length, chosen, [len(docs[i]) for i in chosen], data, cfg)
+        totals = _Totals(torch.zeros(length, dtype=torch.float64))
+        for i in range(0, len(chosen), cfg.batch_size):
+            seqs = np.stack([np.concatenate(([split.eos_id], docs[j][:length])) for j in chosen[i:i + cfg.batch_size]])
+            seqs = torch.from_numpy(seqs.astype(np.int64))
+            totals.add(token_nll(model, seqs.to(cfg.device)).double().cpu(), ar_hits(seqs)[:, 1:])
+        return self._result(totals, length, chosen, [len(docs[i]) for i in chosen], data, cfg)
 
-    def _result(self, nll: torch.Tensor, hits: torch.Tensor, length: int, chosen: list[int], doc_lengths: list[int],
+    def _result(self, totals: _Totals, length: int, chosen: list[int], doc_lengths: list[int],
                 data: PreparedData, cfg: EvalConfig) -> TaskResult:
-        per_position = nll.mean(dim=0)  # (L,)
+        per_position = totals.position_sum / totals.documents  # (L,)
         cumulative = per_position.cumsum(0) / torch.arange(1, length + 1, dtype=torch.float64)
         buckets = [{"first": lo, "last": hi, "nll": float(per_position[lo - 1:hi].mean())}
                    for lo, hi in position_buckets(length)]
-        slices = {"ar_hit": {"loss": _mean(nll[hits]), "tokens": int(hits.sum())},
-                  "others": {"loss": _mean(nll[~hits]), "tokens": int((~hits).sum())}}
+        slices = {"ar_hit": {"loss": totals.hit_sum / totals.hit_tokens if totals.hit_tokens else None,
+                             "tokens": totals.hit_tokens},
+                  "others": {"loss": totals.other_sum / totals.other_tokens if totals.other_tokens else None,
+                             "tokens": totals.other_tokens}}
         metrics: dict[str, float] = {"final_cumulative_nll": float(cumulative[-1])}
         metrics.update({f"nll_positions_{b['first']}_{b['last']}": b["nll"] for b in buckets})
         for key, s in slices.items():
             if s["loss"] is not None:
                 metrics[f"{key}_loss"] = s["loss"]
-        metrics["ar_hit_fraction"] = slices["ar_hit"]["tokens"] / nll.numel()
+        metrics["ar_hit_fraction"] = totals.hit_tokens / (totals.documents * length)
         train_length = self.options.train_length
         if train_length:
             metrics["nll_within_train_length"] = float(per_position[:train_length].mean())
@@ -177,8 +185,8 @@ class LongContext(Task):
         return TaskResult(
             task=self.name,
             metrics=metrics,
-            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "length": length,
-                      "documents": len(chosen), "tokens": nll.numel(), "train_length": train_length or None,
+            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "length": length, "documents": len(chosen),
+                      "tokens": totals.documents * length, "train_length": train_length or None,
                       "short_documents": "skipped", "corpus_hash": data.corpus_hash,
                       "tokenizer_hash": data.tokenizer_hash},
             details={"positions_nll": per_position.tolist(), "cumulative_nll": cumulative.tolist(),
