@@ -36,11 +36,12 @@ the output is
   - unfaithful when no reference occurs in it: it does not state the in-context fact;
   - unfaithful when it contains a contradicting candidate that the source does not contain: a
     number, or a phrase from "candidates" (one that is not part of a reference), absent from the
-    source (numbers of a reference count as in the source). A candidate the source does contain (another fact of the document) is supported and
-    allowed, as in the Lookback Lens rule, which asks only whether the information is in the document;
+    source (the numbers of a reference count as in the source). A candidate the source does contain
+    (another fact of the document) is supported and allowed, as in the Lookback Lens rule, which asks
+    only whether the information is in the document;
   - faithful otherwise. Words other than numbers and listed candidates are not checked: a matching
     judge cannot tell new information from paraphrase, so the task bounds the output it judges.
-"spans" lists the output's offending text (the unsupported candidates as written).
+"spans" lists the output's offending text (the unsupported candidates as written, in output order).
 
 An external command gets the records as JSON lines on its stdin and must print one JSON object per
 record on stdout, in order, each with a boolean "faithful" (blank lines are ignored). A command that
@@ -152,19 +153,20 @@ def match_verdict(record: Record, index: int = 0) -> Verdict:
     source_tokens = tokens_with_spans(_source_text(record))
     source = [t[0] for t in source_tokens]
     source_numbers = {t[0] for t in source_tokens if t[3]} | {t for r in refs for t in r if t[0].isdigit()}
-    spans: list[str] = []
+    found: set[tuple[int, int]] = set()  # (start, end) in the output of each unsupported candidate
     for tok, start, end, is_number in out:
         if is_number and tok not in source_numbers:
-            spans.append(output[start:end])
+            found.add((start, end))
     for cand in record.get("candidates") or []:
         c = normalize(cand)
         if not c or any(find_phrase(r, c) >= 0 for r in refs) or find_phrase(source, c) >= 0:
             continue
         i = find_phrase(words, c)
         if i >= 0:
-            spans.append(output[out[i][1]:out[i + len(c) - 1][2]])
-    if spans:
-        return {"faithful": False, "reason": "states something the context does not contain", "spans": spans}
+            found.add((out[i][1], out[i + len(c) - 1][2]))
+    if found:
+        return {"faithful": False, "reason": "states something the context does not contain",
+                "spans": [output[a:b] for a, b in sorted(found)]}
     return {"faithful": True, "reason": "states the in-context answer and nothing that contradicts the context",
             "spans": []}
 
@@ -309,7 +311,8 @@ def _import_function(path: str) -> Callable:
     return fn
 
 
-def make_judge(spec: str | Callable, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Sequence[Record]], list[Verdict]]:
+def make_judge(spec: str | Callable,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Sequence[Record]], list[Verdict]]:
     """The judge `spec` names: "match", "python:package.module:function", "command:<shell command>", or a
     callable (used as is). `timeout_s` bounds an external command. A bad spec is a one-line ValueError."""
     if callable(spec) and not isinstance(spec, str):

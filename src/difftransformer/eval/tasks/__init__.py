@@ -1,7 +1,8 @@
 """Black-box evaluation tasks: they see a model's logits only (through eval/lm.py). Importing this
 package registers them with `difftransformer.eval.task`."""
 
+from difftransformer.eval.tasks.hallucination import Hallucination
 from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
 from difftransformer.eval.tasks.long_context import LongContext
 
-__all__ = ["HeldOutLoss", "LongContext"]
+__all__ = ["Hallucination", "HeldOutLoss", "LongContext"]

@@ -1,0 +1,585 @@
+"""`hallucination`: contextual hallucination, the paper's §3.6, on tasks whose answer the context fixes.
+
+The paper asks a GPT-4o judge whether each summary / answer is supported by its document (Lookback
+Lens protocol) and reports the fraction judged faithful, 100 samples per data set. Offline there is
+neither the data sets nor the judge, so every sample here is built so that its answer is fully
+determined by the context and checkable by matching (eval/judge.py), and the judge is pluggable for
+users who have an LLM judge: `judge="python:package.module:function"`, `"command:<shell command>"`,
+or from Python any callable, `get_task("hallucination", judge=fn)`.
+
+Sub-tasks (50 samples each by default; the paper used 100), all on real held-out text:
+  qa              a fact about a made-up person, from a seeded generator ("Maria Lopez was born in
+                  Lyon.", "... was born in the year 1874.", "... works as a tailor.", "Maria Lopez's
+                  favourite colour is amber.", "... paid 12,500 dollars for the farm."), then a
+                  question whose answer is that fact's value.
+  counterfactual  a statement that contradicts world knowledge ("The capital of France is Lisbon.",
+                  "A week has 9 days.") asked back: a model that answers from memory (Paris, 7)
+                  instead of from the context is unfaithful.
+  summary         the same kind of fact as qa; the instruction asks to restate the key fact of the
+                  passage and the prompt ends "In summary, Maria Lopez": the model must restate the
+                  predicate and its value ("was born in Lyon.").
+
+Prompt (QA and counterfactual; the summary puts its instruction after the passage, no question):
+
+    Answer the question using only the passage.
+
+    Passage: <held-out text> Maria Lopez was born in Lyon. <held-out text>
+
+    Question: Where was Maria Lopez born?
+    Answer: Maria Lopez was born in
+
+Completion-style, as in the paper's needle prompts, so that small base models can answer. Every
+prompt is scored as a new document (EOS first, eval/lm.py).
+
+Metrics per sub-task:
+  faithful_<sub>  the paper's metric: the fraction of greedy outputs the judge calls faithful.
+  choice_<sub>    forced choice: the fraction of samples whose in-context value has the highest
+                  log-probability as the continuation, among `choices` candidate values (the others:
+                  values of the same kind that the passage does not contain, and, for counterfactuals,
+                  always the world-knowledge value). It separates tiny models long before greedy
+                  decoding states anything right.
+  memory_counterfactual, choice_memory_counterfactual  how often the output states the
+                  world-knowledge value / the forced choice picks it: answering from memory.
+  faithful, choice  the means over the sub-tasks run.
+
+Choices made where the paper is silent (it used real data sets and an LLM judge):
+  - Held-out text: a window of `cfg.split` tokens (test by default, never train) at a seeded random
+    offset, decoded with the prepared data's tokenizer (documents joined by a blank line), cut to
+    whole words at both ends, and sized so that the whole prompt is `context_length` tokens of the
+    model's tokenizer (default: the model's context less max_new_tokens; EvalConfig.seq_len is not
+    used), or as close below as the re-tokenisation allows, and short enough that the prompt and its
+    longest forced-choice continuation fit in the model's context. The fact goes at the sentence boundary nearest to a uniform random
+    depth. A fact whose value (or, for counterfactuals, whose world-knowledge value) already occurs
+    in the window is drawn again, so the answer is recoverable from the fact alone.
+  - Counterfactual value: another value of the same kind (another capital, planet, number, ...),
+    uniform; facts are uniform over the table below (capitals are most of it).
+  - Greedy decoding, max_new_tokens (12) new tokens; the judged output is the continuation's first
+    sentence (up to the first newline or sentence-final . ! ? not followed by a digit), because a
+    small model runs on after its answer and the matching judge checks every number it states; the
+    full continuation is kept in the examples and handed to external judges as "full_output".
+  - Judge records: context = the passage, question (or instruction), answer_prefix = the cue the
+    answer continues ("Maria Lopez was born in", "In summary, Maria Lopez"), output, reference = the in-context value, candidates =
+    values of the same kind (the judge's contradicting candidates). See eval/judge.py.
+  - Forced-choice score: log P(" value" | prompt), summed over the value's tokens (for the summary,
+    the whole restated predicate with each value). A sample counts when the in-context value
+    scores strictly highest. Chance is reported per sub-task (1 / the mean number of choices).
+  - Each sub-task draws its samples from its own seeded stream (eval_seed and the sub-task's name),
+    so the samples of one sub-task do not depend on which others run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from difftransformer.data import PreparedData
+from difftransformer.eval.judge import (
+    DEFAULT_TIMEOUT_S,
+    CallableJudge,
+    find_phrase,
+    judge_name,
+    make_judge,
+    normalize,
+    occurs,
+)
+from difftransformer.eval.lm import generate_text, split_continuation
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+
+SUBTASKS = ("qa", "counterfactual", "summary")
+QA_INSTRUCTION = "Answer the question using only the passage."
+SUMMARY_INSTRUCTION = "Restate the key fact of the passage in one sentence."
+SUMMARY_CUE = "In summary,"
+MAX_ATTEMPTS = 200  # draws of (fact, window) per sample before giving up
+MIN_HELD_OUT_TOKENS = 8  # a prompt with less held-out text than this is refused as too short
+EXCERPT_CHARS = 160  # held-out text kept on each side of the fact in the examples
+
+# ---------------------------------------------------------------- the facts
+
+FIRST_NAMES = ("Maria", "Aiko", "Omar", "Elena", "Tomas", "Priya", "Lukas", "Amara", "Diego", "Ingrid", "Kofi",
+               "Mei", "Rafael", "Sofia", "Henrik", "Leila", "Mateo", "Nadia", "Viktor", "Yusuf")
+LAST_NAMES = ("Lopez", "Okafor", "Tanaka", "Novak", "Haddad", "Lindqvist", "Moreau", "Kowalski", "Brennan",
+              "Castillo", "Petrov", "Nakamura", "Osei", "Fischer", "Romano", "Dubois", "Sato", "Varga", "Mendes",
+              "Halvorsen")
+CITIES = ("Lyon", "Porto", "Krakow", "Osaka", "Tampere", "Valencia", "Gdansk", "Leeds", "Bergen", "Graz", "Bologna",
+          "Utrecht", "Ghent", "Seville", "Turku", "Brno", "Nantes", "Malmo", "Aarhus", "Cork")
+JOBS = ("baker", "pilot", "tailor", "dentist", "plumber", "painter", "sailor", "jeweller", "librarian", "potter",
+        "surveyor", "chemist", "butcher", "carpenter", "florist")
+COLOURS = ("green", "purple", "orange", "yellow", "crimson", "violet", "turquoise", "scarlet", "indigo", "amber",
+           "silver", "maroon")
+YEARS = tuple(str(y) for y in range(1850, 2000))
+AMOUNTS = tuple(f"{500 * n:,}" for n in range(2, 199))
+
+# (subject with {name}, relation, value pool, tail after the value, question with {name})
+PERSON_RELATIONS = (
+    ("{name}", "was born in", CITIES, "", "Where was {name} born?"),
+    ("{name}", "was born in the year", YEARS, "", "In which year was {name} born?"),
+    ("{name}", "works as a", JOBS, "", "What is {name}'s job?"),
+    ("{name}'s favourite colour", "is", COLOURS, "", "What is {name}'s favourite colour?"),
+    ("{name}", "paid", AMOUNTS, " dollars for the farm", "How many dollars did {name} pay for the farm?"),
+)
+
+CAPITALS = {"France": "Paris", "Italy": "Rome", "Japan": "Tokyo", "Spain": "Madrid", "Germany": "Berlin",
+            "England": "London", "Russia": "Moscow", "Egypt": "Cairo", "China": "Beijing", "Greece": "Athens",
+            "Ireland": "Dublin", "Portugal": "Lisbon", "Canada": "Ottawa", "Austria": "Vienna", "Sweden": "Stockholm",
+            "Norway": "Oslo", "Poland": "Warsaw", "Turkey": "Ankara", "Kenya": "Nairobi", "Peru": "Lima",
+            "Cuba": "Havana", "Argentina": "Buenos Aires"}
+# (subject, relation, world-knowledge value, value pool, tail, question)
+WORLD_FACTS = tuple(
+    (f"The capital of {country}", "is", capital, tuple(CAPITALS.values()), "", f"What is the capital of {country}?")
+    for country, capital in CAPITALS.items()
+) + (
+    ("The largest planet in the solar system", "is", "Jupiter", ("Jupiter", "Saturn", "Mars", "Venus", "Neptune",
+     "Mercury"), "", "Which planet is the largest in the solar system?"),
+    ("The first president of the United States", "was", "George Washington", ("George Washington", "John Adams",
+     "Thomas Jefferson", "Abraham Lincoln", "James Madison", "Andrew Jackson"), "",
+     "Who was the first president of the United States?"),
+    ("The author of Hamlet", "was", "William Shakespeare", ("William Shakespeare", "Charles Dickens", "Jane Austen",
+     "Mark Twain", "Leo Tolstoy"), "", "Who was the author of Hamlet?"),
+    ("The Sun", "rises in the", "east", ("east", "west", "north", "south"), "", "Where does the Sun rise?"),
+    ("A week", "has", "7", ("7", "5", "6", "8", "9", "10"), " days", "How many days does a week have?"),
+    ("Water", "freezes at", "0", ("0", "10", "25", "50", "100"), " degrees Celsius",
+     "At what temperature does water freeze?"),
+    ("The largest ocean on Earth", "is the", "Pacific", ("Pacific", "Atlantic", "Indian", "Arctic"), "",
+     "Which ocean is the largest on Earth?"),
+    ("The tallest mountain on Earth", "is", "Mount Everest", ("Mount Everest", "Mont Blanc", "Mount Fuji",
+     "Mount Kilimanjaro", "Mount Elbrus"), "", "What is the tallest mountain on Earth?"),
+    ("The Declaration of Independence", "was signed in", "1776", ("1776", "1801", "1812", "1848", "1865"), "",
+     "In which year was the Declaration of Independence signed?"),
+    ("The Great Wall", "is in", "China", ("China", "India", "Brazil", "Egypt", "Mexico"), "",
+     "In which country is the Great Wall?"),
+)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One inserted fact: "{subject} {relation} {value}{tail}." and how it is asked back."""
+
+    subject: str
+    relation: str
+    value: str  # the in-context answer
+    tail: str
+    question: str
+    pool: tuple[str, ...]  # values of the same kind (the judge's candidates, the forced choice's distractors)
+    world: str | None = None  # the world-knowledge value a counterfactual contradicts
+
+    @property
+    def sentence(self) -> str:
+        return f"{self.subject} {self.relation} {self.value}{self.tail}."
+
+    def continuation(self, value: str, summary: bool) -> str:
+        """What follows the cue when the model states `value`."""
+        return f" {self.relation} {value}{self.tail}" if summary else f" {value}"
+
+
+def person_fact(rng: random.Random) -> Fact:
+    name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    subject, relation, pool, tail, question = rng.choice(PERSON_RELATIONS)
+    return Fact(subject.format(name=name), relation, rng.choice(pool), tail, question.format(name=name), pool)
+
+
+def counterfactual_fact(rng: random.Random) -> Fact:
+    subject, relation, world, pool, tail, question = rng.choice(WORLD_FACTS)
+    value = rng.choice([v for v in pool if v != world])
+    return Fact(subject, relation, value, tail, question, pool, world)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def build_prompt(subtask: str, passage: str, fact: Fact) -> tuple[str, str, str]:
+    """(prompt, question or instruction, cue): the prompt ends with the cue, which the answer continues."""
+    if subtask == "summary":
+        cue = f"{SUMMARY_CUE} {fact.subject}"
+        return f"Passage: {passage}\n\n{SUMMARY_INSTRUCTION}\n{cue}", SUMMARY_INSTRUCTION, cue
+    cue = f"{fact.subject} {fact.relation}"
+    return f"{QA_INSTRUCTION}\n\nPassage: {passage}\n\nQuestion: {fact.question}\nAnswer: {cue}", fact.question, cue
+
+
+_SENTENCE_BOUNDARY = re.compile(r"(?<=[.!?])\s+")
+_SENTENCE_END = re.compile(r"\n|[.!?](?!\d)")
+
+
+def first_sentence(text: str) -> str:
+    """`text` up to and including its first sentence end (a newline, or . ! ? not followed by a digit)."""
+    text = text.lstrip()
+    m = _SENTENCE_END.search(text)
+    return text if m is None else text[:m.end()].rstrip()
+
+
+def held_out_text(tokens: np.ndarray, start: int, count: int, text_tokenizer, eos_id: int) -> str:
+    """The split's tokens [start, start + count) as text: documents joined by a blank line, a word cut by
+    either end of the window dropped."""
+    window = tokens[start:start + count].tolist()
+    pieces, current = [], []
+    for t in window:
+        if t == eos_id:
+            pieces.append(current)
+            current = []
+        else:
+            current.append(t)
+    pieces.append(current)
+    text = "\n\n".join(text_tokenizer.decode(p) for p in pieces)
+    cut_start = start > 0 and tokens[start - 1] != eos_id and window and window[0] != eos_id \
+        and not text_tokenizer.decode(window[:1])[:1].isspace()
+    end = start + count
+    cut_end = end < len(tokens) and tokens[end] != eos_id \
+        and not text_tokenizer.decode([int(tokens[end])])[:1].isspace()
+    if cut_start:
+        i = next((k for k, c in enumerate(text) if c.isspace()), len(text))
+        text = text[i:]
+    if cut_end:
+        i = max((k for k, c in enumerate(text) if c.isspace()), default=0)
+        text = text[:i]
+    return text.strip()
+
+
+def insert_at_depth(text: str, sentence: str, depth: float) -> tuple[str, str, str]:
+    """(passage, before, after): `sentence` put at the sentence boundary of `text` nearest to
+    depth * len(text); before/after are the held-out text on either side as it reads in the passage."""
+    bounds = [0, len(text)] + [m.start() for m in _SENTENCE_BOUNDARY.finditer(text)]
+    at = min(bounds, key=lambda b: (abs(b - depth * len(text)), b))
+    before, after = text[:at].rstrip(), text[at:].lstrip()
+    return " ".join(p for p in (before, sentence, after) if p), before, after
+
+
+# ---------------------------------------------------------------- samples
+
+
+@dataclass
+class Sample:
+    subtask: str
+    fact: Fact
+    prompt: str
+    passage: str  # the context: held-out text with the fact inserted
+    question: str  # the question, or the summary's instruction
+    cue: str  # the prompt's last words, which the answer continues
+    before: str  # held-out text before the fact, exactly as in the passage
+    after: str  # and after it
+    offset: int  # where the held-out window starts in the split (tokens)
+    window: int  # its length in tokens
+    depth: float
+    prompt_tokens: int  # EOS + prompt, in the model's tokenizer
+    choices: list[str] = field(default_factory=list)  # forced-choice values; choices[0] is the in-context one
+
+    @property
+    def reference(self) -> str:
+        return self.fact.value
+
+    def continuations(self) -> list[str]:
+        return [self.fact.continuation(v, self.subtask == "summary") for v in self.choices]
+
+
+def _prompt_length(tokenizer, prompt: str) -> int:
+    return 1 + len(tokenizer.encode(prompt))
+
+
+def _fit_sample(subtask: str, fact: Fact, tokens: np.ndarray, start: int, target: int, depth: float,
+                text_tokenizer, tokenizer, eos_id: int) -> Sample:
+    """The sample with the most held-out text from `start` whose prompt is at most `target` tokens."""
+    overhead = _prompt_length(tokenizer, build_prompt(subtask, fact.sentence, fact)[0])
+    if target - overhead < MIN_HELD_OUT_TOKENS:
+        raise ValueError(f"context_length {target} leaves {target - overhead} tokens for held-out text (the "
+                         f"instructions, fact and question take {overhead}); use context_length >= "
+                         f"{overhead + 4 * MIN_HELD_OUT_TOKENS}")
+    count = min(target - overhead + 4, len(tokens) - start)
+    for _ in range(64):
+        text = held_out_text(tokens, start, count, text_tokenizer, eos_id)
+        passage, before, after = insert_at_depth(text, fact.sentence, depth)
+        prompt, question, cue = build_prompt(subtask, passage, fact)
+        n = _prompt_length(tokenizer, prompt)
+        if n <= target:
+            return Sample(subtask, fact, prompt, passage, question, cue, before, after, start, count, depth, n)
+        count -= max(1, n - target)
+        if count < MIN_HELD_OUT_TOKENS:
+            break
+    raise ValueError(f"cannot fit held-out text into a {target}-token prompt (the fact, question and instructions "
+                     f"take {overhead}); raise context_length")
+
+
+def _conflicts(sample: Sample) -> bool:
+    """Whether the held-out text already states the answer (or the world value it contradicts)."""
+    text = normalize(f"{sample.before}\n{sample.after}")
+    values = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
+    return any(find_phrase(text, normalize(v)) >= 0 for v in values)
+
+
+def _choose_values(sample: Sample, n: int, rng: random.Random) -> list[str]:
+    """The in-context value, the world value (counterfactuals), then others of the pool absent from the text."""
+    fixed = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
+    text = normalize(f"{sample.before}\n{sample.after}")
+    rest = [v for v in sample.fact.pool if v not in fixed and find_phrase(text, normalize(v)) < 0]
+    return (fixed + rng.sample(rest, min(len(rest), max(0, n - len(fixed)))))[:max(n, len(fixed))]
+
+
+def build_samples(subtask: str, count: int, tokens: np.ndarray, target: int, rng: random.Random, text_tokenizer,
+                  tokenizer, eos_id: int, choices: int = 4, limit: int | None = None) -> list[Sample]:
+    """`count` samples of `subtask` over the held-out `tokens`, each prompt at most `target` tokens and short
+    enough that the prompt and its longest forced-choice continuation fit in `limit` tokens (the model's
+    context; None: no such bound)."""
+    make = counterfactual_fact if subtask == "counterfactual" else person_fact
+    samples = []
+    for _ in range(count):
+        for _attempt in range(MAX_ATTEMPTS):
+            fact, start, depth = make(rng), rng.randrange(0, max(1, len(tokens) - target)), rng.random()
+            sample = _fit_sample(subtask, fact, tokens, start, target, depth, text_tokenizer, tokenizer, eos_id)
+            if not _conflicts(sample):
+                break
+        else:
+            raise ValueError(f"the held-out text states the answer of every {subtask} fact drawn in {MAX_ATTEMPTS} "
+                             f"tries; use another split or corpus")
+        sample.choices = _choose_values(sample, choices, rng)
+        longest = max(len(split_continuation(tokenizer, sample.prompt, c)[1]) for c in sample.continuations())
+        if limit is not None and sample.prompt_tokens + longest > limit:  # less held-out text: the values stay absent
+            shorter = _fit_sample(subtask, fact, tokens, start, limit - longest, depth, text_tokenizer, tokenizer,
+                                  eos_id)
+            shorter.choices, sample = sample.choices, shorter
+        samples.append(sample)
+    return samples
+
+
+# ---------------------------------------------------------------- scoring
+
+
+@torch.no_grad()
+def score_continuations(model, tokenizer, prompt: str, continuations: list[str], device: str = "cpu",
+                        batch_size: int = 8) -> list[float]:
+    """log P(continuation | EOS + prompt) for each continuation, in batches (right-padded: the model is
+    causal, so padding after a sequence cannot change its scores). Equals lm.continuation_logprob."""
+    rows = []
+    for c in continuations:
+        context_ids, cont_ids = split_continuation(tokenizer, prompt, c)
+        if not cont_ids:
+            raise ValueError(f"the continuation {c!r} encodes to no tokens; nothing to score")
+        rows.append(([tokenizer.eos_id, *context_ids, *cont_ids], len(cont_ids)))
+    limit = model.config.max_position_embeddings
+    longest = max(len(ids) for ids, _ in rows)
+    if longest > limit:
+        raise ValueError(f"a forced-choice sequence is {longest} tokens; the model's context is {limit}. "
+                         f"Lower context_length")
+    scores = []
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i:i + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        x = torch.tensor([ids + [tokenizer.eos_id] * (width - len(ids)) for ids, _ in batch], device=device)
+        logits = model(x).logits
+        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        for row, (ids, n) in enumerate(batch):
+            pos = torch.arange(len(ids) - n - 1, len(ids) - 1, device=device)
+            target = torch.tensor(ids[-n:], device=device)
+            scores.append(float(logp[row, pos, target].sum()))
+    return scores
+
+
+def _excerpt(sample: Sample) -> str:
+    """The fact with up to EXCERPT_CHARS of held-out text on each side."""
+    before = sample.before[-EXCERPT_CHARS:]
+    after = sample.after[:EXCERPT_CHARS]
+    lead = "..." if len(sample.before) > EXCERPT_CHARS else ""
+    trail = "..." if len(sample.after) > EXCERPT_CHARS else ""
+    return " ".join(p for p in (lead + before, sample.fact.sentence, after + trail) if p.strip(". "))
+
+
+def judge_record(sample: Sample, output: str, full_output: str, index: int) -> dict[str, Any]:
+    """What the judge sees for one sample (eval/judge.py documents the keys)."""
+    key = "instruction" if sample.subtask == "summary" else "question"
+    candidates = list(dict.fromkeys([*sample.fact.pool[:50], *sample.choices]))
+    return {"id": f"{sample.subtask}-{index}", "subtask": sample.subtask, "context": sample.passage,
+            key: sample.question, "answer_prefix": sample.cue, "output": output, "full_output": full_output,
+            "reference": sample.reference, "candidates": candidates}
+
+
+# ---------------------------------------------------------------- the task
+
+
+@dataclass
+class HallucinationOptions:
+    samples: int = field(default=50, metadata={"help": "samples per sub-task (the paper: 100)"})
+    context_length: int = field(default=0, metadata={
+        "help": "prompt length in tokens, EOS included; it and max_new_tokens must fit the model's context "
+                "(0: the model's context less max_new_tokens)"})
+    subtasks: tuple[str, ...] = field(default=SUBTASKS, metadata={"help": f"which of {', '.join(SUBTASKS)}"})
+    judge: str = field(default="match", metadata={
+        "help": "'match' (offline string/number matching), 'python:package.module:function' or "
+                "'command:<shell command>' (JSON lines in, one JSON object with a boolean 'faithful' per line out)"})
+    judge_timeout: float = field(default=DEFAULT_TIMEOUT_S,
+                                 metadata={"help": "seconds an external judge command may run"})
+    max_new_tokens: int = field(default=12, metadata={"help": "greedy tokens generated per sample"})
+    choices: int = field(default=4, metadata={"help": "values per forced choice, the in-context one included"})
+    forced_choice: bool = field(default=True, metadata={"help": "also score the forced choice between values"})
+    examples: int = field(default=10, metadata={"help": "per-sample records kept in the result per sub-task"})
+
+
+@register_task
+class Hallucination(Task):
+    name = "hallucination"
+    description = ("contextual hallucination: fraction of greedy answers judged faithful to facts inserted in "
+                   "held-out text (QA, counterfactual, summary), plus a forced choice")
+    Options = HallucinationOptions
+
+    def __init__(self, options: HallucinationOptions | None = None, **overrides: Any):
+        """As Task; `judge` may also be a Python callable fn(records) -> [verdict, ...] (eval/judge.py), which
+        the result records as 'python:<module>:<name>'."""
+        self._judge: CallableJudge | None = None
+        if callable(overrides.get("judge")):
+            self._judge = CallableJudge(overrides["judge"])
+            overrides["judge"] = self._judge.name
+        super().__init__(options, **overrides)
+
+    def judge(self):
+        """The judge the options name (or the callable given)."""
+        return self._judge or make_judge(self.options.judge, self.options.judge_timeout)
+
+    def check_options(self) -> None:
+        o = self.options
+        for key in ("samples", "max_new_tokens"):
+            if getattr(o, key) < 1:
+                raise ValueError(f"hallucination {key} must be at least 1, got {getattr(o, key)}")
+        if o.context_length < 0:
+            raise ValueError(f"hallucination context_length must be >= 0 (0: automatic), got {o.context_length}")
+        if o.choices < 2:
+            raise ValueError(f"hallucination choices must be at least 2 (the in-context value and a distractor), "
+                             f"got {o.choices}")
+        if o.examples < 0:
+            raise ValueError(f"hallucination examples must be >= 0, got {o.examples}")
+        if not o.subtasks:
+            raise ValueError(f"hallucination subtasks is empty; name some of {', '.join(SUBTASKS)}")
+        for sub in o.subtasks:
+            if sub not in SUBTASKS:
+                raise ValueError(f"unknown hallucination sub-task {sub!r}; choose from {', '.join(SUBTASKS)}")
+        if len(set(o.subtasks)) != len(o.subtasks):
+            raise ValueError(f"hallucination subtasks names one twice: {', '.join(o.subtasks)}")
+        if not o.judge_timeout > 0:
+            raise ValueError(f"hallucination judge_timeout must be positive seconds, got {o.judge_timeout}")
+        self.judge()  # a bad judge spec fails now, before any model runs
+
+    def prompt_length(self, model) -> int:
+        """The prompt length asked for, checked against the model's context."""
+        context, new = model.config.max_position_embeddings, self.options.max_new_tokens
+        length = self.options.context_length or context - new
+        if length + new > context or length < 1:
+            raise ValueError(f"context_length {length} + max_new_tokens {new} is beyond the model's context of "
+                             f"{context} tokens; use context_length <= {context - new}")
+        return length
+
+    def make_samples(self, model, tokenizer, cfg: EvalConfig) -> tuple[dict[str, list[Sample]], PreparedData, int]:
+        """The prompts of every sub-task asked for (deterministic given cfg.eval_seed), the data and the length."""
+        if cfg.data_dir is None:
+            raise ValueError("hallucination inserts its facts into held-out text: set EvalConfig.data_dir "
+                             "(--data-dir) to a prepared-data folder (e.g. cache/data/sotu-8192)")
+        length = self.prompt_length(model)
+        data = PreparedData.load(cfg.data_dir)
+        split = data.dataset(cfg.split)
+        text_tokenizer = data.tokenizer()
+        tokenizer = tokenizer or text_tokenizer
+        tokens = np.asarray(split.tokens)
+        if len(tokens) < 4 * MIN_HELD_OUT_TOKENS:
+            raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has only {len(tokens)} tokens; "
+                             f"the facts need held-out text around them")
+        out = {}
+        for sub in self.options.subtasks:
+            rng = random.Random(f"hallucination:{sub}:{cfg.eval_seed}")
+            out[sub] = build_samples(sub, self.options.samples, tokens, length, rng, text_tokenizer, tokenizer,
+                                     split.eos_id, self.options.choices, model.config.max_position_embeddings)
+        return out, data, length
+
+    def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
+        o = self.options
+        judge = self.judge()
+        samples, data, length = self.make_samples(model, tokenizer, cfg)
+        tokenizer = tokenizer or data.tokenizer()
+        outputs: dict[str, list[tuple[str, str]]] = {}
+        records = []
+        for sub, items in samples.items():
+            outputs[sub] = []
+            for i, s in enumerate(items):
+                full = generate_text(model, tokenizer, s.prompt, o.max_new_tokens, temperature=0.0,
+                                     device=cfg.device).text
+                outputs[sub].append((first_sentence(full), full))
+                records.append(judge_record(s, *outputs[sub][-1], i))
+        verdicts = iter(judge(records))
+        metrics: dict[str, float] = {}
+        details: dict[str, Any] = {"subtasks": {}}
+        chance = {}
+        for sub, items in samples.items():
+            cell = self._score(sub, items, outputs[sub], [next(verdicts) for _ in items], model, tokenizer, cfg)
+            details["subtasks"][sub] = cell
+            metrics[f"faithful_{sub}"] = float(np.mean(cell["faithful"]))
+            if o.forced_choice:
+                metrics[f"choice_{sub}"] = float(np.mean(cell["choice_correct"]))
+                chance[sub] = 1.0 / float(np.mean([len(s.choices) for s in items]))
+            if sub == "counterfactual":
+                metrics["memory_counterfactual"] = float(np.mean(cell["states_world"]))
+                if o.forced_choice:
+                    metrics["choice_memory_counterfactual"] = float(np.mean(cell["choice_world"]))
+        metrics["faithful"] = float(np.mean([metrics[f"faithful_{s}"] for s in samples]))
+        if o.forced_choice:
+            metrics["choice"] = float(np.mean([metrics[f"choice_{s}"] for s in samples]))
+        lengths = [s.prompt_tokens for items in samples.values() for s in items]
+        return TaskResult(
+            task=self.name, metrics=metrics,
+            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "context_length": length,
+                      "model_context": model.config.max_position_embeddings, "judge": judge_name(judge),
+                      "judged_output": "first sentence of the greedy continuation", "forced_choice_chance": chance,
+                      "prompt_tokens": {"min": min(lengths), "mean": float(np.mean(lengths)), "max": max(lengths)},
+                      "corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash},
+            details=details,
+        )
+
+    def _score(self, sub: str, items: list[Sample], outputs: list[tuple[str, str]], verdicts: list[dict],
+               model, tokenizer, cfg: EvalConfig) -> dict[str, Any]:
+        """One sub-task's per-sample numbers and its first `examples` records."""
+        cell: dict[str, Any] = {"faithful": [int(v["faithful"]) for v in verdicts],
+                                "prompt_tokens": [s.prompt_tokens for s in items],
+                                "depth": [round(s.depth, 4) for s in items], "examples": []}
+        scores = []
+        if self.options.forced_choice:
+            scores = [score_continuations(model, tokenizer, s.prompt, s.continuations(), cfg.device, cfg.batch_size)
+                      for s in items]
+            cell["choice_correct"] = [int(sc[0] > max(sc[1:])) for sc in scores]
+        if sub == "counterfactual":
+            cell["states_world"] = [int(occurs(s.fact.world, out)) for s, (out, _) in zip(items, outputs)]
+            if scores:
+                cell["choice_world"] = [int(sc[1] > max(sc[:1] + sc[2:], default=-math.inf)) for sc in scores]
+        for i, (s, (out, full), v) in enumerate(zip(items, outputs, verdicts)):
+            if i >= self.options.examples:
+                break
+            example = {"context": _excerpt(s), "question": s.question, "answer_prefix": s.cue, "output": out,
+                       "full_output": full, "reference": s.reference, "faithful": bool(v["faithful"]),
+                       "reason": str(v.get("reason", ""))[:200], "spans": [str(x)[:80] for x in v.get("spans", [])][:5],
+                       "offset": s.offset, "depth": round(s.depth, 4), "prompt_tokens": s.prompt_tokens}
+            if s.fact.world:
+                example["world_value"] = s.fact.world
+            if scores:
+                example["choices"] = {c: round(x, 4) for c, x in zip(s.choices, scores[i])}
+            cell["examples"].append(example)
+        return cell
+
+    def plot(self, result: TaskResult, path: Path) -> bool:
+        from matplotlib.figure import Figure
+
+        subs = list(result.details["subtasks"])
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        x = np.arange(len(subs))
+        ax.bar(x - 0.2, [result.metrics[f"faithful_{s}"] for s in subs], 0.4, label="judged faithful (greedy)")
+        if f"choice_{subs[0]}" in result.metrics:
+            ax.bar(x + 0.2, [result.metrics[f"choice_{s}"] for s in subs], 0.4, label="forced choice")
+            chance = result.settings.get("forced_choice_chance", {})
+            for i, s in enumerate(subs):
+                if s in chance:
+                    ax.hlines(chance[s], i + 0.0, i + 0.4, colors="grey", linestyles="--")
+        ax.set_xticks(x, subs)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("fraction of samples")
+        ax.set_title(f"contextual hallucination ({result.settings['judge']} judge, dashed: chance)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return True
