@@ -11,8 +11,8 @@ Every set installs offline with the project's own setup (see the spec's data sou
     sotu-century      a sentence of a State of the Union address -> its century
                       (nineteenth / twentieth / twenty-first).
     synthetic         "the {adjective} {noun}" -> the noun's kind (animal / plant / metal / tool): a
-                      made-up task a tiny model can learn in context, because the noun of a test item
-                      also appears, with another adjective, in demonstrations.
+                      made-up task a small model that copies from its context can learn, because the
+                      noun of a test item also appears, with other adjectives, in demonstrations.
 
     data = load_labelled("sotu-party")
     data.items[0]                      # ("We must ...", "Democratic")
@@ -25,11 +25,12 @@ Choices the sources leave open, made here:
   first `test_size` form the test set (so a smaller test set is part of a larger one). Demonstrations
   are drawn, by the evaluation's own seed, only from the rest.
 - SOTU: speeches are cut into sentences at ., ! or ? followed by a capital; sentences of 6 to 25 words
-  are kept (short enough for many shots in a small model's context), without digits-only noise, and
-  sentences that name a label ("Democrat...", "Republican", "century") are dropped, so the label is
-  not written in the text. Classes are balanced: each keeps the same number of sentences (at most
-  3,000), the first in sha256 order. The demo models were trained on these speeches; the task asks
-  them to learn the label mapping in context, not to recall the text.
+  are kept (short enough for many shots in a small model's context) when mostly letters (no tables
+  of figures), and sentences that name a label ("Democrat...", "Republican", "century") are dropped,
+  so the label is not written in the text. Classes are balanced: each keeps the same number of
+  sentences (at most 3,000), chosen by a sha256 order salted apart from the split's. The demo models
+  were trained on these speeches; the task asks them to learn the label mapping in context, not to
+  recall the text.
 - Rotten Tomatoes: "fresh" -> positive, "rotten" -> negative (the plot summaries are left out); snippets
   shorter than 4 words are dropped; the natural class imbalance is kept (report the majority share).
 """
@@ -75,7 +76,8 @@ class LabelledSet:
     def __post_init__(self) -> None:
         texts = [t for t, _ in self.items]
         if len(set(texts)) != len(texts):
-            raise ValueError(f"labelled set {self.name!r} has duplicate texts; a test item could reappear as a demonstration")
+            raise ValueError(f"labelled set {self.name!r} has duplicate texts; a test item could reappear as a "
+                             "demonstration")
         unknown = {y for _, y in self.items} - set(self.labels)
         if unknown:
             raise ValueError(f"labelled set {self.name!r} has items labelled {sorted(unknown)}, not among its labels "
@@ -116,12 +118,13 @@ def _unique(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def _balance(name: str, items: list[tuple[str, str]], labels: Iterable[str], cap: int) -> list[tuple[str, str]]:
-    """The same number of items per label (the smallest class, at most `cap`), first in sha256 order."""
+    """The same number of items per label (the smallest class, at most `cap`), the first in a sha256 order."""
     by_label: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for it in items:
         by_label[it[1]].append(it)
     n = min(cap, *(len(by_label[y]) for y in labels))
-    kept = [it for y in labels for it in sorted(by_label[y], key=lambda it: _rank(name, it[0]))[:n]]
+    # salted apart from the split's ranking: the same key would put the largest class's lowest hashes first
+    kept = [it for y in labels for it in sorted(by_label[y], key=lambda it: _rank(f"{name}/balance", it[0]))[:n]]
     return sorted(kept, key=lambda it: _rank(name, it[0]))
 
 
@@ -272,12 +275,13 @@ SYNTHETIC_KINDS: dict[str, tuple[str, ...]] = {
 }
 SYNTHETIC_ADJECTIVES = ("old", "new", "small", "large", "young", "heavy", "cheap", "rare", "common", "fine",
                         "plain", "strange", "famous", "local", "foreign", "quiet", "simple", "whole", "single",
-                        "broken")
+                        "broken", "dark", "bright", "long", "short", "wet", "dry", "hot", "cold", "clean", "dirty",
+                        "soft", "hard", "thin", "thick", "tall", "wide", "rough", "smooth", "sharp", "pale")
 
 
 @register_labelled("synthetic")
 def _synthetic(cache_dir: Path | None) -> LabelledSet:
-    """Every (adjective, noun) pair once: 20 x 12 = 240 items, 60 per kind. The kind follows from the
+    """Every (adjective, noun) pair once: 40 x 12 = 480 items, 120 per kind. The kind follows from the
     noun alone, so a demonstration with the same noun (and another adjective) shows the answer."""
     items = [(f"the {adj} {noun}", kind) for kind, nouns in SYNTHETIC_KINDS.items() for noun in nouns
              for adj in SYNTHETIC_ADJECTIVES]

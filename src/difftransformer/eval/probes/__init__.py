@@ -3,6 +3,7 @@
 They run on this package's models only, through the explicit entry points in `hooks.py`.
 Importing this package registers them with `difftransformer.eval.task`."""
 
+from difftransformer.eval.probes.attention_noise import AttentionNoise
 from difftransformer.eval.probes.hooks import (
     attention_layers,
     capture_layer_outputs,
@@ -12,5 +13,5 @@ from difftransformer.eval.probes.hooks import (
 from difftransformer.eval.probes.logit_quant import LogitQuant, fake_quantize
 from difftransformer.eval.probes.outliers import Outliers
 
-__all__ = ["LogitQuant", "Outliers", "attention_layers", "capture_layer_outputs", "fake_quantize", "inspect_attention",
-           "require_own_model"]
+__all__ = ["AttentionNoise", "LogitQuant", "Outliers", "attention_layers", "capture_layer_outputs", "fake_quantize",
+           "inspect_attention", "require_own_model"]

@@ -3,6 +3,8 @@ package registers them with `difftransformer.eval.task`."""
 
 from difftransformer.eval.tasks.hallucination import Hallucination
 from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+from difftransformer.eval.tasks.icl import ICL
 from difftransformer.eval.tasks.long_context import LongContext
+from difftransformer.eval.tasks.needle import Needle
 
-__all__ = ["Hallucination", "HeldOutLoss", "LongContext"]
+__all__ = ["Hallucination", "HeldOutLoss", "ICL", "LongContext", "Needle"]
