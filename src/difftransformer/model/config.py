@@ -33,6 +33,12 @@ log = logging.getLogger("difftransformer.model")
 RUNTIME_FIELDS = ("attn_backend", "attn_deterministic")
 
 
+# Keys that a transformers save_pretrained (difftransformer.hf) writes beside ours: its bookkeeping,
+# not the model, so a folder saved through transformers loads natively too.
+TRANSFORMERS_KEYS = frozenset({"architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
+                               "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path"})
+
+
 @dataclass
 class DiffTransformerConfig:
     """Decoder-only LM: pre-RMSNorm blocks, SwiGLU FFN, RoPE, one attention kind per model."""
@@ -133,7 +139,7 @@ class DiffTransformerConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiffTransformerConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known - {"model_type", "format_version"})
+        unknown = sorted(set(data) - known - {"model_type", "format_version"} - TRANSFORMERS_KEYS)
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(known)}")
         fields = {k: v for k, v in data.items() if k in known}

@@ -72,6 +72,25 @@ class DecoderBlock(nn.Module):
         return (out, maps) if return_attention else out
 
 
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """(batch, seq_len) integer token ids inside [0, vocab_size), or a one-line error saying what is wrong."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)} "
+                         f"(use input_ids[None] for a single sequence)")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty")
+    # The range check reads the ids on the host, which would break a torch.compile graph;
+    # compiled, the embedding's own bounds check has to do.
+    if not torch.compiler.is_compiling():
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
+        if lo < 0 or hi >= vocab_size:
+            bad = hi if hi >= vocab_size else lo
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
+                             f"was the input encoded with this model's tokenizer?")
+
+
 class LayerLambda(NamedTuple):
     """One layer's scalar λ now, and the λ_init it started from (and that scales its head-norm output)."""
 
@@ -131,21 +150,7 @@ class DiffTransformerLM(nn.Module):
         return [LayerLambda(block.self_attn.current_lambda(), block.self_attn.lambda_init) for block in self.layers]
 
     def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)} "
-                             f"(use input_ids[None] for a single sequence)")
-        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        if input_ids.numel() == 0:
-            raise ValueError("input_ids is empty")
-        # The range check reads the ids on the host, which would break a torch.compile graph;
-        # compiled, the embedding's own bounds check has to do.
-        if not torch.compiler.is_compiling():
-            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = hi if hi >= self.config.vocab_size else lo
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}); "
-                                 f"was the input encoded with this model's tokenizer?")
+        check_input_ids(input_ids, self.config.vocab_size)
         total = past + input_ids.shape[1]
         if total > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {total} exceeds max_position_embeddings "

@@ -1,0 +1,313 @@
+"""`DiffTransformerForCausalLM`: our `DiffTransformerLM` as a Hugging Face `PreTrainedModel` + `GenerationMixin`.
+
+Contract:
+- The modules are our own: the constructor builds a `DiffTransformerLM` and adopts its children
+  (embed_tokens, layers, norm, lm_head), so the attention math, the blocks, the initialisation and
+  the weight tying are the package's, and the state-dict keys are exactly ours, with no prefix. A
+  folder written by `DiffTransformerLM.save_pretrained` therefore loads with
+  `AutoModelForCausalLM.from_pretrained(dir)`, and the weights `save_pretrained` writes here load
+  strictly in `DiffTransformerLM` (the config.json it writes carries transformers' own keys too:
+  read it with `DiffTransformerHFConfig.from_pretrained(dir).to_native()`). `from_native(lm)` wraps
+  an existing model and `native()` returns one; both share the parameters, they never copy them.
+- Loading is as strict as ours: safetensors only (a pickle is never opened, use_safetensors=False is
+  refused), and a file missing weights of the config's model, or holding others, is refused in
+  one line instead of being completed at random.
+- `forward` only runs the blocks in order (embedding -> blocks -> final norm -> LM head, the loop of
+  `DiffTransformerLM.forward`), adding what transformers needs around it: its KV cache, key-padding
+  masks with positions that skip left padding, hidden states, attention maps and checkpointing.
+- KV cache: a transformers `Cache` (a `DynamicCache` by default), seen by our layers through
+  `_CacheAdapter`, which gives them the `update(depth, k, v)` and `length(depth)` of our `KVCache`.
+  DIFF caches keys (B, 2*h_kv, S, d) and values (B, h_kv, S, 2d); a cache that grows by concatenation
+  holds them, caches preallocated from the config (StaticCache, cache_implementation="static") cannot,
+  and are refused.
+- attention_mask is a (batch, cached + new tokens) key mask, 1 for tokens and 0 for padding, as our
+  layers take it; without position_ids, positions count only real tokens (left padding), as
+  `DiffTransformerLM.generate` does. An all-ones mask is dropped so the fast kernels stay usable.
+- output_attentions returns each layer's differential map A1 - lambda*A2 (the map itself for
+  ordinary attention), (B, heads, T, S), computed on the eager backend for that call.
+- Training: labels are unshifted (transformers' convention), -100 ignored; gradient checkpointing
+  (`gradient_checkpointing_enable()`) checkpoints each block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from safetensors import SafetensorError
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import __version__ as _TRANSFORMERS_VERSION
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
+
+from difftransformer.hf.configuration import DiffTransformerHFConfig
+from difftransformer.model import DiffTransformerLM
+from difftransformer.model.modeling import check_input_ids
+from difftransformer.model.serialization import WEIGHTS_NAME
+from difftransformer.norm import RMSNorm
+
+log = logging.get_logger(__name__)
+_TRANSFORMERS_5 = int(_TRANSFORMERS_VERSION.split(".")[0]) >= 5
+
+
+class _CacheAdapter:
+    """A transformers `Cache` seen as our `KVCache`: `update(depth, k, v)` -> all (k, v), `length(depth)`."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+
+    def length(self, layer: int = 0) -> int:
+        return self.cache.get_seq_length(layer)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(k, v, layer)
+
+
+class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
+    """See the module docstring. Registered with AutoModelForCausalLM by `import difftransformer.hf`."""
+
+    config_class = DiffTransformerHFConfig
+    base_model_prefix = ""  # the state dict is the LM's own, keys unprefixed
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    # transformers 5 maps a tied key to its source; 4.x lists the tied keys
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"} if _TRANSFORMERS_5 else ["lm_head.weight"]
+    _supports_cache_class = True  # transformers 4.x
+    _supports_static_cache = False
+
+    def __init__(self, config: DiffTransformerHFConfig):
+        super().__init__(config)
+        for name, module in DiffTransformerLM(config.to_native()).named_children():
+            self.add_module(name, module)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DiffTransformerForCausalLM":
+        """transformers' `from_pretrained`, made as strict as `DiffTransformerLM.from_pretrained`: safetensors
+        only (a pickle is never loaded, whatever its name), and every weight of the model in the file and
+        nothing else (transformers alone would initialise missing weights at random and only log it).
+        An unreadable or mismatched weights file is a one-line ValueError naming it."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("use_safetensors=False asks to unpickle weights; difftransformer loads safetensors only "
+                             "(a pickle can run code when loaded). Convert the checkpoint to safetensors")
+        wants_info = kwargs.pop("output_loading_info", False)
+        kwargs.update(use_safetensors=True, output_loading_info=True)
+        source = str(pretrained_model_name_or_path)
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as e:
+            raise ValueError(f"{WEIGHTS_NAME} of {source!r} is not a readable safetensors file ({e}); it may be "
+                             f"truncated or corrupted, or another format renamed (a pickle is never loaded)") from None
+        except RuntimeError as e:  # transformers refuses tensors of the wrong shape with a RuntimeError
+            if "mismatch" not in str(e):
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+            _refuse(source, lines[0] if lines else "tensor shapes differ; see transformers' load report above")
+        _check_loaded(source, info)
+        return (model, info) if wants_info else model
+
+    # -- the native model, both ways (shared parameters) ----------------------------------
+    @classmethod
+    def from_native(cls, lm: DiffTransformerLM, **config_kwargs: Any) -> "DiffTransformerForCausalLM":
+        """Wrap `lm` without copying: the returned model uses lm's modules (training one trains both).
+
+        config_kwargs: Hugging Face settings for the config (eos_token_id, pad_token_id, ...)."""
+        config = DiffTransformerHFConfig.from_native(lm.config, **config_kwargs)
+        with torch.device("meta"):  # placeholders, replaced at once by lm's modules
+            model = cls(config)
+        for name, module in lm.named_children():
+            setattr(model, name, module)
+        return model.train(lm.training)
+
+    def native(self) -> DiffTransformerLM:
+        """A `DiffTransformerLM` on these very modules (for `lambdas()`, our `generate`, our `save_pretrained`)."""
+        lm = DiffTransformerLM(self.config.to_native(), device="meta")
+        for name, module in self.named_children():
+            setattr(lm, name, module)
+        return lm.train(self.training)
+
+    # -- what transformers asks of a model -------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Our initialisation (DiffTransformerLM.reset_parameters), module by module as transformers asks:
+        linear and embedding weights N(0, initializer_range), norms 1, λ vectors N(0, 0.1)."""
+        if hasattr(module, "reset_lambda_parameters"):
+            module.reset_lambda_parameters()
+        elif isinstance(module, RMSNorm):
+            if module.weight is not None:
+                nn.init.ones_(module.weight)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache_position: torch.LongTensor | None = None,  # our cache knows its length; accepted, not needed
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Logits (B, T, vocab) of input_ids (or inputs_embeds) after the cached tokens; see the module docstring."""
+        cfg = self.config
+        output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = cfg.return_dict if return_dict is None else return_dict
+        x = self._embed(input_ids, inputs_embeds)
+        B, T = x.shape[:2]
+        past_key_values = self._transformers_cache(past_key_values, self._use_cache(use_cache))
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        self._check_length(past + T)
+        mask = _key_mask(attention_mask, B, past + T)
+        if position_ids is None and mask is not None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        if mask is not None and bool(mask.all()):
+            mask = None  # no padding: let the backends take their fast paths
+        cache = None if past_key_values is None else _CacheAdapter(past_key_values)
+        with self._maps_backend(output_attentions):
+            x, hidden, maps = self._blocks(x, mask, position_ids, cache, output_attentions, output_hidden_states)
+        logits = self.lm_head(_keep(x, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
+                                      **{k: v for k, v in kwargs.items() if k == "num_items_in_batch"})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values,
+                                     hidden_states=hidden, attentions=maps)
+        return out if return_dict else out.to_tuple()
+
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            E = self.config.hidden_size
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != E:
+                raise ValueError(f"inputs_embeds must be (batch, seq_len, {E}); got {tuple(inputs_embeds.shape)}")
+            return inputs_embeds
+        check_input_ids(input_ids, self.config.vocab_size)
+        return self.embed_tokens(input_ids)
+
+    def _use_cache(self, use_cache: bool | None) -> bool:
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training:
+            log.warning_once("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
+            return False
+        return bool(use_cache)
+
+    @staticmethod
+    def _transformers_cache(past_key_values, use_cache: bool) -> Cache | None:
+        """The transformers cache this call reads and extends (a new DynamicCache when asked for none)."""
+        if past_key_values is None:
+            return DynamicCache() if use_cache else None
+        if not isinstance(past_key_values, Cache):
+            raise TypeError(f"past_key_values must be a transformers Cache (DynamicCache), got "
+                            f"{type(past_key_values).__name__}; legacy tuples are not supported: pass "
+                            f"DynamicCache() or let generate() make one")
+        if getattr(past_key_values, "is_compileable", False):
+            raise ValueError(f"past_key_values is a {type(past_key_values).__name__}, preallocated from the config's "
+                             f"head counts; differential attention caches keys (B, 2*h_kv, S, d) and values "
+                             f"(B, h_kv, S, 2d), which it cannot hold. Use DynamicCache (the default; no "
+                             f"cache_implementation='static')")
+        return past_key_values
+
+    def _check_length(self, total: int) -> None:
+        limit = self.config.max_position_embeddings
+        if total > limit:
+            raise ValueError(f"sequence length {total} (cached + new tokens) exceeds max_position_embeddings "
+                             f"{limit}; truncate the input or use a config with a longer context")
+
+    @contextlib.contextmanager
+    def _maps_backend(self, output_attentions: bool):
+        """Run the attention layers on the eager backend (the one that materialises maps) when maps are asked for."""
+        if not output_attentions:
+            yield
+            return
+        layers = [block.self_attn for block in self.layers]
+        saved = [layer.backend for layer in layers]
+        try:
+            for layer in layers:
+                layer.backend = "eager"
+            yield
+        finally:
+            for layer, backend in zip(layers, saved):
+                layer.backend = backend
+
+    def _blocks(self, x, mask, position_ids, cache, output_attentions: bool, output_hidden_states: bool):
+        """The decoder blocks in order, then the final norm; (x, hidden states or None, maps or None).
+
+        Hidden states follow transformers: the embedding output, each block's input after it, and the
+        final one after the norm (num_hidden_layers + 1 tensors)."""
+        hidden, maps = [], []
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
+            run = functools.partial(block.__call__, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
+                                    return_attention=output_attentions)
+            res = self._gradient_checkpointing_func(run, x) if checkpointing else run(x)
+            if output_attentions:
+                x, layer_maps = res
+                maps.append(layer_maps.diff)
+            else:
+                x = res
+        x = self.norm(x)
+        if output_hidden_states:
+            hidden.append(x)
+        return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
+
+
+def _check_loaded(source: str, info: dict[str, Any]) -> None:
+    """Refuse a load that left weights at random or ignored some: the file is not this config's model."""
+    problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {k.replace("_keys", ""): v for k, v in problems.items() if v}
+    if problems:
+        _refuse(source, "; ".join(f"{k}: {', '.join(map(str, v[:3]))}{f' (and {len(v) - 3} more)' if len(v) > 3 else ''}"
+                                  for k, v in problems.items()))
+
+
+def _refuse(source: str, detail: str) -> None:
+    raise ValueError(f"the weights of {source!r} do not match the model its config describes ({detail}); was the "
+                     f"config edited, or copied from another model?") from None
+
+
+def _key_mask(attention_mask: torch.Tensor | None, B: int, S: int) -> torch.Tensor | None:
+    """The (B, S) boolean key mask our layers take, from transformers' 2-D attention_mask."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, S):
+        raise ValueError(f"attention_mask must be the 2-D (batch, cached + new tokens) = ({B}, {S}) padding mask, "
+                         f"1 for tokens and 0 for padding; got shape {tuple(attention_mask.shape)}. 4-D masks "
+                         f"(custom attention patterns) are not supported: attention here is causal with key padding")
+    return attention_mask.bool()
+
+
+def _keep(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits are computed: all (0), the last n (int n), or the given indices (tensor)."""
+    if isinstance(logits_to_keep, int):
+        return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+    return x[:, logits_to_keep]

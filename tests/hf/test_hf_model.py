@@ -1,0 +1,352 @@
+"""The transformers integration (difftransformer.hf): the wrapper computes what our model computes.
+
+Logits equal the native model's for every attention kind (MHA and GQA, tied and untied), greedy
+`generate()` gives our `generate`'s tokens (left-padded batches included), beam search scores match
+the native model's log-probabilities (so the cache is reordered correctly), attention maps are the
+differential maps, checkpointing changes nothing, PEFT LoRA trains only its adapters, and folders
+load both ways, in a fresh process too, while a file that is not safetensors is refused unread.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+from difftransformer.hf import DiffTransformerForCausalLM, DiffTransformerHFConfig  # noqa: E402
+from difftransformer import KVCache  # noqa: E402
+from difftransformer.model import ATTENTION_KINDS, DiffTransformerConfig, DiffTransformerLM  # noqa: E402
+from difftransformer.model.serialization import load_weights  # noqa: E402
+
+VOCAB = 128
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11], [3, 3, 90, 41]]
+
+
+def small(attention: str = "diff", gqa: bool = False, **overrides) -> DiffTransformerConfig:
+    """A 2-layer, width-32 model of `attention` (heads in that kind's units), GQA with 2 queries per kv head."""
+    heads = 2 if ATTENTION_KINDS[attention].diff_heads else 4
+    fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2 if gqa else heads, attention=attention, max_position_embeddings=64,
+                  initializer_range=0.1)  # wider than 0.02 so greedy choices are clear-cut
+    return DiffTransformerConfig(**{**fields, **overrides})
+
+
+def pair(attention: str = "diff", seed: int = 0, **overrides) -> tuple[DiffTransformerLM, DiffTransformerForCausalLM]:
+    """A random native model and the wrapper around the same modules, both in eval mode."""
+    torch.manual_seed(seed)
+    lm = DiffTransformerLM(small(attention, **overrides)).eval()
+    return lm, DiffTransformerForCausalLM.from_native(lm).eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def ids_of(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows)
+
+
+def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_config_defaults_and_fields_are_ours():
+    hf, native = DiffTransformerHFConfig(), DiffTransformerConfig()
+    assert hf.model_type == "difftransformer"
+    assert hf.to_native() == native  # same defaults, resolved the same way (kv heads, FFN width)
+    cfg = small("diff_v2", gqa=True, lambda_init=0.5, tie_word_embeddings=False)
+    assert DiffTransformerHFConfig.from_native(cfg).to_native() == cfg
+
+
+def test_config_errors_name_the_value_and_the_rule():
+    with pytest.raises(ValueError, match=r"invalid difftransformer config: hidden_size \(30\) must be divisible"):
+        DiffTransformerHFConfig(hidden_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match="unknown attention kind 'dif'.*did you mean 'diff'"):
+        DiffTransformerHFConfig(attention="dif")
+    with pytest.raises(ValueError, match="model_type 'llama'.*reads only 'difftransformer'"):
+        DiffTransformerHFConfig(model_type="llama")
+    with pytest.raises(ValueError, match="format_version 2 .*upgrade difftransformer"):
+        DiffTransformerHFConfig(format_version=2)
+
+
+# ------------------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("attention", list(ATTENTION_KINDS))
+def test_logits_equal_the_native_model(attention, gqa, tied):
+    lm, hf = pair(attention, gqa=gqa, tie_word_embeddings=tied)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel(hf(ids).logits, lm(ids).logits) <= 1e-5
+        # Cached decoding: a 6-token prefix, then 3 tokens through the transformers cache vs our KVCache.
+        cache, ours = DynamicCache(), KVCache()
+        hf(ids[:, :6], past_key_values=cache, use_cache=True)
+        lm(ids[:, :6], kv_cache=ours)
+        step = hf(ids[:, 6:], past_key_values=cache, use_cache=True)
+        assert step.past_key_values is cache and cache.get_seq_length() == 9
+        assert rel(step.logits, lm(ids[:, 6:], kv_cache=ours).logits) <= 1e-5
+
+
+def test_loss_inputs_embeds_and_logits_to_keep():
+    lm, hf = pair()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    targets = torch.cat((labels[:, 1:], torch.full((2, 1), -100)), dim=1)  # ours are already shifted
+    with torch.no_grad():
+        out = hf(ids, labels=labels)
+        assert rel(out.loss, lm(ids, targets).loss) <= 1e-6
+        assert torch.equal(hf(inputs_embeds=hf.embed_tokens(ids)).logits, out.logits)
+        assert torch.equal(hf(ids, logits_to_keep=1).logits, out.logits[:, -1:])
+        assert isinstance(hf(ids, return_dict=False), tuple)
+
+
+def test_attention_maps_and_hidden_states():
+    lm, hf = pair("diff", gqa=True, attn_backend="sdpa")  # sdpa has no maps: the call must switch to eager
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf(ids, output_attentions=True, output_hidden_states=True)
+        lm_eager, _ = pair("diff", gqa=True, attn_backend="eager")
+        ref = lm_eager(ids, return_attention=True)
+    assert [layer.self_attn.backend for layer in hf.layers] == ["sdpa", "sdpa"]  # restored after the call
+    assert len(out.attentions) == 2
+    for got, want, lam in zip(out.attentions, ref.attentions, hf.native().lambdas()):
+        assert got.shape == (2, 2, 7, 7)  # (B, DIFF heads, T, S)
+        assert torch.allclose(got, want.diff, atol=1e-6)
+        assert torch.allclose(got.sum(-1), torch.full((2, 2, 7), 1 - lam.value), atol=1e-5)  # A1 - λ A2, not a softmax
+    assert len(out.hidden_states) == 3
+    assert torch.equal(out.hidden_states[0], hf.embed_tokens(ids))
+    assert torch.allclose(hf.lm_head(out.hidden_states[-1]), out.logits)
+
+
+def test_attention_maps_while_decoding_with_padding():
+    _, hf = pair("transformer")
+    ids, mask = left_pad([[4, 5, 6, 7], [8, 9]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        hf(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=1)
+        step = hf(ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True, output_attentions=True)
+    maps = step.attentions[0]
+    assert maps.shape == (2, 4, 1, 5)
+    assert torch.allclose(maps.sum(-1), torch.ones(2, 4, 1))  # ordinary attention: a softmax map
+    assert torch.equal(maps[1, :, :, :2], torch.zeros(4, 1, 2))  # padding gets no attention
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+@pytest.mark.parametrize("attention", ["diff", "diff_v2"])
+def test_greedy_generate_equals_native_generate(attention):
+    lm, hf = pair(attention, gqa=True)
+    alone = []
+    for prompt in PROMPTS:
+        ids = ids_of(prompt)
+        ours = lm.generate(ids, 8, temperature=0)
+        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(theirs, ours), prompt
+        alone.append(ours[0, len(prompt):])
+    ids, mask = left_pad(PROMPTS)
+    batched = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(batched[:, ids.shape[1]:], torch.stack(alone))  # each row as if alone
+    assert torch.equal(batched, lm.generate(ids, 8, temperature=0, attention_mask=mask))
+
+
+def test_sampling_and_beam_search():
+    lm, hf = pair("diff")
+    ids = ids_of(PROMPTS[1])
+    greedy = hf.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=True, top_k=1), greedy)
+    torch.manual_seed(0)
+    sampled = hf.generate(ids, max_new_tokens=6, do_sample=True, temperature=1.5)
+    assert sampled.shape == (1, 12) and int(sampled.max()) < VOCAB
+    beams = hf.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                        length_penalty=0.0, output_scores=True, return_dict_in_generate=True)
+    assert beams.sequences.shape == (3, 12)
+    with torch.no_grad():  # each beam's score is its log-probability under the native model (cache reordered right)
+        logp = torch.log_softmax(lm(beams.sequences).logits[:, 5:-1].float(), -1)
+        native = logp.gather(-1, beams.sequences[:, 6:, None]).sum((1, 2))
+    assert torch.allclose(beams.sequences_scores, native, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    hf = DiffTransformerForCausalLM.from_native(DiffTransformerLM(small("diff", gqa=True))).train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+
+    def loss_and_grads():
+        hf.zero_grad()
+        loss = hf(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+    loss, grads = loss_and_grads()
+    calls = []
+    hooks = [block.register_forward_pre_hook(lambda *a: calls.append(1)) for block in hf.layers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
+        hf.gradient_checkpointing_enable()
+    assert hf.gradient_checkpointing
+    loss_gc, grads_gc = loss_and_grads()
+    assert len(calls) == 2 * len(hf.layers)  # each block started again in the backward: checkpointing is on
+    for h in hooks:
+        h.remove()
+    assert torch.allclose(loss_gc, loss, rtol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(grads_gc[name], g, rtol=1e-5, atol=1e-7), name
+
+
+def test_peft_lora_trains_only_the_adapters():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    hf = DiffTransformerForCausalLM.from_native(DiffTransformerLM(small("diff"))).train()
+    model = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], r=4,
+                                                    lora_alpha=8))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+    assert model.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+# ------------------------------------------------------------------------------ folders
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_folders_load_both_ways(tmp_path, tied):
+    lm, _ = pair("diff", gqa=True, tie_word_embeddings=tied)
+    lm.save_pretrained(tmp_path / "ours")
+    assert type(AutoConfig.from_pretrained(tmp_path / "ours")) is DiffTransformerHFConfig
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", use_safetensors=True).eval()
+    assert type(hf) is DiffTransformerForCausalLM
+    assert (hf.lm_head.weight is hf.embed_tokens.weight) == tied
+    ids = ids_of(PROMPTS[1])
+    with torch.no_grad():
+        want = lm(ids).logits
+        assert torch.equal(hf(ids).logits, want)
+        hf.save_pretrained(tmp_path / "theirs")
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "theirs", use_safetensors=True).eval()
+        assert torch.equal(again(ids).logits, want)
+        assert (again.lm_head.weight is again.embed_tokens.weight) == tied
+        # The weights transformers wrote are ours, key for key: our loader reads them strictly.
+        native = DiffTransformerLM(DiffTransformerHFConfig.from_pretrained(tmp_path / "theirs").to_native()).eval()
+        load_weights(native, tmp_path / "theirs" / "model.safetensors")
+        assert torch.equal(native(ids).logits, want)
+        assert torch.equal(hf.native()(ids).logits, want)
+
+
+def test_a_fresh_process_loads_our_folder_after_importing_difftransformer_hf(tmp_path):
+    lm, _ = pair("diff")
+    lm.save_pretrained(tmp_path)
+    ids = ids_of(PROMPTS[0])
+    code = ("import json, sys, torch\n"
+            "import difftransformer.hf\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], use_safetensors=True)\n"
+            "ids = torch.tensor(json.loads(sys.argv[2]))\n"
+            "print(type(m).__name__, json.dumps(m.generate(ids, max_new_tokens=6, do_sample=False).tolist()))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(ids.tolist())],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    name, tokens = done.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert name == "DiffTransformerForCausalLM"
+    assert json.loads(tokens) == lm.generate(ids, 6, temperature=0).tolist()
+
+
+class _Marker:
+    """Unpickling this creates a file: proof that a loader ran pickle."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_files_that_are_not_safetensors_are_refused_unread(tmp_path):
+    lm, _ = pair("diff")
+    lm.save_pretrained(tmp_path)
+    weights, marker = tmp_path / "model.safetensors", tmp_path / "unpickled"
+    weights.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match=r"^model.safetensors of '.*' is not a readable safetensors file") as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
+    weights.write_bytes(pickle.dumps({"embed_tokens.weight": _Marker(marker)}))
+    with pytest.raises(ValueError, match="not a readable safetensors file.*a pickle is never loaded"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights.rename(tmp_path / "pytorch_model.bin")  # only a pickle checkpoint left
+    with pytest.raises(OSError, match="model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="use_safetensors=False asks to unpickle"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, use_safetensors=False)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("other", [dict(attention="transformer"), dict(hidden_size=64)], ids=["kind", "width"])
+def test_weights_of_another_model_are_refused(tmp_path, other):
+    """transformers alone would initialise the missing weights at random (or stop on a multi-line error)."""
+    pair("diff")[0].save_pretrained(tmp_path / "diff")
+    pair(**other)[0].save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / "model.safetensors").replace(tmp_path / "diff" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"^the weights of '.*' do not match the model its config describes \(") as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "diff")
+    assert "\n" not in str(e.value)
+
+
+def test_inputs_the_wrapper_cannot_serve_are_refused():
+    _, hf = pair("diff")
+    ids = ids_of(PROMPTS[1])
+    with pytest.raises(ValueError, match=r"attention_mask must be the 2-D \(batch, cached \+ new tokens\)"):
+        hf(ids, attention_mask=torch.ones(1, 1, 6, 6))
+    with pytest.raises(TypeError, match="past_key_values must be a transformers Cache"):
+        hf(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        hf()
+    with pytest.raises(ValueError, match=f"token id {VOCAB} is outside the vocabulary"):
+        hf(ids_of([1, VOCAB]))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 64"):
+        hf(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="DynamicCache"):
+        hf.generate(ids, max_new_tokens=2, cache_implementation="static")
+
+
+def test_the_core_package_imports_without_transformers():
+    code = ("import importlib, pkgutil, sys\n"
+            "sys.modules['transformers'] = None  # import transformers now fails\n"
+            "import difftransformer\n"
+            "for m in pkgutil.walk_packages(difftransformer.__path__, 'difftransformer.'):\n"
+            "    if not m.name.startswith(('difftransformer.hf', 'difftransformer.__main__')):\n"
+            "        importlib.import_module(m.name)\n"
+            "try:\n"
+            "    import difftransformer.hf\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'difftransformer[hf]'" in done.stdout
