@@ -11,6 +11,7 @@ import json
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -193,3 +194,15 @@ def cli_fails(capsys, argv: list[str], *needles: str) -> str:
     for needle in needles:
         assert needle in err, (needle, err)
     return err
+
+
+class UniformLM(torch.nn.Module):
+    """Equal logits over the vocabulary: every token costs exactly log(vocab) nats."""
+
+    def __init__(self, vocab: int, context: int = 64):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.config = vocab, SimpleNamespace(max_position_embeddings=context)
+
+    def forward(self, ids):
+        return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)

@@ -18,15 +18,6 @@ from tests.helpers import tiny
 CONTEXT = 420
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they lose a lot to spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok(data_dir):
     return PreparedData.load(data_dir).tokenizer()

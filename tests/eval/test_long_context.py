@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,19 +14,7 @@ import difftransformer.eval.tasks.long_context as lc
 from difftransformer.data import PreparedData
 from difftransformer.eval import EvalConfig, get_task, run_task
 from difftransformer.model import DiffTransformerLM
-from tests.helpers import tiny
-
-
-class UniformLM(torch.nn.Module):
-    """Equal logits over the vocabulary: every token costs exactly log(vocab) nats."""
-
-    def __init__(self, vocab: int, context: int = 64):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.vocab, self.config = vocab, SimpleNamespace(max_position_embeddings=context)
-
-    def forward(self, ids):
-        return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)
+from tests.helpers import UniformLM, tiny
 
 
 def reference_hits(row: list[int]) -> list[bool]:

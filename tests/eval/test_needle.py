@@ -17,15 +17,6 @@ from tests.helpers import tiny
 CONTEXT = 640
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they lose a lot to spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class FakeLM(torch.nn.Module):
     """A causal LM with the black-box interface whose answer rule is known.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,19 +12,7 @@ from difftransformer.eval import EvalConfig, get_task, run_task
 from difftransformer.eval.task import TASKS, weights_hash
 from difftransformer.model import DiffTransformerLM
 from difftransformer.train import read_metrics, train
-from tests.helpers import make_cfg, tiny
-
-
-class UniformLM(torch.nn.Module):
-    """Equal logits over the vocabulary: every token costs exactly log(vocab) nats."""
-
-    def __init__(self, vocab: int, context: int = 64):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.vocab, self.config = vocab, SimpleNamespace(max_position_embeddings=context)
-
-    def forward(self, ids):
-        return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)
+from tests.helpers import UniformLM, make_cfg, tiny
 
 
 def test_heldout_loss_of_a_uniform_model_is_log_vocab(data_dir):
