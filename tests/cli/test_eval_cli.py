@@ -25,7 +25,7 @@ def test_one_task_writes_json_and_png_and_is_reused(compared, capsys):
     assert main(argv) == 0
     assert "reusing" in capsys.readouterr().err
     assert main(argv[:-2] + ["--bits", "16,6"]) == 0  # other settings: computed again
-    assert "evaluating" in capsys.readouterr().err
+    assert "wrote" in capsys.readouterr().err
 
 
 def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):

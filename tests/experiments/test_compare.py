@@ -67,3 +67,26 @@ def test_a_manifest_from_before_keeps_working(tmp_path):
     from difftransformer.experiments import write_report
 
     assert "baseline for differences is `diff`" in Path(write_report(root, samples=False)).read_text()
+
+
+def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplog):
+    study = _study(data_dir, ["diff", "transformer"])
+    study.compare = CompareConfig(arms=["diff", "transformer"], sample_tokens=2,
+                                  eval_tasks=["heldout-loss", "long-context"])
+    out = run_compare(study, tmp_path / "study")
+    folder = StudyDir(out)
+    records = {}
+    for arm in ("diff", "transformer"):
+        evals = folder.run_dir(arm, 0, multi_seed=False).evals
+        records[arm] = json.loads((evals / "heldout-loss.json").read_text())
+        assert (evals / "long-context.json").is_file() and (evals / "long-context.png").is_file()
+    report = folder.report.read_text()
+    loss = {a: r["metrics"]["loss"] for a, r in records.items()}
+    assert "## Evaluation" in report and f"| heldout-loss | loss | {loss['transformer']:.4g} | {loss['diff']:.4g} |" in report
+    # a second call trains nothing and evaluates nothing: the stored results belong to the same weights
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_compare(study, out)
+    assert "evaluated" not in caplog.text and caplog.text.count("reused") == 4
+    with pytest.raises(ValueError, match="compare.eval_tasks: unknown evaluation task 'neddle'"):
+        CompareConfig(eval_tasks=["neddle"])

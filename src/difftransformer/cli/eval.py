@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from difftransformer.cli.common import Formatter, epilog, load_trained, model_tokenizer
-from difftransformer.eval import TASKS, EvalConfig, Task, get_task, run_task
+from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.compare import compare_table
-from difftransformer.eval.results import ResultsDir
-from difftransformer.eval.task import option_kind, weights_hash
+from difftransformer.eval.results import ResultsDir, evaluate_cached
+from difftransformer.eval.task import option_kind
 from difftransformer.run_config import ConfigError
 from difftransformer.train import RunDir
 from difftransformer.train.run_dir import EVAL_DIR
@@ -148,7 +148,6 @@ class _Model:
         self.model = self.loaded.model
         self.tokenizer = model_tokenizer(path, args.tokenizer, self.loaded)
         self.run = _run_of(Path(path))
-        self.hash = weights_hash(self.model)
         data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
@@ -169,18 +168,10 @@ class _Model:
 
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
-        settings = {"eval_config": dataclasses.asdict(self.cfg), "options": task.options_dict()
-                    if dataclasses.fields(task.Options) else {}}
-        cached = None if force else self.results.cached(task.name, self.hash, settings)
-        if cached is not None:
-            print(f"{task.name}: reusing {self.results.json_path(task.name)} (same weights and settings)",
-                  file=sys.stderr)
-            return cached
-        print(f"{task.name}: evaluating {self.path} ...", file=sys.stderr)
-        result = run_task(task, self.model, self.tokenizer, self.cfg)
-        for path in self.results.save(result, task.plot):
-            print(f"  wrote {path}", file=sys.stderr)
-        return result.to_dict()
+        print(f"{task.name}: {self.path} ...", file=sys.stderr)
+        record, _ = evaluate_cached(task, self.model, self.tokenizer, self.cfg, self.results, force=force,
+                                    log=lambda line: print(line, file=sys.stderr))
+        return record
 
 
 def _run_of(path: Path) -> RunDir | None:

@@ -3,6 +3,7 @@
     results = ResultsDir("runs/demo/diff/eval")
     cached = results.cached("needle", weights_sha256, settings)   # a dict, or None: run the task
     results.save(result, png_writer)                                # atomic; the PNG when the task has a figure
+    record, reused = evaluate_cached(task, model, tokenizer, cfg, results)   # both in one call
 
 A stored result is reused only when it belongs to the same weights (sha256 of every tensor) and the
 same settings (the task's options and the EvalConfig fields that change numbers). Anything else,
@@ -11,14 +12,17 @@ or a file that cannot be read, means the task runs again; nothing is ever merged
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from difftransformer._io import atomic_write_text
-from difftransformer.eval.task import TaskResult
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, weights_hash
 
 # EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
 UNSCORED = ("device", "batch_size")
@@ -82,3 +86,21 @@ class ResultsDir:
         path = self.json_path(result.task)
         atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=True) + "\n")
         return [path, *written]
+
+
+def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig, results: ResultsDir,
+                    *, force: bool = False, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], bool]:
+    """(result record, reused?): the stored result of `task` for these weights and settings, else the
+    task run now and saved (JSON, and the PNG where it has a figure) into `results`."""
+    settings = {"eval_config": dataclasses.asdict(cfg), "options": task.options_dict()
+                if dataclasses.fields(task.Options) else {}}
+    cached = None if force else results.cached(task.name, weights_hash(model), settings)
+    if cached is not None:
+        if log:
+            log(f"{task.name}: reusing {results.json_path(task.name)} (same weights and settings)")
+        return cached, True
+    result = run_task(task, model, tokenizer, cfg)
+    for path in results.save(result, task.plot):
+        if log:
+            log(f"  wrote {path}")
+    return result.to_dict(), False

@@ -32,6 +32,7 @@ from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
 from difftransformer.train import TrainConfig, train
 from difftransformer.train.config import FREELY_CHANGEABLE
+from difftransformer.train.distributed import resolve_device
 
 log = logging.getLogger("difftransformer.experiments")
 
@@ -81,6 +82,13 @@ def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: 
         _write_json(folder.manifest, manifest)
     for seed in seeds:
         _run_seed(study, folder, manifest, arms, configs, seed, multi=len(seeds) > 1, resume=resume)
+    if dist.is_main() and study.compare.eval_tasks:
+        from difftransformer.experiments.evaluate import evaluate_run
+
+        for seed in seeds:
+            for arm in arms:
+                evaluate_run(folder.run_dir(arm, seed, len(seeds) > 1), study.compare.eval_tasks, data.out_dir,
+                             device=str(resolve_device(study.train.device)))
     if dist.is_main():
         manifest["finished"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
         _write_json(folder.manifest, manifest)
@@ -132,6 +140,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[Dif
                  "num_tokens": data.num_tokens, "num_documents": data.num_documents,
                  "vocab_size": data.vocab_size, "corpus_hash": data.corpus_hash},
         "report": study.compare.samples(),
+        "eval_tasks": list(study.compare.eval_tasks),
         "config_file": study.config_file,
         "command": command or invocation(),
         "hardware": hardware(),

@@ -1,8 +1,8 @@
 """A comparison study's typed config: the [compare] section of a run config.
 
 The size spec, training recipe and data come from the [model], [train] and [data] sections; this
-adds what makes it a study: the arms (attention kinds at that size), the training seeds, and the
-settings of the report's sample generations.
+adds what makes it a study: the arms (attention kinds at that size), the training seeds, the
+settings of the report's sample generations, and the evaluation tasks run on every finished arm.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class CompareConfig:
     temperature: float = 0.8  # for the one sampled continuation per prompt (greedy is always shown)
     top_k: int | None = 50
     sample_seed: int = 0  # seeds the report's sampled continuations (not training)
+    eval_tasks: list[str] = field(default_factory=list)  # evaluation tasks run on every finished arm (defaults)
 
     def __post_init__(self) -> None:
         if isinstance(self.arms, str):
@@ -65,6 +66,21 @@ class CompareConfig:
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"compare.seeds lists a seed twice: {self.seeds}")
         self._check_samples()
+        self._check_eval_tasks()
+
+    def _check_eval_tasks(self) -> None:
+        if isinstance(self.eval_tasks, str):
+            self.eval_tasks = [t.strip() for t in self.eval_tasks.split(",") if t.strip()]
+        if not isinstance(self.eval_tasks, list) or not all(isinstance(t, str) for t in self.eval_tasks):
+            raise ValueError(f"compare.eval_tasks must be a list of task names like [\"needle\", \"outliers\"], "
+                             f"got {self.eval_tasks!r}")
+        from difftransformer.eval import get_task
+
+        for name in self.eval_tasks:
+            try:
+                get_task(name)
+            except ValueError as e:
+                raise ValueError(f"compare.eval_tasks: {e}") from None
 
     def _check_samples(self) -> None:
         if isinstance(self.prompts, str) or not isinstance(self.prompts, list) or \

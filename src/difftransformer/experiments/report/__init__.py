@@ -26,7 +26,7 @@ def write_report(study_dir: str | Path, *, samples: bool = True) -> Path:
     plot_losses(ctx.runs, ctx.arms, ctx.seeds, ctx.study.loss_plot)
     has_lambda_plot = plot_lambdas(ctx.runs, ctx.arms, ctx.seeds[0], ctx.study.lambda_plot)
     L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.loss_curves(ctx)
-    L += sections.lambdas(ctx, has_lambda_plot)
+    L += sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
     if samples:
         L += sections.samples(ctx)
     L += sections.what_was_run(ctx)

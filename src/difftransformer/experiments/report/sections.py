@@ -214,6 +214,26 @@ def _model_cell(model: dict[str, Any], key: str) -> str:
     return str(value)
 
 
+def evaluation(ctx: Context) -> Lines:
+    """Each arm's stored evaluation results beside the baseline's and the paper's (first seed's runs)."""
+    from difftransformer.eval.compare import compare_table
+    from difftransformer.experiments.evaluate import stored_results
+
+    seed = ctx.seeds[0]
+    base = ctx.runs.get((ctx.baseline, seed))
+    found = {a: stored_results(ctx.runs[a, seed].dir) for a in ctx.arms if (a, seed) in ctx.runs}
+    if base is None or not any(found.values()):
+        return []
+    L = ["## Evaluation", "",
+         f"The paper's measurements on each arm's final model (seed {seed}; `difftransformer eval`, results in each "
+         f"run's eval/ folder, protocols in docs/evaluation.md), beside the paper's numbers for its 3B models. "
+         f"One model per arm: these are observations, not verdicts.", ""]
+    for arm in ctx.others:
+        L += [compare_table(found.get(ctx.baseline, {}), found.get(arm, {}), (ctx.baseline, arm), (ctx.baseline, arm)),
+              ""]
+    return L
+
+
 def what_was_run(ctx: Context) -> Lines:
     m = ctx.manifest
     L = ["## What was run", ""]

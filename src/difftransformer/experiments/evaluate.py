@@ -1,0 +1,48 @@
+"""Evaluate the finished runs of a study with the evaluation tasks, reusing stored results.
+
+    evaluate_run(run_dir, ["needle", "outliers"], data_dir="cache/data/sotu-8192")
+
+Each run's results live in its own eval/ folder (train/run_dir.py), one `<task>.json` per task,
+and are reused while the final weights and the task's settings are unchanged (eval/results.py), so
+re-running a study evaluates only what is new. A task that cannot run on a model (too short a
+context for its defaults, say) is logged and left out; it never stops the study.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from difftransformer.data import Tokenizer
+from difftransformer.eval import EvalConfig, get_task
+from difftransformer.eval.results import ResultsDir, evaluate_cached
+from difftransformer.train import RunDir, load_model
+
+log = logging.getLogger("difftransformer.experiments")
+
+
+def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_seed: int = 0,
+                 device: str = "cpu") -> dict[str, dict[str, Any]]:
+    """Every task (default options) on the run's final model; {task: result record}."""
+    if not tasks or not run.has_final():
+        return {}
+    loaded = load_model(run.final, device)
+    tokenizer = Tokenizer.from_file(loaded.tokenizer_path) if loaded.tokenizer_path else None
+    cfg = EvalConfig(data_dir=str(data_dir), eval_seed=eval_seed, device=device)
+    results = ResultsDir(run.evals)
+    out = {}
+    for name in tasks:
+        log.info("%s: %s ...", run.path, name)
+        try:
+            out[name], reused = evaluate_cached(get_task(name), loaded.model, tokenizer, cfg, results)
+        except ValueError as e:
+            log.warning("%s: %s cannot run on this model: %s", run.path, name, e)
+            continue
+        log.info("%s: %s %s", run.path, name, "reused" if reused else "evaluated")
+    return out
+
+
+def stored_results(run: RunDir) -> dict[str, dict[str, Any]]:
+    """The evaluation results stored for a run, by task (for reports: nothing is computed)."""
+    return ResultsDir(run.evals).all()
