@@ -26,7 +26,7 @@ ALLOWED = {
     "eval": {"model", "data"},
     "experiments": {"train", "eval", "data", "model"},
     "convert": {"model"},
-    "hf": {"model", "convert"},
+    "hf": {"model", "convert", "data"},
     "run_config": {"model", "train", "data", "experiments"},
     "cli": {"attention", "kernels", "model", "data", "train", "eval", "experiments", "convert", "hf", "run_config"},
     "__init__": {"attention", "model"},
@@ -119,7 +119,7 @@ OWNERS = {
     "metrics.jsonl": "train/metrics.py", "checkpoints": "train/checkpoint.py",
     "model_config.json": "train/checkpoint.py", "train_config.json": "train/checkpoint.py",
     "final": "train/run_dir.py", "tb": "train/run_dir.py", "done.json": "train/run_dir.py",
-    "samples.json": "train/run_dir.py", "tokenizer.json": "train/run_dir.py",
+    "samples.json": "train/run_dir.py", "tokenizer.json": "data/tokenizer.py",
     "compare.json": "experiments/study_dir.py", "report.md": "experiments/study_dir.py",
     "loss_curves.png": "experiments/study_dir.py", "lambda.png": "experiments/study_dir.py",
     "prepared.json": "data/prepare.py", "prepare-failed.txt": "data/prepare.py", "config.json": "model/serialization.py",
@@ -169,3 +169,17 @@ def test_no_file_imports_itself_through_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]  # the check can fail
     cycles = _cycles(_module_graph())
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_only_hf_imports_transformers():
+    """The core runs without the optional `hf` extra: transformers, peft and lm_eval live in hf/ alone."""
+    optional = ("transformers", "peft", "lm_eval")
+    offenders = []
+    for path in _files():
+        if path.relative_to(SRC).parts[0] == "hf":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(SRC)}:{node.lineno} {n}" for n in names if n.split(".")[0] in optional]
+    assert not offenders, offenders

@@ -53,4 +53,5 @@ def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
     cli_fails(capsys, ["eval", "heldout-loss", str(tmp_path / "nope")], "does not exist")
     cli_fails(capsys, ["eval", "all", run, "--tasks", "neddle,heldout-loss"], "unknown evaluation task 'neddle'")
     cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "0"], "--batch-size must be a positive")
+    cli_fails(capsys, ["eval", "all", run, "--tasks", ","], "names no task")
     cli_fails(capsys, ["eval", "heldout-loss", str(compared)], "is a comparison folder")

@@ -1,5 +1,5 @@
 """The `difftransformer` command: prepare data, train one model, compare arms side by side, generate, report,
-evaluate.
+evaluate, convert.
 
     difftransformer compare --config configs/demo.toml --out-dir runs/demo
     python -m difftransformer train --preset cpu-small --attention diff --set train.max_steps=500
@@ -20,14 +20,14 @@ from safetensors import SafetensorError
 
 from difftransformer import dist
 from difftransformer._io import FolderInUseError
-from difftransformer.cli import compare, eval as eval_cmd, generate, prepare, report, train
+from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, train
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
 from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
 DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
-COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd)}
+COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd, convert)}
 # A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
 # one line that names the file. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,
@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="difftransformer", formatter_class=Formatter,
         description="Differential Transformer (arXiv 2410.05258): prepare data, train, compare DIFF with its "
-                    "matched Transformer, generate text, write reports, run the paper's evaluations.",
+                    "matched Transformer, generate text, write reports, run the paper's evaluations, convert weights "
+                    "to and from transformers.",
         epilog=epilog("""
             examples:
               difftransformer prepare sotu --vocab-size 8192
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
               difftransformer generate runs/demo/diff "The state of the Union is"
               difftransformer report runs/demo
               difftransformer eval all runs/demo/diff
+              difftransformer convert runs/demo/diff/final exported/diffllama --to diffllama
 
             Run `difftransformer COMMAND --help` for each command's options.
             Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))

@@ -132,6 +132,8 @@ def _task_names(args: argparse.Namespace) -> list[str]:
     if not getattr(args, "tasks", None):
         return sorted(TASKS)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not names:
+        raise ConfigError(f"--tasks {args.tasks!r} names no task; list some, e.g. --tasks needle,outliers")
     for name in names:
         get_task(name)  # an unknown name is a one-line error with the list
     return names

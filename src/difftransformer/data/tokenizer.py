@@ -20,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from .._io import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"  # the file name a model folder keeps its tokenizer under
 _CACHE_VERSION = "bpe-v1"  # bump when the training recipe changes, to invalidate old caches
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import difftransformer.hf  # noqa: F401  registers the config and the model with the auto classes
-from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer
+from difftransformer.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, Tokenizer
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the message is the point
@@ -65,7 +65,6 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the me
                       f"generic fast tokenizer ignores add_bos_token, so texts would lose the EOS our models expect "
                       f"before them. pip install 'difftransformer[lmeval]'")
 
-TOKENIZER_FILE = "tokenizer.json"
 _PROBE = "The probe: a text, then <|endoftext|> as text."  # checks a transformers tokenizer against ours
 
 

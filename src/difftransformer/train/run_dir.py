@@ -31,6 +31,7 @@ from typing import Any
 
 from difftransformer._io import Folder, atomic_write_text, folder_entry
 from difftransformer.data import PreparedData
+from difftransformer.data.tokenizer import TOKENIZER_FILE
 from difftransformer.model import DiffTransformerLM
 from difftransformer.model.serialization import WEIGHTS_NAME, is_pretrained_dir
 from difftransformer.train.checkpoint import CHECKPOINTS_DIR, MODEL_CONFIG_FILE, TRAIN_CONFIG_FILE, load_checkpoint
@@ -40,7 +41,6 @@ log = logging.getLogger("difftransformer.train")
 
 FINAL_DIR = "final"
 TENSORBOARD_DIR = "tb"
-TOKENIZER_FILE = "tokenizer.json"
 DONE_FILE = "done.json"
 SAMPLES_FILE = "samples.json"
 REPLACED_DIR = "replaced"

@@ -1,0 +1,137 @@
+"""`difftransformer convert`: convert a checkpoint folder between our format, transformers' DiffLlama and
+Llama, and the authors' reference layout, exactly (difftransformer.convert; docs/interop.md).
+
+The source format is detected from the folder (config.json's model_type, or the authors'-layout
+settings); a run folder stands for its final/. The result is written into a new folder, complete or
+not at all: it is assembled beside DST and renamed into place at the end, so a failed conversion
+leaves no half-written DST, and an existing non-empty DST is refused rather than overwritten.
+Weights are read from safetensors only (a pickle is never opened) and written as safetensors:
+transformers folders by the transformers classes' own save_pretrained (so they load with
+`from_pretrained`), ours by our save_pretrained, the authors' layout as one safetensors file plus
+its settings JSON. The tokenizer.json saved with the source (a run's final/) is copied along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftransformer._io import atomic_write_text
+from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
+from difftransformer.convert.unilm import SETTINGS_NAME
+from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
+from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
+
+HELP = "convert weights between our format, transformers' DiffLlama/Llama and the authors' layout"
+DESCRIPTION = ("Convert a model folder exactly (the converted model computes the same logits): ours <-> "
+               "transformers' DiffLlamaForCausalLM (kind 'diff'), ours <-> LlamaForCausalLM (kind 'transformer'), "
+               "ours <-> the authors' reference layout (unilm Diff-Transformer, kind 'diff'). The source format is "
+               "detected; a model the target cannot express is refused with the reason. Safetensors only.")
+EXAMPLES = """
+    examples:
+      difftransformer convert runs/demo/diff exported/diffllama --to diffllama
+      difftransformer convert hf/diffllama-folder imported/diff --to ours
+      difftransformer convert runs/demo/transformer/final exported/llama --to llama
+      difftransformer convert runs/demo/diff exported/unilm --to unilm"""
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="checkpoint folder: ours (a final/ or run folder), a transformers "
+                                              "diffllama/llama folder, or the authors' layout")
+    p.add_argument("dst", metavar="DST", help="new folder to write (must not exist, or be empty)")
+    p.add_argument("--to", required=True, choices=FORMATS, metavar="FORMAT",
+                   help=f"target format: {', '.join(FORMATS)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    src, dst = _source_folder(Path(args.src)), Path(args.dst)
+    _check_destination(src, dst)
+    ckpt = read_checkpoint(src)
+    if ckpt.format == args.to:
+        raise ConversionError(f"{src} is already in format {args.to!r}; pick another --to")
+    state, config = to_ours(ckpt.format, ckpt.state, ckpt.config)
+    params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
+    state, out_config = from_ours(args.to, state, config)
+    _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src))
+    print(f"converted {src} ({ckpt.format}) to {dst} ({args.to}): attention {config.attention!r}, "
+          f"{config.num_hidden_layers} layers, {params:,} parameters")
+    return 0
+
+
+def _source_folder(path: Path) -> Path:
+    """`path`, or the final/ of the run folder `path` (a final/ holds the trained model)."""
+    run = RunDir(path)
+    if not path.is_dir() or any((path / n).is_file() for n in (CONFIG_NAME, SETTINGS_NAME)):
+        return path
+    if run.final.is_dir():
+        return run.final
+    if run.has_metrics():
+        raise ConversionError(f"{path} is a run folder without a final model ({run.final} is missing); convert it "
+                              f"once training has finished")
+    return path
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConversionError(f"{dst} already exists and is not an empty folder; convert writes a new folder "
+                              f"(remove it or choose another DST)")
+    if src.exists() and dst.resolve() == src.resolve():
+        raise ConversionError(f"DST {dst} is the source folder; choose another DST")
+
+
+def _write_atomically(dst: Path, write) -> None:
+    """Call write(folder) on a fresh folder beside `dst`, then rename it to `dst` (nothing half-written is left)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if dst.is_dir():
+            dst.rmdir()  # empty (checked before)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path) -> None:
+    if fmt == "ours":
+        _save_ours(folder, state, config)
+    elif fmt == "unilm":
+        _save_unilm(folder, state, config)
+    else:
+        _save_transformers(fmt, folder, state, config)
+    tokenizer = src / TOKENIZER_FILE
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+
+
+def _save_ours(folder: Path, state: dict[str, torch.Tensor], config: DiffTransformerConfig) -> None:
+    model = DiffTransformerLM(config, device="meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.save_pretrained(folder)
+
+
+def _save_unilm(folder: Path, state: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    atomic_write_text(folder / SETTINGS_NAME, json.dumps(settings, indent=2) + "\n")
+
+
+def _save_transformers(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write a transformers folder through transformers' own classes (difftransformer.hf owns that import)."""
+    try:
+        from difftransformer.hf.convert import save_transformers_folder
+    except ImportError:
+        raise ConversionError(f"--to {fmt} writes a transformers folder and needs transformers: "
+                              f"pip install 'difftransformer[hf]'") from None
+    save_transformers_folder(fmt, folder, state, config)

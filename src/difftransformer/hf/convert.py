@@ -1,0 +1,32 @@
+"""Writing converted weights as a transformers folder, through transformers' own classes.
+
+The converters in `difftransformer.convert` are pure state-dict functions and import nothing of
+transformers; this is where a converted (state dict, config dict) becomes a folder that
+`DiffLlamaForCausalLM.from_pretrained` / `LlamaForCausalLM.from_pretrained` load with no missing
+or unexpected keys: the class is built on the meta device, the weights are assigned, and its own
+`save_pretrained` writes config.json and model.safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+TRANSFORMERS_CLASSES = {"diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM"),
+                        "llama": ("LlamaConfig", "LlamaForCausalLM")}
+
+
+def save_transformers_folder(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Save `state` as transformers' `fmt` model ("diffllama" or "llama") with `config` into `folder`."""
+    transformers.utils.logging.disable_progress_bar()  # one summary line is the command's output
+    config_name, model_name = TRANSFORMERS_CLASSES[fmt]
+    hf_config = getattr(transformers, config_name).from_dict(config)
+    with torch.device("meta"):
+        model = getattr(transformers, model_name)(hf_config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if hf_config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(folder)

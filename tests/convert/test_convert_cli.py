@@ -1,0 +1,149 @@
+"""`difftransformer convert SRC DST --to FORMAT`: folders that transformers' own from_pretrained (or ours)
+loads and that compute the source's logits; the tokenizer travels along; bad inputs are one-line errors
+and never unpickled; a refused conversion leaves no DST behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import DiffLlamaForCausalLM, LlamaForCausalLM  # noqa: E402
+
+from difftransformer.cli import main  # noqa: E402
+from difftransformer.convert.unilm import SETTINGS_NAME  # noqa: E402
+from difftransformer.model import DiffTransformerLM  # noqa: E402
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, load_weights, read_pretrained  # noqa: E402
+from difftransformer.train.run_dir import TOKENIZER_FILE  # noqa: E402
+from tests.convert import config, ids, logits, ours, randomise_, rel, same_tensors  # noqa: E402
+
+TOKENIZER = b'{"stand-in": "the run\'s tokenizer, copied byte for byte"}'
+
+
+def saved(folder: Path, attention: str = "diff", **overrides) -> DiffTransformerLM:
+    """A random model of ours saved into `folder` (a final/-like folder with a tokenizer)."""
+    model = ours(config(attention, **overrides))
+    model.save_pretrained(folder)
+    (folder / TOKENIZER_FILE).write_bytes(TOKENIZER)
+    return model
+
+
+def load_ours(folder: Path) -> DiffTransformerLM:
+    cfg, weights = read_pretrained(folder)
+    model = DiffTransformerLM(dataclasses.replace(cfg, attn_backend="sdpa")).eval()
+    load_weights(model, weights)
+    return model
+
+
+def from_pretrained(cls, folder: Path):
+    model, info = cls.from_pretrained(folder, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def convert(src: Path, dst: Path, to: str) -> int:
+    return main(["convert", str(src), str(dst), "--to", to])
+
+
+def test_ours_to_diffllama_and_back(tmp_path):
+    model = saved(tmp_path / "ours", gqa=True)
+    assert convert(tmp_path / "ours", tmp_path / "dl", "diffllama") == 0
+    dl = from_pretrained(DiffLlamaForCausalLM, tmp_path / "dl")
+    assert rel(logits(dl, ids()), logits(model, ids())) < 1e-5
+    assert (tmp_path / "dl" / TOKENIZER_FILE).read_bytes() == TOKENIZER
+    assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0
+    assert rel(logits(load_ours(tmp_path / "back"), ids()), logits(model, ids())) < 1e-5
+
+
+def test_a_diffllama_saved_by_transformers_converts(tmp_path, capsys):
+    saved(tmp_path / "seed", gqa=True, tied=True)
+    assert convert(tmp_path / "seed", tmp_path / "dl", "diffllama") == 0
+    dl = randomise_(from_pretrained(DiffLlamaForCausalLM, tmp_path / "dl"), seed=3)
+    dl.save_pretrained(tmp_path / "hf")  # transformers' own folder (tied head stored once)
+    assert convert(tmp_path / "hf", tmp_path / "ours", "ours") == 0
+    assert "converted" in capsys.readouterr().out
+    assert rel(logits(load_ours(tmp_path / "ours"), ids()), logits(dl, ids())) < 1e-5
+
+
+def test_ours_to_llama_and_back_is_exact(tmp_path):
+    model = saved(tmp_path / "ours", "transformer", gqa=True, tied=False)
+    assert convert(tmp_path / "ours", tmp_path / "llama", "llama") == 0
+    assert rel(logits(from_pretrained(LlamaForCausalLM, tmp_path / "llama"), ids()), logits(model, ids())) < 1e-5
+    assert convert(tmp_path / "llama", tmp_path / "back", "ours") == 0
+    assert same_tensors(load_ours(tmp_path / "back").state_dict(), model.state_dict())
+
+
+def test_a_run_folder_converts_its_final_to_the_authors_layout_and_back(tmp_path):
+    model = saved(tmp_path / "run" / "final")
+    assert convert(tmp_path / "run", tmp_path / "unilm", "unilm") == 0
+    written = sorted(p.name for p in (tmp_path / "unilm").iterdir())
+    assert written == sorted([WEIGHTS_NAME, SETTINGS_NAME, TOKENIZER_FILE])
+    settings = json.loads((tmp_path / "unilm" / SETTINGS_NAME).read_text())
+    assert settings["attention"]["num_heads"] == 4
+    assert convert(tmp_path / "unilm", tmp_path / "back", "ours") == 0
+    assert same_tensors(load_ours(tmp_path / "back").state_dict(), model.state_dict())
+
+
+class _Marker:
+    """Unpickling this creates a file: proof that something ran pickle."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def _fails(capsys, src: Path, dst: Path, to: str, needle: str) -> None:
+    assert convert(src, dst, to) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("difftransformer convert: error:") and "\n" not in err and needle in err, err
+
+
+def test_bad_inputs_are_one_line_errors_and_nothing_is_unpickled(tmp_path, capsys):
+    dst = tmp_path / "dst"
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    _fails(capsys, tmp_path / "notes.txt", dst, "ours", "is a file; convert reads a checkpoint folder")
+    (tmp_path / "empty").mkdir()
+    _fails(capsys, tmp_path / "empty", dst, "ours", "is not a checkpoint folder")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / CONFIG_NAME).write_text(json.dumps({"model_type": "gpt2"}))
+    _fails(capsys, tmp_path / "gpt2", dst, "ours", "describes a model of type 'gpt2'")
+    (tmp_path / "gpt2" / CONFIG_NAME).write_text("{not json")
+    _fails(capsys, tmp_path / "gpt2", dst, "ours", "is not a JSON config")
+
+    src, marker = tmp_path / "ours", tmp_path / "unpickled"
+    saved(src)
+    (src / WEIGHTS_NAME).write_bytes(pickle.dumps({"embed_tokens.weight": _Marker(marker)}))
+    _fails(capsys, src, dst, "unilm", "is not a readable safetensors file")
+    (src / WEIGHTS_NAME).rename(src / "pytorch_model.bin")
+    _fails(capsys, src, dst, "unilm", "holds only pickled weights (pytorch_model.bin)")
+    assert not marker.exists() and not dst.exists()
+
+
+def test_refusals_leave_no_destination(tmp_path, capsys):
+    saved(tmp_path / "headnorm", "transformer_headnorm")
+    _fails(capsys, tmp_path / "headnorm", tmp_path / "dst", "llama", "head-wise RMSNorm that LlamaForCausalLM lacks")
+    _fails(capsys, tmp_path / "headnorm", tmp_path / "dst", "ours", "is already in format 'ours'")
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst*"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    saved(tmp_path / "diff")
+    _fails(capsys, tmp_path / "diff", tmp_path / "full", "unilm", "already exists and is not an empty folder")
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    # a conversion the tensors do not fit (config edited) fails before anything is written
+    cfg = json.loads((tmp_path / "diff" / CONFIG_NAME).read_text())
+    (tmp_path / "diff" / CONFIG_NAME).write_text(json.dumps(cfg | {"num_hidden_layers": 4}))
+    _fails(capsys, tmp_path / "diff", tmp_path / "dst", "diffllama", "missing layers.3.")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_help_lists_the_formats(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "--help"])
+    assert e.value.code == 0 and "ours, diffllama, llama, unilm" in capsys.readouterr().out
