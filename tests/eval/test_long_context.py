@@ -144,7 +144,7 @@ BAD = {  # what is asked -> the start of the one-line error
                                                       EvalConfig(data_dir=d, seq_len=100)),
                                    "length 100 is beyond the model's context of 64"),
     "no data": (lambda d: run_task("long-context", UniformLM(300, 64), None, EvalConfig()),
-                "long-context reads held-out documents: set EvalConfig.data_dir"),
+                "long-context reads held-out text: set EvalConfig.data_dir"),
     "no document that long": (lambda d: run_task(get_task("long-context", length=4000), UniformLM(300, 4096), None,
                                                  EvalConfig(data_dir=d)),
                               "no document in the test split .* has 4000 tokens or more \\(the longest has"),

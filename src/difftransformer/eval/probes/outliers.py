@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.data import PreparedData
 from difftransformer.eval.probes.hooks import (attention_layers, capture_layer_outputs, inspect_attention,
                                                require_own_model)
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 TOP_KS = (1, 2, 3, 10, 100)
@@ -197,8 +197,8 @@ class Outliers(Task):
         if seq_len > context:
             raise ValueError(f"seq_len {seq_len} is beyond the model's context of {context} tokens "
                              f"(max_position_embeddings); use seq_len <= {context}")
-        data = PreparedData.load(cfg.data_dir)
-        windows = _windows(data.dataset(cfg.split).tokens, seq_len, self.options.tokens, cfg.max_windows)
+        held = heldout_split(cfg, tokenizer, self.name)
+        windows = _windows(held.tokens, seq_len, self.options.tokens, cfg.max_windows)
         if len(windows) == 0:
             raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has fewer than seq_len = {seq_len} tokens; "
                              f"lower seq_len")
@@ -206,9 +206,9 @@ class Outliers(Task):
         with inspect_attention(model, state.score_hook), capture_layer_outputs(model, state.hidden):
             for i in range(0, len(windows), cfg.batch_size):
                 model(torch.from_numpy(windows[i:i + cfg.batch_size]).to(cfg.device))
-        return self._result(state, windows.shape, data, cfg, model.config.attention)
+        return self._result(state, windows.shape, held, cfg, model.config.attention)
 
-    def _result(self, state: OutlierState, shape: tuple[int, int], data: PreparedData, cfg: EvalConfig,
+    def _result(self, state: OutlierState, shape: tuple[int, int], held: HeldOutSplit, cfg: EvalConfig,
                 attention: str) -> TaskResult:
         metrics: dict[str, float] = {}
         merged = {kind: state.overall(kind) for kind in KINDS}
@@ -227,8 +227,7 @@ class Outliers(Task):
                                         "range": [10 ** LOG10_MIN, 10 ** LOG10_MAX],
                                         "relative_error": MEDIAN_RELATIVE_ERROR, "median": "lower median",
                                         "zeros": "counted apart"},
-                      "state_bytes": state.nbytes(), "corpus_hash": data.corpus_hash,
-                      "tokenizer_hash": data.tokenizer_hash},
+                      "state_bytes": state.nbytes(), **held.settings()},
             details={"overall": overall,
                      "per_layer": {kind: [s.summary() for s in state.layers[kind]] for kind in KINDS},
                      "top100": {kind: merged[kind].top.tolist() for kind in KINDS}},

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from difftransformer.data import PreparedData, iter_eval_batches, num_eval_windows
+from difftransformer.data import iter_eval_batches, num_eval_windows
+from difftransformer.eval.heldout import heldout_split
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
@@ -23,11 +24,8 @@ class HeldOutLoss(Task):
     description = "token-weighted loss, perplexity and bits per token on a held-out split of a prepared corpus"
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
-        if cfg.data_dir is None:
-            raise ValueError("heldout-loss reads held-out text: set EvalConfig.data_dir to a prepared-data folder "
-                             "(e.g. cache/data/sotu-8192)")
-        data = PreparedData.load(cfg.data_dir)
-        split = data.dataset(cfg.split)
+        held = heldout_split(cfg, tokenizer, self.name)
+        split = held.tokens
         seq_len = cfg.seq_len or model.config.max_position_embeddings
         if seq_len > model.config.max_position_embeddings:
             raise ValueError(f"seq_len {seq_len} is beyond the model's context of {model.config.max_position_embeddings} "
@@ -50,6 +48,5 @@ class HeldOutLoss(Task):
         return TaskResult(
             task=self.name,
             metrics={"loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2)},
-            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "seq_len": seq_len, "windows": windows,
-                      "tokens": count, "corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash},
+            settings={**held.settings(), "seq_len": seq_len, "windows": windows, "tokens": count},
         )

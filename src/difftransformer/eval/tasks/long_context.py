@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.data import PreparedData
+from difftransformer.eval.heldout import HeldOutSplit, documents, heldout_split
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
@@ -60,13 +60,7 @@ class LongContextOptions:
         "help": "the model's training sequence length, marked on the curve (mean NLL before/after it); 0: unknown"})
 
 
-def split_documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
-    """The documents of a token stream in which every document is followed by `eos_id` (views, in
-    order, EOS excluded). A trailing piece without its EOS counts as a document too; empty ones do not."""
-    ends = np.flatnonzero(np.asarray(tokens) == eos_id)
-    starts = np.concatenate(([0], ends + 1))
-    ends = np.concatenate((ends, [len(tokens)]))
-    return [tokens[s:e] for s, e in zip(starts, ends) if e > s]
+split_documents = documents  # the documents of a token stream: eval/heldout.py
 
 
 def ar_hits(ids: torch.Tensor) -> torch.Tensor:
@@ -139,13 +133,9 @@ class LongContext(Task):
         return length
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
-        if cfg.data_dir is None:
-            raise ValueError("long-context reads held-out documents: set EvalConfig.data_dir (--data-dir) to a "
-                             "prepared-data folder (e.g. cache/data/sotu-8192)")
+        split = heldout_split(cfg, tokenizer, self.name)
         length = self._length(model, cfg)
-        data = PreparedData.load(cfg.data_dir)
-        split = data.dataset(cfg.split)
-        tokens = np.asarray(split.tokens)
+        tokens = split.tokens
         docs = split_documents(tokens, split.eos_id)
         chosen = [i for i, d in enumerate(docs) if len(d) >= length]
         if not chosen:
@@ -159,10 +149,10 @@ class LongContext(Task):
             seqs = np.stack([np.concatenate(([split.eos_id], docs[j][:length])) for j in chosen[i:i + cfg.batch_size]])
             seqs = torch.from_numpy(seqs.astype(np.int64))
             totals.add(token_nll(model, seqs.to(cfg.device)).double().cpu(), ar_hits(seqs)[:, 1:])
-        return self._result(totals, length, chosen, [len(docs[i]) for i in chosen], data, cfg)
+        return self._result(totals, length, chosen, [len(docs[i]) for i in chosen], split, cfg)
 
     def _result(self, totals: _Totals, length: int, chosen: list[int], doc_lengths: list[int],
-                data: PreparedData, cfg: EvalConfig) -> TaskResult:
+                split: HeldOutSplit, cfg: EvalConfig) -> TaskResult:
         per_position = totals.position_sum / totals.documents  # (L,)
         cumulative = per_position.cumsum(0) / torch.arange(1, length + 1, dtype=torch.float64)
         buckets = [{"first": lo, "last": hi, "nll": float(per_position[lo - 1:hi].mean())}
@@ -185,10 +175,9 @@ class LongContext(Task):
         return TaskResult(
             task=self.name,
             metrics=metrics,
-            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "length": length, "documents": len(chosen),
+            settings={**split.settings(), "length": length, "documents": len(chosen),
                       "tokens": totals.documents * length, "train_length": train_length or None,
-                      "short_documents": "skipped", "corpus_hash": data.corpus_hash,
-                      "tokenizer_hash": data.tokenizer_hash},
+                      "short_documents": "skipped"},
             details={"positions_nll": per_position.tolist(), "cumulative_nll": cumulative.tolist(),
                      "buckets": buckets, "slices": slices,
                      "documents": [{"index": i, "tokens": n} for i, n in zip(chosen, doc_lengths)]},

@@ -60,6 +60,7 @@ from difftransformer.eval.synthetic import (
     min_prompt_length,
     needle_prompt,
 )
+from difftransformer.eval.heldout import heldout_split
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 DEPTHS = (0, 25, 50, 75, 100)
@@ -89,17 +90,14 @@ class NeedleOptions:
 def haystack_text(cfg: EvalConfig, tokenizer, task: str) -> tuple[HeldoutText, dict[str, Any]]:
     """The held-out tokens of cfg.data_dir / cfg.split, and the settings that identify them.
 
-    A missing data_dir or a folder tokenised with another tokenizer than the model's is a ValueError."""
+    A missing data_dir is a ValueError; a folder tokenised with another tokenizer than the model's is
+    re-tokenised with the model's (eval/heldout.py)."""
     if cfg.data_dir is None:
         raise ValueError(f"{task} with haystack 'text' reads held-out text: set EvalConfig.data_dir (--data-dir) to a "
                          f"prepared-data folder (e.g. cache/data/sotu-8192), or use haystack 'needles'")
-    text, data = HeldoutText.from_prepared(cfg.data_dir, cfg.split)
-    own = getattr(tokenizer, "hash", None)
-    if own is not None and own != data.tokenizer_hash:
-        raise ValueError(f"{cfg.data_dir} was tokenised with another tokenizer than the model's; prepare the haystack "
-                         f"corpus with the model's tokenizer.json or use haystack 'needles'")
-    return text, {"data_dir": str(cfg.data_dir), "split": cfg.split, "corpus_hash": data.corpus_hash,
-                  "tokenizer_hash": data.tokenizer_hash, "haystack_tokens": int(len(text.tokens))}
+    split = heldout_split(cfg, tokenizer, task)
+    text = HeldoutText(split.tokens, split.eos_id, f"the {cfg.split} split of {cfg.data_dir}")
+    return text, {**split.settings(), "haystack_tokens": int(len(text.tokens))}
 
 
 def needle_samples(tokenizer, *, needles: int, queries: int, depth: float, length: int, count: int, seed: int,

@@ -1,0 +1,67 @@
+"""Held-out text for evaluation, in the tokens of the model being evaluated: one place that reads it.
+
+    split = heldout_split(cfg, tokenizer, "long-context")
+    split.tokens      # documents of cfg.split, each followed by split.eos_id, in the MODEL's tokenizer
+    split.settings()  # what identifies them in a result (corpus, tokenizer, split, re-tokenised or not)
+
+A prepared-data folder stores its splits as token ids of its own tokenizer. When the model was
+trained with that tokenizer (the hashes agree) the stored ids are used as they are. When it was not
+(another prepared corpus given with --data-dir, or a Hugging Face model with its own vocabulary)
+every document is decoded with the folder's tokenizer and encoded with the model's, so a task never
+feeds a model ids of a vocabulary it does not know, which would give numbers that look plausible
+and mean nothing. Byte-level BPE decodes exactly, so the text is the same text in both cases.
+The train split is never read (EvalConfig refuses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from difftransformer.data import PreparedData
+from difftransformer.eval.task import EvalConfig
+
+
+@dataclass
+class HeldOutSplit:
+    tokens: np.ndarray  # int64: documents in the model's tokenizer, each followed by eos_id
+    eos_id: int  # the model tokenizer's document separator (the data's own, when not re-tokenised)
+    data: PreparedData
+    split: str
+    retokenized: bool  # whether the documents were decoded and encoded again with the model's tokenizer
+
+    def settings(self) -> dict[str, Any]:
+        return {"data_dir": str(self.data.out_dir), "split": self.split, "corpus_hash": self.data.corpus_hash,
+                "tokenizer_hash": self.data.tokenizer_hash, "retokenized": self.retokenized,
+                "split_tokens": int(len(self.tokens))}
+
+
+def heldout_split(cfg: EvalConfig, tokenizer, task: str) -> HeldOutSplit:
+    """The documents of cfg.split of cfg.data_dir as token ids of `tokenizer` (None: the data's own).
+
+    A missing data_dir is a ValueError naming EvalConfig.data_dir and --data-dir."""
+    if cfg.data_dir is None:
+        raise ValueError(f"{task} reads held-out text: set EvalConfig.data_dir (--data-dir) to a prepared-data "
+                         f"folder (e.g. cache/data/sotu-8192)")
+    data = PreparedData.load(cfg.data_dir)
+    ds = data.dataset(cfg.split)
+    own = getattr(tokenizer, "hash", None) if tokenizer is not None else data.tokenizer_hash
+    if own == data.tokenizer_hash:
+        return HeldOutSplit(np.asarray(ds.tokens, dtype=np.int64), int(ds.eos_id), data, cfg.split, False)
+    texts = [data.tokenizer().decode(doc.tolist()) for doc in documents(np.asarray(ds.tokens), ds.eos_id)]
+    eos = int(tokenizer.eos_id)
+    ids: list[int] = []
+    for text in texts:
+        ids += [*tokenizer.encode(text), eos]
+    return HeldOutSplit(np.asarray(ids, dtype=np.int64), eos, data, cfg.split, True)
+
+
+def documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
+    """The documents of a token stream in which every document is followed by `eos_id` (views, in
+    order, EOS excluded). A trailing piece without its EOS counts as a document too; empty ones do not."""
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id)
+    starts = np.concatenate(([0], ends + 1))
+    ends = np.concatenate((ends, [len(tokens)]))
+    return [tokens[s:e] for s, e in zip(starts, ends) if e > s]
