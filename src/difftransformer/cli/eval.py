@@ -31,7 +31,8 @@ from difftransformer.train.run_dir import EVAL_DIR
 
 HELP = "evaluate a model with the paper's measurements (retrieval, attention noise, outliers, ...)"
 DESCRIPTION = ("Run one of the paper's evaluations on a trained model (a run folder, its final/ folder or a "
-               "checkpoint), `all` of them, or `compare` two models in one Markdown table beside the paper's "
+               "checkpoint; the black-box tasks also on a local transformers causal-LM folder, with --data-dir), "
+               "`all` of them, or `compare` two models in one Markdown table beside the paper's "
                "numbers. Results are written as JSON (settings, weights hash, package version, time taken) and, "
                "where the paper has a figure, a PNG, into the run's eval/ folder; a result for the same weights "
                "and settings is reused.")
@@ -146,17 +147,26 @@ class _Model:
         self.path = path
         if not Path(path).exists():
             raise ConfigError(f"{path} does not exist; give a run folder, final/ folder or checkpoint folder")
-        self.loaded = load_trained(path, args.device)
-        self.model = self.loaded.model
-        self.tokenizer = model_tokenizer(path, args.tokenizer, self.loaded)
-        self.run = _run_of(Path(path))
+        self.step = None
+        if _is_transformers_folder(path):  # black-box tasks on any transformers causal LM
+            if args.tokenizer:
+                raise ConfigError(f"{path} is a transformers folder and brings its own tokenizer; leave --tokenizer out")
+            from difftransformer.hf.causal_lm import load_causal_lm
+
+            self.model, self.tokenizer = load_causal_lm(path, args.device)
+            self.run = None
+        else:
+            loaded = load_trained(path, args.device)
+            self.model, self.step = loaded.model, loaded.checkpoint_step
+            self.tokenizer = model_tokenizer(path, args.tokenizer, loaded)
+            self.run = _run_of(Path(path))
         data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
         self.results = ResultsDir(args.out_dir or self._default_results())
 
     def _default_results(self) -> Path:
-        step = self.loaded.checkpoint_step
+        step = self.step
         if self.run is not None:
             return self.run.evals if step is None else self.run.evals / f"step_{step:08d}"
         return Path(self.path) / EVAL_DIR
@@ -170,10 +180,23 @@ class _Model:
 
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
+        if task.white_box and self.run is None and self.step is None and _is_transformers_folder(self.path):
+            raise ConfigError(f"{task.name} looks inside attention and runs on this package's models only; "
+                              f"{self.path} is a transformers folder. Black-box tasks run on it: "
+                              f"{', '.join(sorted(n for n, t in TASKS.items() if not t.white_box))}")
         print(f"{task.name}: {self.path} ...", file=sys.stderr)
         record, _ = evaluate_cached(task, self.model, self.tokenizer, self.cfg, self.results, force=force,
                                     log=lambda line: print(line, file=sys.stderr))
         return record
+
+
+def _is_transformers_folder(path: str) -> bool:
+    """Whether PATH holds another transformers model (its config.json names a foreign model_type)."""
+    try:
+        from difftransformer.hf.causal_lm import is_transformers_folder
+    except ImportError:  # without transformers every folder is read as one of ours (and fails as such)
+        return False
+    return is_transformers_folder(path)
 
 
 def _run_of(path: Path) -> RunDir | None:
