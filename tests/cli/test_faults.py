@@ -94,7 +94,8 @@ def test_prepare_killed_while_re_preparing_never_leaves_a_usable_mix(workdir, tm
 
 def test_a_second_writer_started_mid_run_is_refused_and_the_first_finishes(workdir, tmp_path):
     out = tmp_path / "busy"
-    argv = ("train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out))
+    # long enough that the second process (a fresh Python importing torch) starts while the first runs
+    argv = ("train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out), "--set", "train.max_steps=40")
     first = _cli(*argv)
     deadline = time.monotonic() + 60
     while not (out / ".lock").is_file() or not (out / ".lock").read_text():
@@ -104,4 +105,4 @@ def test_a_second_writer_started_mid_run_is_refused_and_the_first_finishes(workd
     assert second.wait(timeout=60) == 2 and f"pid {first.pid}" in second.stderr.read()
     assert first.wait(timeout=120) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
-    assert len(steps) == 6 and max(steps) == 8  # the first run's log is whole: 4 train rows and 2 val rows
+    assert len(steps) == 30 and max(steps) == 40  # the first run's log is whole: 20 train rows and 10 val rows

@@ -16,6 +16,7 @@ EXPECTED = {
     "diff_v2": (MultiheadDiffAttentionV2, False, False),
     "transformer": (MultiheadAttention, False, False),
     "transformer_headnorm": (MultiheadAttention, True, False),
+    "diff_retrofit": (MultiheadDiffAttention, True, True),
 }
 
 
@@ -24,8 +25,10 @@ def test_the_table_answers_the_four_questions():
     rows = {k.name: (k.differential, k.scalar_lambda, k.head_norm, k.v2) for k in ATTENTION_KINDS.values()}
     assert rows == {"diff": (True, True, True, False), "diff_no_headnorm": (True, True, False, False),
                     "diff_v2": (True, False, False, True), "transformer": (False, False, False, False),
-                    "transformer_headnorm": (False, False, True, False)}
-    assert [k for k, v in ATTENTION_KINDS.items() if v.diff_heads] == ["diff", "diff_no_headnorm"]
+                    "transformer_headnorm": (False, False, True, False),
+                    "diff_retrofit": (True, True, True, False)}
+    assert [k for k, v in ATTENTION_KINDS.items() if v.diff_heads] == ["diff", "diff_no_headnorm", "diff_retrofit"]
+    assert [k for k, v in ATTENTION_KINDS.items() if v.head_norm_ramp] == ["diff_retrofit"]
     assert all(v.description for v in ATTENTION_KINDS.values())
 
 

@@ -123,23 +123,34 @@ class MultiheadDiffAttention(_SelfAttention):
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
                  norm_eps: float = 1e-5, backend: str = "auto", deterministic: bool = True,
-                 max_seq_len: int | None = None, device=None, dtype=None):
+                 max_seq_len: int | None = None, head_dim: int | None = None, head_norm_ramp: bool = False,
+                 device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         self.deterministic = bool(deterministic)
-        if embed_dim % (2 * num_heads):
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
-                             f"each of the {num_heads} DIFF heads splits into two components of equal dim")
-        if (embed_dim // num_heads // 2) % 2:
-            raise ValueError(f"head_dim = embed_dim // num_heads // 2 = {embed_dim // num_heads // 2} must be even "
-                             f"for RoPE; change embed_dim or num_heads")
-        E, d = embed_dim, embed_dim // num_heads // 2
+        if head_dim is None:
+            if embed_dim % (2 * num_heads):
+                raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2 * num_heads ({2 * num_heads}): "
+                                 f"each of the {num_heads} DIFF heads splits into two components of equal dim")
+            head_dim = embed_dim // num_heads // 2
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim = {head_dim} (embed_dim // num_heads // 2 unless given) must be a positive "
+                             f"even number for RoPE; change embed_dim, num_heads or head_dim")
+        if head_norm_ramp and not head_norm:
+            raise ValueError("head_norm_ramp=True blends the head norm in, so it needs head_norm=True")
+        d = head_dim
         self.head_dim, self.scaling = d, d ** -0.5
-        self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
+        inner = 2 * num_heads * d  # E unless head_dim is given (a retrofitted model: 2 * its own width)
+        self._make_projections(inner, inner // self.n_rep, inner, "out_proj", device, dtype)
         self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
         lambda_dtype = compute_dtype(dtype or torch.get_default_dtype())
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, nn.Parameter(torch.empty(d, device=device, dtype=lambda_dtype)))
         self.subln = RMSNorm(2 * d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
+        # α of the head-norm ramp: o + α (norm(o) - o). A persistent buffer (saved with the weights,
+        # so a model is self-describing mid-ramp), set by the trainer, never by the optimizer.
+        self.head_norm_ramp = bool(head_norm_ramp)
+        if self.head_norm_ramp:
+            self.register_buffer("head_norm_mix", torch.zeros((), device=device, dtype=lambda_dtype))
         self.rotary = RotaryEmbedding(d, rope_theta)
         self.reset_lambda_parameters()
 
@@ -150,7 +161,24 @@ class MultiheadDiffAttention(_SelfAttention):
     def _head_norm_and_scale(self, o: torch.Tensor) -> torch.Tensor:
         """(1 - lambda_init) * RMSNorm(o); the constant is folded into the 2d-element norm weight."""
         scale = 1.0 - self.lambda_init
-        return o * scale if self.subln is None else self.subln(o, scale)
+        if self.subln is None:
+            return o * scale
+        normed = self.subln(o, scale)
+        if not self.head_norm_ramp:
+            return normed
+        # o + α (normed - o), in compute_dtype: exactly o at α = 0, exactly V1's normed output at α = 1.
+        f = compute_dtype(o)
+        alpha = self.head_norm_mix.to(f)
+        return (o.to(f) + alpha * (normed.to(f) - o.to(f))).to(o.dtype)
+
+    @torch.no_grad()
+    def set_head_norm_mix(self, alpha: float) -> None:
+        """Set α of the head-norm ramp (0: no head norm, 1: V1's); only for a layer built with head_norm_ramp."""
+        if not self.head_norm_ramp:
+            raise ValueError("this layer has no head-norm ramp (built with head_norm_ramp=False)")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"the head-norm mix alpha must lie in [0, 1], got {alpha}")
+        self.head_norm_mix.fill_(alpha)
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's current lambda, a differentiable 0-d tensor (fp32, or float64 in a float64 layer)."""
@@ -172,7 +200,7 @@ class MultiheadDiffAttention(_SelfAttention):
         attention_mask: (B, S) True/1 for keys to keep (S counts cached keys too).
         """
         self._check_input(x)
-        B, T, E = x.shape
+        B, T, _ = x.shape
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
         res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
@@ -180,13 +208,14 @@ class MultiheadDiffAttention(_SelfAttention):
                                      deterministic=self.deterministic, score_hook=self.score_hook)
         o, maps = res if return_attention else (res, None)
         o = self._head_norm_and_scale(o)
-        out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
+        out = self.out_proj(o.transpose(1, 2).reshape(B, T, 2 * self.num_heads * d))
         return (out, maps) if return_attention else out
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, depth={self.depth}, diff_heads={self.num_heads}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, lambda_init={self.lambda_init:.4f}, "
-                f"backend={self.backend}" + ("" if self.deterministic else ", deterministic=False"))
+                f"backend={self.backend}" + ("" if self.deterministic else ", deterministic=False")
+                + (", head_norm_ramp=True" if self.head_norm_ramp else ""))
 
 
 class MultiheadAttention(_SelfAttention):

@@ -20,14 +20,15 @@ from safetensors import SafetensorError
 
 from difftransformer import dist
 from difftransformer._io import FolderInUseError
-from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, train
+from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
 from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
 DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
-COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd, convert)}
+COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd, convert,
+                                                               retrofit)}
 # A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
 # one line that names the file. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,

@@ -27,6 +27,7 @@ import torch
 from difftransformer.convert.detect import FORMATS, Checkpoint, detect_format, read_checkpoint
 from difftransformer.convert.diffllama import diffllama_to_ours, ours_to_diffllama
 from difftransformer.convert.llama import ConversionError, llama_to_ours, ours_state, ours_to_llama
+from difftransformer.convert.llama_retrofit import calibrate_head_norm, retrofit_llama
 from difftransformer.convert.unilm import ours_to_unilm, unilm_to_ours
 from difftransformer.model import DiffTransformerConfig
 
@@ -62,6 +63,6 @@ def convert(state: Mapping[str, torch.Tensor], config: Any, source: str, target:
     return from_ours(target, *to_ours(source, state, config))
 
 
-__all__ = ["FORMATS", "Checkpoint", "ConversionError", "convert", "detect_format", "diffllama_to_ours", "from_ours",
-           "llama_to_ours", "ours_to_diffllama", "ours_to_llama", "ours_to_unilm", "read_checkpoint", "to_ours",
-           "unilm_to_ours"]
+__all__ = ["FORMATS", "Checkpoint", "ConversionError", "calibrate_head_norm", "convert", "detect_format",
+           "diffllama_to_ours", "from_ours", "llama_to_ours", "ours_to_diffllama", "ours_to_llama", "ours_to_unilm",
+           "read_checkpoint", "retrofit_llama", "to_ours", "unilm_to_ours"]

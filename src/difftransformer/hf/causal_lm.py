@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import difftransformer.hf  # noqa: F401  (our own folders load through the auto classes too)
+from difftransformer.model.serialization import CONFIG_NAME
 
 
 class HFTokenizer:
@@ -109,7 +110,7 @@ def _pad_after_stop(out: torch.Tensor, width: int, prompt: int, stops: list[int]
 
 def is_transformers_folder(path: str | Path) -> bool:
     """A folder with a config.json naming a transformers model_type other than ours."""
-    config = Path(path) / "config.json"
+    config = Path(path) / CONFIG_NAME
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):

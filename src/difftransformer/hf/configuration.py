@@ -8,7 +8,7 @@ Contract:
   names already are Hugging Face's where one exists (vocab_size, hidden_size, num_hidden_layers,
   num_attention_heads, num_key_value_heads, intermediate_size, max_position_embeddings, rope_theta,
   rms_norm_eps, tie_word_embeddings, initializer_range); the others (attention, lambda_init,
-  attn_backend, attn_deterministic) are ours.
+  attn_backend, attn_deterministic, and diff_retrofit's attention_head_dim, head_norm_ramp_steps) are ours.
 - Validation is ours, not a copy: the fields are handed to `DiffTransformerConfig`, whose checks run,
   and the resolved values (num_key_value_heads, intermediate_size) are stored back.
 - `num_attention_heads` / `num_key_value_heads` count heads of the configured attention kind, as
@@ -55,6 +55,8 @@ class DiffTransformerHFConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         attn_backend: str = "auto",
         attn_deterministic: bool = True,
+        attention_head_dim: int | None = None,
+        head_norm_ramp_steps: int = 0,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -68,7 +70,8 @@ class DiffTransformerHFConfig(PretrainedConfig):
             intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
             rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie_word_embeddings,
             lambda_init=lambda_init, initializer_range=initializer_range, attn_backend=attn_backend,
-            attn_deterministic=attn_deterministic))
+            attn_deterministic=attn_deterministic, attention_head_dim=attention_head_dim,
+            head_norm_ramp_steps=head_norm_ramp_steps))
         for name in NATIVE_FIELDS:
             if name != "tie_word_embeddings":  # the base class owns that one (transformers 4.x sets it there)
                 setattr(self, name, getattr(native, name))

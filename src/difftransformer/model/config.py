@@ -2,6 +2,7 @@
 
 `num_attention_heads` always counts the heads *of the configured attention kind* (see kinds.py):
 - kinds with `diff_heads` (diff, diff_no_headnorm): DIFF heads h, half the matched Transformer's;
+  diff_retrofit counts DIFF heads too, but a retrofitted Llama keeps its own heads (convert/llama_retrofit.py);
 - the others (transformer, transformer_headnorm, diff_v2): ordinary heads H, the baseline's own count.
 `config.matched("transformer")` / `config.matched("diff")` convert between the two so that a
 DIFF model and its baseline have the same width, depth, FFN and head_dim, and parameter counts
@@ -27,6 +28,7 @@ from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.model.kinds import AttentionKind, attention_kind
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")  # counted in the configured kind's units
+_RETROFIT_FIELDS = ("attention_head_dim", "head_norm_ramp_steps")  # diff_retrofit's own (kinds.head_norm_ramp)
 log = logging.getLogger("difftransformer.model")
 # Fields that choose how attention is computed, not what the model is: a checkpoint resumes or
 # loads under other values of these.
@@ -60,6 +62,11 @@ class DiffTransformerConfig:
     # False lets the fused Triton backward add dQ with fp32 atomics: one pass, the baseline's
     # attention FLOPs, but gradients that round differently from run to run (DIFF V1 only).
     attn_deterministic: bool = True
+    # diff_retrofit only (see convert/llama_retrofit.py): the q/k component dim d when it is not
+    # hidden_size / (2 * heads) (a retrofitted Llama keeps its own head dim, so 2hd = 2E), and the
+    # optimizer steps over which the trainer ramps the head norm in (α = min(1, step / steps)).
+    attention_head_dim: int | None = None  # None: hidden_size // (2 * num_attention_heads)
+    head_norm_ramp_steps: int = 0  # 0: the trainer leaves α as stored (1 = V1 head norm, 0 = none)
 
     def __post_init__(self) -> None:
         check_field_types(self, "model")
@@ -75,8 +82,18 @@ class DiffTransformerConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_key_value_heads ({self.num_key_value_heads})")
+        ramp = self.kind.head_norm_ramp
+        if not ramp and (self.attention_head_dim is not None or self.head_norm_ramp_steps):
+            raise ValueError(f"model.attention_head_dim ({self.attention_head_dim}) and model.head_norm_ramp_steps "
+                             f"({self.head_norm_ramp_steps}) apply to attention='diff_retrofit' only; got attention="
+                             f"{self.attention!r}: leave them at null and 0")
+        if self.head_norm_ramp_steps < 0:
+            raise ValueError(f"model.head_norm_ramp_steps must be >= 0 (0: no ramp), got {self.head_norm_ramp_steps}")
+        if self.attention_head_dim is not None and self.attention_head_dim <= 0:
+            raise ValueError(f"model.attention_head_dim must be a positive even integer or null, got "
+                             f"{self.attention_head_dim}")
         split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
-        if self.hidden_size % split:
+        if self.attention_head_dim is None and self.hidden_size % split:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                              f"{'2 * ' if self.kind.diff_heads else ''}num_attention_heads ({split}) "
                              f"for attention={self.attention!r}")
@@ -108,6 +125,8 @@ class DiffTransformerConfig:
     @property
     def head_dim(self) -> int:
         """d: the q/k dim of one component (DIFF) or one head (baseline, V2); equal when matched."""
+        if self.attention_head_dim is not None:
+            return self.attention_head_dim
         split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
         return self.hidden_size // split
 
@@ -129,8 +148,10 @@ class DiffTransformerConfig:
             if heads % 2 or kv % 2:
                 raise ValueError(f"a DIFF model halves the baseline's {heads} q / {kv} kv heads, so both must be even")
             heads, kv = heads // 2, kv // 2
+        # The retrofit fields belong to diff_retrofit only; another kind drops them.
+        retrofit = {} if kind.head_norm_ramp else dict(attention_head_dim=None, head_norm_ramp_steps=0)
         return dataclasses.replace(self, attention=attention, num_attention_heads=heads, num_key_value_heads=kv,
-                                   attn_backend=_backend_for(kind, self.attn_backend))
+                                   attn_backend=_backend_for(kind, self.attn_backend), **retrofit)
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -219,7 +240,8 @@ class Preset:
         backend fields apply to `attention` itself (so 'triton' for a kind without it is an error).
         """
         heads = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
-        runtime = {k: overrides.pop(k) for k in RUNTIME_FIELDS if k in overrides}  # asked of this kind itself
+        runtime = {k: overrides.pop(k) for k in RUNTIME_FIELDS + _RETROFIT_FIELDS
+                   if k in overrides}  # asked of this kind itself
         spec = {**self.fields(), **overrides}
         # Put the requested heads into the DIFF-unit spec where they convert exactly, so a width that
         # only divides by the new head count is accepted before conversion.

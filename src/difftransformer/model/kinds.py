@@ -9,12 +9,16 @@ A kind answers four questions, and everything else is derived from the answers:
 | `diff_v2`              | yes          | no       | no        | yes | the baseline's heads      |
 | `transformer`          | no           | no       | no        | no  | ordinary heads            |
 | `transformer_headnorm` | no           | no       | yes       | no  | ordinary heads            |
+| `diff_retrofit`        | yes          | yes      | ramped    | no  | DIFF heads (the source's) |
 
 - differential: each output is one softmax map minus λ times another.
 - scalar λ: one learnable λ per layer, λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init (V1). A per-token
   sigmoid λ (V2) is not scalar.
 - head norm: a head-wise RMSNorm after attention (V1's, or the baseline's ablation).
 - V2: the DIFF V2 layer (2H query heads paired inside one ordinary attention call).
+- head-norm ramp (`diff_retrofit` only): the head norm is blended in as o + α (norm(o) − o), α a
+  buffer the trainer ramps from 0 to 1 (`head_norm_ramp_steps`), so a retrofitted pretrained model
+  (convert/llama_retrofit.py) computes its source's function at α = 0 and exact V1 arithmetic at α = 1.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class AttentionKind:
     scalar_lambda: bool
     head_norm: bool
     v2: bool
+    head_norm_ramp: bool = False  # head norm blended in by a ramp coefficient α (diff_retrofit)
 
     @property
     def diff_heads(self) -> bool:
@@ -54,6 +59,9 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (
                   differential=False, scalar_lambda=False, head_norm=False, v2=False),
     AttentionKind("transformer_headnorm", "ablation: the baseline with a head-wise RMSNorm",
                   differential=False, scalar_lambda=False, head_norm=True, v2=False),
+    AttentionKind("diff_retrofit", "DIFF V1 retrofitted onto a pretrained Llama: explicit head_dim, head norm "
+                  "ramped in by alpha (0 at conversion), see convert/llama_retrofit.py",
+                  differential=True, scalar_lambda=True, head_norm=True, v2=False, head_norm_ramp=True),
 )}
 
 

@@ -50,6 +50,7 @@ def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtyp
     if kind.differential:
         return MultiheadDiffAttention(E, depth, H, KV, lambda_init=config.lambda_init, head_norm=kind.head_norm,
                                       norm_eps=config.rms_norm_eps, deterministic=config.attn_deterministic,
+                                      head_dim=config.attention_head_dim, head_norm_ramp=kind.head_norm_ramp,
                                       **common)
     return MultiheadAttention(E, depth, H, KV, head_norm=kind.head_norm, norm_eps=config.rms_norm_eps, **common)
 
@@ -148,6 +149,19 @@ class DiffTransformerLM(nn.Module):
         if not self.config.kind.scalar_lambda:
             return [None] * len(self.layers)
         return [LayerLambda(block.self_attn.current_lambda(), block.self_attn.lambda_init) for block in self.layers]
+
+    @torch.no_grad()
+    def set_training_step(self, step: int) -> None:
+        """Called by the trainer before optimizer step `step` (0-based): a `diff_retrofit` model with
+        head_norm_ramp_steps > 0 raises every layer's head-norm mix α to min(1, step / head_norm_ramp_steps).
+        α is never lowered (on the device, no host sync), so a new run from an already ramped model
+        keeps its head norm; any other model is unchanged."""
+        steps = self.config.head_norm_ramp_steps
+        if not (self.config.kind.head_norm_ramp and steps):
+            return
+        alpha = min(1.0, max(0, step) / steps)
+        for block in self.layers:
+            block.self_attn.head_norm_mix.clamp_(min=alpha)
 
     def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
         check_input_ids(input_ids, self.config.vocab_size)

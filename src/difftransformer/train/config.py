@@ -18,11 +18,12 @@ from difftransformer._config import check_field_types
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
+TRAINABLE = ("all", "attention")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 # Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
 # resumed with the same values (the rest, e.g. lr after a divergence, may change with a warning).
-RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed")
+RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed", "trainable")
 # Fields that only affect speed, I/O or how far to train: a resumed run (or a continued study) may change them.
 FREELY_CHANGEABLE = frozenset({"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
@@ -66,6 +67,10 @@ class TrainConfig:
     fsdp: bool = False  # FSDP2 (fully_shard) instead of DDP when distributed
     tensorboard: bool = True
     progress: bool = True  # tqdm bar with loss, tokens/s, ETA
+    # Which parameters the optimizer moves: "all", or "attention" (every layers.N.self_attn.* tensor:
+    # projections, λ vectors, head norm; embeddings, MLPs and the other norms frozen), e.g. to
+    # continue training a retrofitted model (docs/interop.md, "Retrofit").
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         check_field_types(self, "TrainConfig")
@@ -97,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"TrainConfig.trainable must be one of {TRAINABLE}, got {self.trainable!r}")
         if not _DEVICE_RE.match(self.device):
             raise ValueError(f"TrainConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.batch_size % self.grad_accum_steps:

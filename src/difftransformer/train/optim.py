@@ -17,6 +17,15 @@ from difftransformer.norm import RMSNorm
 from difftransformer.train.config import TrainConfig
 
 
+def apply_trainable(model: nn.Module, cfg: TrainConfig) -> None:
+    """Freeze what `cfg.trainable` leaves out ("attention": all but the layers' self_attn tensors), before
+    the model is wrapped (DDP reads requires_grad) and the optimizer built (it takes trainable ones only)."""
+    if cfg.trainable == "all":
+        return
+    for name, p in model.named_parameters():
+        p.requires_grad_(".self_attn." in f".{name}")
+
+
 def classify_parameters(model: nn.Module, cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(names that get weight decay, names that do not), in model.named_parameters() order.
 

@@ -53,7 +53,7 @@ from difftransformer.train.distributed import (
     wrap_model,
 )
 from difftransformer.train.metrics import MetricsWriter
-from difftransformer.train.optim import build_optimizer, lr_at, set_lr
+from difftransformer.train.optim import apply_trainable, build_optimizer, lr_at, set_lr
 from difftransformer.train.run_dir import RunDir
 
 log = logging.getLogger("difftransformer.train")
@@ -295,6 +295,7 @@ def _build(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv, 
     elif init_state is not None:
         model.load_state_dict(init_state, strict=True)
     model.to(env.device)
+    apply_trainable(model, cfg)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if cfg.compile:
@@ -335,6 +336,7 @@ class _Loop:
         val_loss: float | None = None
         try:
             parts.model.train()
+            parts.model.set_training_step(start_step)  # the head-norm ramp of a diff_retrofit model
             for step in range(start_step, cfg.max_steps):
                 t0 = time.perf_counter()
                 lr = lr_at(step, cfg)
@@ -396,6 +398,7 @@ class _Loop:
                 f"clipping (grad_clip > 0), a longer warmup, or precision='fp32'")
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
+        parts.model.set_training_step(step + 1)  # α for the model after this step (no-op for other kinds)
         return loss_val, grad_norm
 
     def weight_norm(self) -> float:

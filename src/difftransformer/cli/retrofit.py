@@ -1,0 +1,126 @@
+"""`difftransformer retrofit LLAMA SRC`: a pretrained Llama-family model (GQA) as a `diff_retrofit` DIFF
+model whose logits equal the source's at conversion (convert/llama_retrofit.py; docs/interop.md,
+"Retrofit"), ready for continued training with `difftransformer train` (init from OUT_DIR).
+
+LLAMA is a transformers Llama folder (config.json + safetensors) or a .gguf file (dequantised by
+transformers; needs `gguf`). The result is our model folder (config.json, model.safetensors and the
+source's tokenizer.json when it has one), written complete or not at all. `--check N` runs the
+source and the retrofitted model on N random tokens and prints the max abs logit difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from difftransformer.cli.convert import _check_destination, _write_atomically
+from difftransformer.convert import ConversionError, calibrate_head_norm, read_checkpoint, retrofit_llama
+from difftransformer.convert.llama_retrofit import SECOND_MAPS
+from difftransformer.model import DiffTransformerLM
+from difftransformer.train.run_dir import TOKENIZER_FILE
+
+HELP = "turn a pretrained Llama-family model into a DIFF model with the same logits"
+DESCRIPTION = ("Retrofit a pretrained Llama (GQA) as attention kind 'diff_retrofit': each source head becomes a "
+               "DIFF head whose first map is the source's, a second map weighted by lambda = 0, and a head norm "
+               "ramped in from 0 by the trainer, so the logits equal the source's at conversion. See "
+               "docs/interop.md, 'Retrofit', for the departures from V1 and the continued-training recipe.")
+EXAMPLES = """
+    examples:
+      difftransformer retrofit hf/llama-folder retrofitted/llama-diff
+      difftransformer retrofit path/SmolLM2-135M-Instruct.Q4_1.gguf retrofitted/smollm2 --check 64
+      difftransformer retrofit hf/llama-folder out --second-map copy --ramp-steps 500"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="LLAMA", help="a transformers Llama folder (safetensors) or a .gguf file")
+    p.add_argument("dst", metavar="OUT_DIR", help="new folder to write (must not exist, or be empty)")
+    p.add_argument("--second-map", choices=SECOND_MAPS, default="uniform",
+                   help="how the second map starts: uniform (q2 = 0, k2 = k1) or copy (q2 = q1)")
+    p.add_argument("--ramp-steps", type=int, default=1000, metavar="N",
+                   help="optimizer steps over which training ramps the head norm in (0: never)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the lambda vectors (any seed: lambda = 0)")
+    p.add_argument("--calibrate", metavar="TEXT_FILE",
+                   help="fit the head-norm weight on this text (encoded with the source's tokenizer) so that ramping "
+                        "the norm in changes little; the function at conversion is unchanged (recommended)")
+    p.add_argument("--calibrate-tokens", type=int, default=4096, metavar="N",
+                   help="how many tokens of --calibrate to use, in windows of 256 (default 4096)")
+    p.add_argument("--check", type=int, default=0, metavar="N",
+                   help="compare the logits of source and result on N random tokens (needs transformers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    src, dst = Path(args.src), Path(args.dst)
+    _check_destination(src, dst)
+    if args.ramp_steps < 0:
+        raise ConversionError(f"--ramp-steps must be >= 0 (0: no ramp), got {args.ramp_steps}")
+    source, tokenizer = None, None
+    t0 = time.perf_counter()
+    if src.suffix == ".gguf" or args.check:
+        hf_load = _hf_load()
+        source = hf_load.load_llama_model(src)
+        state, config, tokenizer = hf_load.load_llama(src, source)
+    else:
+        ckpt = read_checkpoint(src)
+        if ckpt.format != "llama":
+            raise ConversionError(f"{src} holds a {ckpt.format!r} checkpoint; retrofit takes a transformers Llama "
+                                  f"folder or a .gguf file")
+        state, config = ckpt.state, ckpt.config
+        if (src / TOKENIZER_FILE).is_file():
+            tokenizer = (src / TOKENIZER_FILE).read_text()
+    loaded = time.perf_counter() - t0
+    ours, cfg = retrofit_llama(state, config, second_map=args.second_map, head_norm_ramp_steps=args.ramp_steps,
+                               seed=args.seed)
+    model = DiffTransformerLM(cfg)
+    model.load_state_dict(ours, strict=True)
+    del ours
+    if args.calibrate:
+        ids = _calibration_ids(Path(args.calibrate), tokenizer, args.calibrate_tokens,
+                               min(256, cfg.max_position_embeddings))
+        means = calibrate_head_norm(model.eval(), ids)
+        print(f"head-norm weight fitted on {args.calibrate}: mean per layer {min(means):.3g} .. {max(means):.3g}")
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            (folder / TOKENIZER_FILE).write_text(tokenizer)
+
+    _write_atomically(dst, write)
+    params = model.num_parameters()
+    print(f"retrofitted {src} to {dst}: attention 'diff_retrofit', {cfg.num_hidden_layers} layers, "
+          f"{cfg.num_attention_heads} DIFF heads / {cfg.num_key_value_heads} kv groups of d = {cfg.head_dim}, "
+          f"{params:,} parameters (loaded in {loaded:.0f} s)")
+    if args.check:
+        ids = torch.randint(0, cfg.vocab_size, (1, args.check), generator=torch.Generator().manual_seed(0))
+        model = DiffTransformerLM.from_pretrained(dst)
+        with torch.no_grad():
+            diff = (model(ids).logits - _hf_load().llama_logits(source, ids)).abs().max().item()
+        print(f"max abs logit difference on {args.check} random tokens: {diff:.3g}")
+    return 0
+
+
+def _calibration_ids(path: Path, tokenizer: str | None, tokens: int, window: int) -> torch.Tensor:
+    """The first `tokens` tokens of the text file `path` (source tokenizer) as windows: (N, window)."""
+    from tokenizers import Tokenizer
+
+    if tokenizer is None:
+        raise ConversionError("--calibrate needs the source's tokenizer (a tokenizer.json beside its config.json, or "
+                              "the vocabulary a .gguf file carries); this source has none")
+    if not path.is_file():
+        raise ConversionError(f"--calibrate {path}: no such text file")
+    ids = Tokenizer.from_str(tokenizer).encode(path.read_text(errors="replace")).ids[:tokens]
+    n = len(ids) // window * window
+    if n == 0:
+        raise ConversionError(f"--calibrate {path} has {len(ids)} tokens; it needs at least {window} (one window)")
+    return torch.tensor(ids[:n], dtype=torch.long).view(-1, window)
+
+
+def _hf_load():
+    try:
+        from difftransformer.hf import load
+    except ImportError:
+        raise ConversionError("reading a .gguf file or --check needs transformers: pip install 'difftransformer[hf]'"
+                              ) from None
+    return load
