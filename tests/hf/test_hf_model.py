@@ -350,3 +350,40 @@ def test_the_core_package_imports_without_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "pip install 'difftransformer[hf]'" in done.stdout
+
+
+def test_the_in_place_cache_layer_behaves_as_transformers_own():
+    """Updates, crop, beam reordering and batch repetition in random order: same keys/values as DynamicLayer."""
+    import random
+
+    from transformers.cache_utils import DynamicLayer
+
+    from difftransformer.hf.modeling import _InPlaceLayer
+
+    rng = random.Random(0)
+    for trial in range(5):
+        torch.manual_seed(trial)
+        ours, theirs = _InPlaceLayer(), DynamicLayer()
+        B = 2
+        for _ in range(30):
+            op = rng.choice(["update", "update", "update", "crop", "select", "repeat"])
+            if op == "update" or not theirs.is_initialized:
+                T = rng.choice([1, 1, 3, 70])
+                k, v = torch.randn(B, 2, T, 4), torch.randn(B, 1, T, 8)
+                got, want = ours.update(k, v), theirs.update(k, v)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            elif op == "crop" and theirs.get_seq_length() > 2:
+                ours.crop(-2)
+                theirs.crop(-2)
+            elif op == "select":
+                idx = torch.tensor([rng.randrange(B) for _ in range(B)])
+                ours.batch_select_indices(idx)
+                theirs.batch_select_indices(idx)
+            elif op == "repeat" and B < 8:
+                ours.batch_repeat_interleave(2)
+                theirs.batch_repeat_interleave(2)
+                B *= 2
+            assert ours.get_seq_length() == theirs.get_seq_length()
+        k, v = torch.randn(B, 2, 1, 4), torch.randn(B, 1, 1, 8)
+        assert torch.equal(ours.update(k, v)[0], theirs.update(k, v)[0])
+        assert ours.keys.data_ptr() == ours._kbuf.data_ptr()  # a view of its buffer: written in place

@@ -40,7 +40,7 @@ from torch import nn
 from safetensors import SafetensorError
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import __version__ as _TRANSFORMERS_VERSION
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
@@ -54,8 +54,55 @@ log = logging.get_logger(__name__)
 _TRANSFORMERS_5 = int(_TRANSFORMERS_VERSION.split(".")[0]) >= 5
 
 
+class _InPlaceLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers written in place, grown by doubling,
+    instead of a torch.cat of the whole cache at every step (what transformers' own layer does).
+
+    Whatever transformers does to `keys` / `values` between steps (beam search reordering, crop,
+    repeat_interleave) leaves either a view of the same buffers (crop) or a new tensor; the next
+    update sees which and, for a new tensor, copies it into fresh buffers. Under autograd it behaves
+    exactly like `DynamicLayer` (in-place writes into a graph would be wrong)."""
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self._kbuf = self._vbuf = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.keys.shape[-2] if self.keys.numel() else 0
+        total = n + key_states.shape[-2]
+        if not (self._holds(self.keys, self._kbuf, key_states) and self._holds(self.values, self._vbuf, value_states)
+                and total <= self._kbuf.shape[-2]):
+            self._kbuf = self._grown(self.keys, n, key_states, total)
+            self._vbuf = self._grown(self.values, n, value_states, total)
+        self._kbuf[..., n:total, :].copy_(key_states)
+        self._vbuf[..., n:total, :].copy_(value_states)
+        self.keys, self.values = self._kbuf[..., :total, :], self._vbuf[..., :total, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _holds(current: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor) -> bool:
+        """Whether `current` is still the leading part of `buf`, shaped for `new` (same batch, heads, dim)."""
+        return (buf is not None and current.numel() > 0 and current.data_ptr() == buf.data_ptr()
+                and current.shape[:-2] == buf.shape[:-2] == new.shape[:-2] and buf.shape[-1] == new.shape[-1])
+
+    @staticmethod
+    def _grown(current: torch.Tensor, n: int, new: torch.Tensor, total: int) -> torch.Tensor:
+        """A buffer for at least `total` positions (doubling), holding the `n` cached ones first."""
+        buf = new.new_empty(*new.shape[:-2], max(2 * total, 64), new.shape[-1])
+        if n:
+            buf[..., :n, :].copy_(current)
+        return buf
+
+
 class _CacheAdapter:
-    """A transformers `Cache` seen as our `KVCache`: `update(depth, k, v)` -> all (k, v), `length(depth)`."""
+    """A transformers `Cache` seen as our `KVCache`: `update(depth, k, v)` -> all (k, v), `length(depth)`.
+
+    A plain `DynamicCache` (what generate() makes) gets `_InPlaceLayer`s for its empty layers, so
+    decoding writes in place as our own cache does; any other cache is used as it is."""
 
     def __init__(self, cache: Cache):
         self.cache = cache
@@ -64,7 +111,20 @@ class _CacheAdapter:
         return self.cache.get_seq_length(layer)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._in_place(layer)
         return self.cache.update(k, v, layer)
+
+    def _in_place(self, layer: int) -> None:
+        cache = self.cache
+        layers = getattr(cache, "layers", None)
+        if type(cache) is not DynamicCache or layers is None or getattr(cache, "offloading", False):
+            return
+        replicate = getattr(cache, "layer_class_to_replicate", None)
+        if replicate is DynamicLayer:
+            while len(layers) <= layer:
+                layers.append(_InPlaceLayer())
+        if layer < len(layers) and type(layers[layer]) is DynamicLayer and not layers[layer].is_initialized:
+            layers[layer] = _InPlaceLayer()
 
 
 class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
