@@ -14,6 +14,7 @@ import difftransformer.eval.tasks.long_context as lc
 from difftransformer.data import PreparedData
 from difftransformer.eval import EvalConfig, get_task, run_task
 from difftransformer.model import DiffTransformerLM
+from difftransformer.eval.heldout import documents
 from tests.helpers import UniformLM, tiny
 
 
@@ -45,7 +46,7 @@ def test_ar_hits_match_the_definition_on_random_rows():
 
 def test_documents_and_buckets():
     eos = 9
-    docs = lc.split_documents(np.array([3, 4, eos, eos, 5, eos, 6, 7]), eos)
+    docs = documents(np.array([3, 4, eos, eos, 5, eos, 6, 7]), eos)
     assert [d.tolist() for d in docs] == [[3, 4], [5], [6, 7]]  # empty piece dropped, unterminated tail kept
     assert lc.position_buckets(10) == [(1, 1), (2, 3), (4, 7), (8, 10)]
     assert lc.position_buckets(1) == [(1, 1)]
@@ -116,7 +117,7 @@ def test_a_random_model_matches_a_direct_cross_entropy_loop(data_dir, kind):
 
 def test_short_documents_are_skipped_and_counts_are_capped(data_dir, tmp_path):
     split = PreparedData.load(data_dir).dataset("test")
-    lengths = [len(d) for d in lc.split_documents(split.tokens, split.eos_id)]
+    lengths = [len(d) for d in documents(split.tokens, split.eos_id)]
     assert len(lengths) == 2 and lengths[0] != lengths[1]  # the fixture's test split
     model = UniformLM(300, context=4096)
     cfg = EvalConfig(data_dir=data_dir)

@@ -148,7 +148,8 @@ class _Model:
         if not Path(path).exists():
             raise ConfigError(f"{path} does not exist; give a run folder, final/ folder or checkpoint folder")
         self.step = None
-        if _is_transformers_folder(path):  # black-box tasks on any transformers causal LM
+        self.foreign = _is_transformers_folder(path)
+        if self.foreign:  # black-box tasks on any transformers causal LM
             if args.tokenizer:
                 raise ConfigError(f"{path} is a transformers folder and brings its own tokenizer; leave --tokenizer out")
             from difftransformer.hf.causal_lm import load_causal_lm
@@ -180,7 +181,7 @@ class _Model:
 
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
-        if task.white_box and self.run is None and self.step is None and _is_transformers_folder(self.path):
+        if task.white_box and self.foreign:
             raise ConfigError(f"{task.name} looks inside attention and runs on this package's models only; "
                               f"{self.path} is a transformers folder. Black-box tasks run on it: "
                               f"{', '.join(sorted(n for n, t in TASKS.items() if not t.white_box))}")

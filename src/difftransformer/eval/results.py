@@ -12,7 +12,6 @@ or a file that cannot be read, means the task runs again; nothing is ever merged
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -22,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from difftransformer._io import atomic_write_text
-from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, weights_hash
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, task_settings, weights_hash
 
 # EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
 UNSCORED = ("device", "batch_size")
@@ -92,14 +91,13 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
                     *, force: bool = False, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], bool]:
     """(result record, reused?): the stored result of `task` for these weights and settings, else the
     task run now and saved (JSON, and the PNG where it has a figure) into `results`."""
-    settings = {"eval_config": dataclasses.asdict(cfg), "options": task.options_dict()
-                if dataclasses.fields(task.Options) else {}}
-    cached = None if force else results.cached(task.name, weights_hash(model), settings)
+    digest = weights_hash(model)  # once: it keys the reuse and stamps a new result
+    cached = None if force else results.cached(task.name, digest, task_settings(task, cfg))
     if cached is not None:
         if log:
             log(f"{task.name}: reusing {results.json_path(task.name)} (same weights and settings)")
         return cached, True
-    result = run_task(task, model, tokenizer, cfg)
+    result = run_task(task, model, tokenizer, cfg, weights_sha256=digest)
     for path in results.save(result, task.plot):
         if log:
             log(f"  wrote {path}")

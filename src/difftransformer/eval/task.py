@@ -184,8 +184,20 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig | None = None) -> TaskResult:
-    """Run one task on `model` (put in eval mode, restored after) and stamp the result with provenance."""
+def task_settings(task: Task, cfg: EvalConfig) -> dict[str, Any]:
+    """The settings every result records besides the task's own: the EvalConfig and the task's options."""
+    settings: dict[str, Any] = {"eval_config": dataclasses.asdict(cfg)}
+    if task.Options is not NoOptions:
+        settings["options"] = task.options_dict()
+    return settings
+
+
+def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig | None = None, *,
+             weights_sha256: str | None = None) -> TaskResult:
+    """Run one task on `model` (put in eval mode, restored after) and stamp the result with provenance.
+
+    weights_sha256: the model's `weights_hash`, when the caller has it already (hashing a large
+    model's tensors takes seconds)."""
     task = get_task(task) if isinstance(task, str) else task
     cfg = cfg or EvalConfig()
     was_training = model.training
@@ -195,10 +207,8 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
         result = task.run(model, tokenizer, cfg)
     finally:
         model.train(was_training)
-    result.settings = {**result.settings, "eval_config": dataclasses.asdict(cfg)}
-    if task.Options is not NoOptions:
-        result.settings["options"] = task.options_dict()
-    result.provenance = {"weights_sha256": weights_hash(model), "package_version": __version__,
+    result.settings = {**result.settings, **task_settings(task, cfg)}
+    result.provenance = {"weights_sha256": weights_sha256 or weights_hash(model), "package_version": __version__,
                          "started": started.isoformat(timespec="seconds"),
                          "seconds": round(time.perf_counter() - t0, 3)}
     return result

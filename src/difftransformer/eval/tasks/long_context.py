@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.eval.heldout import HeldOutSplit, documents, heldout_split
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split
+from difftransformer.eval.heldout import documents as split_documents
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
@@ -58,9 +59,6 @@ class LongContextOptions:
         "help": "how many documents to score (the first long-enough ones in split order); 0: all"})
     train_length: int = field(default=0, metadata={
         "help": "the model's training sequence length, marked on the curve (mean NLL before/after it); 0: unknown"})
-
-
-split_documents = documents  # the documents of a token stream: eval/heldout.py
 
 
 def ar_hits(ids: torch.Tensor) -> torch.Tensor:
