@@ -49,7 +49,8 @@ def test_every_task_has_help_with_its_options(capsys):
 
 def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
     run = str(compared / "diff")
-    cli_fails(capsys, ["eval", "logit-quant", run, "--bits", "1"], "bits must each be >= 2")
+    cli_fails(capsys, ["eval", "logit-quant", run, "--bits", "1"], "bits must each lie in 2..16")
+    cli_fails(capsys, ["eval", "logit-quant", run, "--bits", "24"], "bits must each lie in 2..16")
     cli_fails(capsys, ["eval", "heldout-loss", str(tmp_path / "nope")], "does not exist")
     cli_fails(capsys, ["eval", "all", run, "--tasks", "neddle,heldout-loss"], "unknown evaluation task 'neddle'")
     cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "0"], "--batch-size must be a positive")

@@ -89,7 +89,7 @@ def test_a_uniform_model_scores_chance_for_forced_choice_and_zero_greedy(tok, da
     assert result.metrics["forced_choice@N3R2"] == pytest.approx(1 / 3)
     assert result.metrics["forced_choice@N1R1"] == 1.0  # one candidate: trivially right
     assert result.metrics["greedy"] == 0.0
-    assert all(c["chance"] == pytest.approx(1 / c["needles"]) for c in result.details["cells"])
+    assert all(c["forced_choice_chance"] == pytest.approx(1 / c["needles"]) for c in result.details["cells"])
 
 
 def test_forced_choice_follows_the_likelihood(tok, data_dir):

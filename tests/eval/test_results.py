@@ -108,3 +108,7 @@ def test_compare_table_puts_metrics_side_by_side():
     assert "| x | acc | 0.5 | 0.75 | 0.25 |" in table and "| x | loss | 2 | 1.5 | -0.5 |" in table
     assert "y: not compared, the two results differ in n" in table and "only one model has: only-a" in table
     assert "| y |" not in table
+    other_text = {"x": {**b["x"], "settings": {**b["x"]["settings"], "corpus_hash": "b"}}}
+    mine = {"x": {**a["x"], "settings": {**a["x"]["settings"], "corpus_hash": "a"}}}
+    assert "x: not compared, the two results differ in corpus_hash" in compare_table(mine, other_text, ("a", "b"),
+                                                                                       ("t", "d"))

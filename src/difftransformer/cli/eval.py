@@ -24,7 +24,8 @@ from difftransformer.cli.common import Formatter, epilog, load_trained, model_to
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.compare import compare_table
 from difftransformer.eval.results import ResultsDir, evaluate_cached
-from difftransformer.eval.task import option_kind
+from difftransformer.eval.task import option_kind, weights_hash
+from difftransformer.experiments.evaluate import task_for_run
 from difftransformer.run_config import ConfigError
 from difftransformer.train import RunDir
 from difftransformer.train.run_dir import EVAL_DIR
@@ -165,6 +166,7 @@ class _Model:
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
         self.results = ResultsDir(args.out_dir or self._default_results())
+        self.hash = weights_hash(self.model)  # once per model, whatever number of tasks
 
     def _default_results(self) -> Path:
         step = self.step
@@ -173,11 +175,7 @@ class _Model:
         return Path(self.path) / EVAL_DIR
 
     def task(self, name: str, options: dict[str, Any]) -> Task:
-        task = get_task(name, **options)
-        fields = {f.name for f in dataclasses.fields(task.Options)}
-        if "train_length" in fields and "train_length" not in options and self.run and self.run.seq_len():
-            task = get_task(name, **options, train_length=self.run.seq_len())
-        return task
+        return task_for_run(name, self.run, options)
 
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
@@ -187,7 +185,7 @@ class _Model:
                               f"{', '.join(sorted(n for n, t in TASKS.items() if not t.white_box))}")
         print(f"{task.name}: {self.path} ...", file=sys.stderr)
         record, _ = evaluate_cached(task, self.model, self.tokenizer, self.cfg, self.results, force=force,
-                                    log=lambda line: print(line, file=sys.stderr))
+                                    log=lambda line: print(line, file=sys.stderr), weights_sha256=self.hash)
         return record
 
 

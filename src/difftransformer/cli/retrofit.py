@@ -58,11 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConversionError(f"--ramp-steps must be >= 0 (0: no ramp), got {args.ramp_steps}")
     source, tokenizer = None, None
     t0 = time.perf_counter()
-    if src.suffix == ".gguf" or args.check:
-        hf_load = _hf_load()
-        source = hf_load.load_llama_model(src)
-        state, config, tokenizer = hf_load.load_llama(src, source)
-    else:
+    if src.suffix == ".gguf":  # transformers dequantises it; there is no file to read the tensors from
+        source = _hf_load().load_llama_model(src)
+        state, config, tokenizer = _hf_load().load_llama(src, source)
+    else:  # the file's own tensors and dtype, with or without --check
         ckpt = read_checkpoint(src)
         if ckpt.format != "llama":
             raise ConversionError(f"{src} holds a {ckpt.format!r} checkpoint; retrofit takes a transformers Llama "
@@ -70,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         state, config = ckpt.state, ckpt.config
         if (src / TOKENIZER_FILE).is_file():
             tokenizer = (src / TOKENIZER_FILE).read_text()
+        if args.check:  # the reference model for the logits comparison only
+            source = _hf_load().load_llama_model(src)
     loaded = time.perf_counter() - t0
     ours, cfg = retrofit_llama(state, config, second_map=args.second_map, head_norm_ramp_steps=args.ramp_steps,
                                seed=args.seed)
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, args.check), generator=torch.Generator().manual_seed(0))
         model = DiffTransformerLM.from_pretrained(dst)
         with torch.no_grad():
-            diff = (model(ids).logits - _hf_load().llama_logits(source, ids)).abs().max().item()
+            diff = (model(ids).logits - source(ids).logits).abs().max().item()
         print(f"max abs logit difference on {args.check} random tokens: {diff:.3g}")
     return 0
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from difftransformer.convert.llama import ConversionError, State, llama_to_ours, ours_expected
+from difftransformer.convert.llama import ConversionError, State, llama_to_ours, ours_state
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.norm import compute_dtype
 
@@ -64,10 +64,8 @@ def retrofit_llama(state: Mapping[str, torch.Tensor], config: Mapping[str, Any],
                               f"{', '.join(SECOND_MAPS)}")
     base, base_cfg = llama_to_ours(state, config)  # checks, names and the RoPE permutation, exactly
     H, KV, D = base_cfg.num_attention_heads, base_cfg.num_key_value_heads, base_cfg.head_dim
-    fields = {f.name: getattr(base_cfg, f.name) for f in dataclasses.fields(base_cfg)}
-    ours_cfg = DiffTransformerConfig(**{**fields, "attention": "diff_retrofit", "num_attention_heads": H,
-                                        "num_key_value_heads": KV, "attention_head_dim": D, "lambda_init": 0.0,
-                                        "head_norm_ramp_steps": int(head_norm_ramp_steps)})
+    ours_cfg = dataclasses.replace(base_cfg, attention="diff_retrofit", attention_head_dim=D, lambda_init=0.0,
+                                   head_norm_ramp_steps=int(head_norm_ramp_steps))
     gen = torch.Generator().manual_seed(seed)
     out: State = {}
     for name, weight in base.items():
@@ -98,16 +96,7 @@ def retrofit_llama(state: Mapping[str, torch.Tensor], config: Mapping[str, Any],
             out |= {p + "lambda_q1": lq, p + "lambda_k1": lk, p + "lambda_q2": lq.clone(), p + "lambda_k2": lk.clone(),
                     p + "subln.weight": torch.ones(2 * D, dtype=weight.dtype),
                     p + "head_norm_mix": torch.zeros((), dtype=f)}
-    expected = ours_expected(ours_cfg)
-    if set(expected) != set(out):
-        raise ConversionError(f"internal: retrofit produced {sorted(set(out) ^ set(expected))[:3]} out of step with "
-                              f"the diff_retrofit model; please report this")
-    for name, shape in expected.items():
-        if tuple(out[name].shape) != shape:
-            raise ConversionError(f"internal: retrofit made {name} {tuple(out[name].shape)}, the model needs {shape}")
-    if ours_cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return {name: out[name] for name in expected}, ours_cfg
+    return ours_state(out, ours_cfg), ours_cfg
 
 
 @torch.no_grad()

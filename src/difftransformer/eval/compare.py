@@ -33,7 +33,10 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     keys = sorted({*sa["eval_config"], *sb["eval_config"]})
     out = [k for k in keys if sa["eval_config"].get(k) != sb["eval_config"].get(k) and k != "data_dir"]
     okeys = sorted({*sa["options"], *sb["options"]})
-    return out + [k for k in okeys if sa["options"].get(k) != sb["options"].get(k)]
+    out += [k for k in okeys if sa["options"].get(k) != sb["options"].get(k)]
+    # data_dir may differ (each run's own folder); the held-out text it holds may not
+    ta, tb = a.get("settings", {}), b.get("settings", {})
+    return out + [k for k in ("corpus_hash", "split") if k in ta and k in tb and ta[k] != tb[k]]
 
 
 def compare_table(results_a: dict[str, dict[str, Any]], results_b: dict[str, dict[str, Any]],

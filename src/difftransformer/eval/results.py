@@ -88,10 +88,13 @@ class ResultsDir:
 
 
 def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig, results: ResultsDir,
-                    *, force: bool = False, log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], bool]:
+                    *, force: bool = False, log: Callable[[str], None] | None = None,
+                    weights_sha256: str | None = None) -> tuple[dict[str, Any], bool]:
     """(result record, reused?): the stored result of `task` for these weights and settings, else the
-    task run now and saved (JSON, and the PNG where it has a figure) into `results`."""
-    digest = weights_hash(model)  # once: it keys the reuse and stamps a new result
+    task run now and saved (JSON, and the PNG where it has a figure) into `results`.
+
+    weights_sha256: the model's `weights_hash`, so that a caller running several tasks hashes once."""
+    digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
     cached = None if force else results.cached(task.name, digest, task_settings(task, cfg))
     if cached is not None:
         if log:

@@ -10,16 +10,28 @@ context for its defaults, say) is logged and left out; it never stops the study.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
 from difftransformer.data import Tokenizer
-from difftransformer.eval import EvalConfig, get_task
+from difftransformer.eval import EvalConfig, Task, get_task
 from difftransformer.eval.results import ResultsDir, evaluate_cached
+from difftransformer.eval.task import weights_hash
 from difftransformer.train import RunDir, load_model
 
 log = logging.getLogger("difftransformer.experiments")
+
+
+def task_for_run(name: str, run: RunDir | None, options: dict[str, Any] | None = None) -> Task:
+    """The task `name` with `options`, plus what the run folder knows that the task asks for (its
+    training length, for long-context), so the CLI and studies build the same task and share results."""
+    options = dict(options or {})
+    fields = {f.name for f in dataclasses.fields(get_task(name).Options)}
+    if "train_length" in fields and "train_length" not in options and run is not None and run.seq_len():
+        options["train_length"] = run.seq_len()
+    return get_task(name, **options)
 
 
 def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_seed: int = 0,
@@ -31,11 +43,13 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
     tokenizer = Tokenizer.from_file(loaded.tokenizer_path) if loaded.tokenizer_path else None
     cfg = EvalConfig(data_dir=str(data_dir), eval_seed=eval_seed, device=device)
     results = ResultsDir(run.evals)
+    digest = weights_hash(loaded.model)
     out = {}
     for name in tasks:
         log.info("%s: %s ...", run.path, name)
         try:
-            out[name], reused = evaluate_cached(get_task(name), loaded.model, tokenizer, cfg, results)
+            out[name], reused = evaluate_cached(task_for_run(name, run), loaded.model, tokenizer, cfg, results,
+                                                weights_sha256=digest)
         except ValueError as e:
             log.warning("%s: %s cannot run on this model: %s", run.path, name, e)
             continue

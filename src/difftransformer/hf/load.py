@@ -1,9 +1,10 @@
 """Loading a pretrained transformers Llama-family model (a safetensors folder or a GGUF file) for
 `difftransformer retrofit`: the one place that builds it, since only hf/ may import transformers.
 
-Contract: `load_llama(path)` returns (tensors, config.json dict, tokenizer.json text or None) in
-fp32, the inputs `convert.retrofit_llama` takes, and `llama_logits(path_or_model, ids)` the source
-model's logits for a check. A GGUF file is dequantised by transformers (needs the `gguf` package);
+Contract: `load_llama_model(path)` builds the source model (fp32), e.g. as the reference of a logits
+check; `load_llama(path)` returns its (tensors, config.json dict, tokenizer.json text or None), the
+inputs `convert.retrofit_llama` takes (a safetensors folder is read directly by
+`convert.read_checkpoint`, in its own dtype; only a GGUF file goes through here). A GGUF file is dequantised by transformers (needs the `gguf` package);
 what it holds is then the dequantised model, and the retrofit is exact with respect to that.
 """
 
@@ -51,10 +52,6 @@ def _tokenizer_json(path: Path) -> str | None:
         kw = dict(gguf_file=path.name) if path.is_file() else {}
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent if path.is_file() else path), **kw)
         return tok.backend_tokenizer.to_str()
-    except Exception:  # a model folder without a tokenizer: the model converts all the same
+    except (OSError, ValueError):  # a model folder without a tokenizer: the model converts all the same
         return None
 
-
-@torch.no_grad()
-def llama_logits(model: transformers.PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids).logits

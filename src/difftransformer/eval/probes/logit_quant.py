@@ -77,8 +77,9 @@ class LogitQuant(Task):
 
     def check_options(self) -> None:
         o = self.options
-        if not o.bits or any(b < 2 for b in o.bits):
-            raise ValueError(f"logit-quant bits must each be >= 2 (16 = unquantised), got {list(o.bits)}")
+        if not o.bits or any(not 2 <= b <= UNQUANTISED_BITS for b in o.bits):
+            raise ValueError(f"logit-quant bits must each lie in 2..{UNQUANTISED_BITS} ({UNQUANTISED_BITS} = the "
+                             f"unquantised reference), got {list(o.bits)}")
         bad = [g for g in o.granularity if g not in GRANULARITIES]
         if bad or not o.granularity:
             raise ValueError(f"logit-quant granularity takes {', '.join(GRANULARITIES)}, got {list(o.granularity)}")
@@ -95,7 +96,7 @@ class LogitQuant(Task):
         reference = self._measure(model, tokenizer, loss_cfg, samples, None, "tensor")
         for granularity in o.granularity:
             for bits in sorted(set(o.bits), reverse=True):
-                measured = reference if bits >= UNQUANTISED_BITS else self._measure(
+                measured = reference if bits == UNQUANTISED_BITS else self._measure(
                     model, tokenizer, loss_cfg, samples, bits, granularity)
                 cells[f"{granularity}/{bits}"] = measured
         metrics = {}

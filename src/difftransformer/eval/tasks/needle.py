@@ -19,7 +19,8 @@ Choices where the paper is silent:
   so this is the full likelihood of equally long strings; no length normalisation).
 - Forced choice covers the N needles only: filler needles of a "needles" haystack are distractors
   for greedy decoding but not candidates (each would cost a forward pass). With N = 1 forced
-  choice is trivially 1.0; the cell's chance level (mean 1/N) is in the details.
+  choice is trivially 1.0 (left out of the headline `forced_choice`); the cell's chance level (mean 1/N) is
+  in the details as `forced_choice_chance`.
 - Lengths: exact token counts of the prompt of the first queried city (BOS, instruction, context,
   question). Left empty, each (N, R) pair gets the lengths among 1/4, 1/2, 3/4, 1 x the longest
   usable length that leave a typical draw a haystack of at least one needle's length, which every
@@ -303,13 +304,15 @@ class Needle(Task):
                     scores[key][0].extend(g)
                     scores[key][1].extend(f)
                     cells.append({"needles": n, "queries": r, "depth": depth, "length": length, "greedy": _mean(g),
-                                  "forced_choice": _mean(f), "chance": 1 / n, "scored": len(g)})
+                                  "forced_choice": _mean(f), "forced_choice_chance": 1 / n, "scored": len(g)})
                     examples.setdefault(key, _example(tokenizer, samples[0], outputs[0]))
         metrics = {}
         for key, (g, f) in scores.items():
             metrics[f"greedy@{key}"], metrics[f"forced_choice@{key}"] = _mean(g), _mean(f)
         metrics["greedy"] = _mean([metrics[f"greedy@{key}"] for key in scores])
-        metrics["forced_choice"] = _mean([metrics[f"forced_choice@{key}"] for key in scores])
+        # with one needle there is nothing to choose between (always 1.0): such rows stay out of the mean
+        choices = [key for (n, r) in pairs for key in [f"N{n}R{r}"] if n > 1]
+        metrics["forced_choice"] = _mean([metrics[f"forced_choice@{key}"] for key in choices or scores])
         settings = {"context": context, "haystack": o.haystack, **source,
                     "lengths": {f"N{n}R{r}": ls for (n, r), ls in plan.items()},
                     "room": {f"N{n}R{r}": self.room(r, slack) for n, r in pairs}, "cue_slack": slack,

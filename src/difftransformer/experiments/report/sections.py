@@ -220,17 +220,16 @@ def evaluation(ctx: Context) -> Lines:
     from difftransformer.experiments.evaluate import stored_results
 
     seed = ctx.seeds[0]
-    base = ctx.runs.get((ctx.baseline, seed))
     found = {a: stored_results(ctx.runs[a, seed].dir) for a in ctx.arms if (a, seed) in ctx.runs}
-    if base is None or not any(found.values()):
+    if (ctx.baseline, seed) not in ctx.runs or not any(found.values()):
         return []
     L = ["## Evaluation", "",
          f"The paper's measurements on each arm's final model (seed {seed}; `difftransformer eval`, results in each "
          f"run's eval/ folder, protocols in docs/evaluation.md), beside the paper's numbers for its 3B models. "
          f"One model per arm: these are observations, not verdicts.", ""]
     for arm in ctx.others:
-        L += [compare_table(found.get(ctx.baseline, {}), found.get(arm, {}), (ctx.baseline, arm), (ctx.baseline, arm)),
-              ""]
+        names = (f"{ctx.study.path.name}/{ctx.baseline}", f"{ctx.study.path.name}/{arm}")
+        L += [compare_table(found.get(ctx.baseline, {}), found.get(arm, {}), names, (ctx.baseline, arm)), ""]
     return L
 
 
