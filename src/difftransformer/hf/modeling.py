@@ -115,16 +115,19 @@ class _CacheAdapter:
         return self.cache.update(k, v, layer)
 
     def _in_place(self, layer: int) -> None:
+        """Once per cache: empty DynamicLayers become _InPlaceLayers, and so do the layers it adds later."""
         cache = self.cache
+        if getattr(cache, "_difftransformer_in_place", False):
+            return
         layers = getattr(cache, "layers", None)
         if type(cache) is not DynamicCache or layers is None or getattr(cache, "offloading", False):
             return
-        replicate = getattr(cache, "layer_class_to_replicate", None)
-        if replicate is DynamicLayer:
-            while len(layers) <= layer:
-                layers.append(_InPlaceLayer())
-        if layer < len(layers) and type(layers[layer]) is DynamicLayer and not layers[layer].is_initialized:
-            layers[layer] = _InPlaceLayer()
+        if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+            cache.layer_class_to_replicate = _InPlaceLayer
+        for i, existing in enumerate(layers):
+            if type(existing) is DynamicLayer and not existing.is_initialized:
+                layers[i] = _InPlaceLayer()
+        cache._difftransformer_in_place = True
 
 
 class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):

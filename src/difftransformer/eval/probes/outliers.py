@@ -189,9 +189,6 @@ class Outliers(Task):
     @torch.no_grad()
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         model = require_own_model(model, "outliers")
-        if cfg.data_dir is None:
-            raise ValueError("outliers reads held-out text: set EvalConfig.data_dir (--data-dir) to a prepared-data "
-                             "folder (e.g. cache/data/sotu-8192)")
         context = model.config.max_position_embeddings
         seq_len = cfg.seq_len or context
         if seq_len > context:
@@ -221,7 +218,7 @@ class Outliers(Task):
         return TaskResult(
             task=self.name,
             metrics=metrics,
-            settings={"data_dir": str(cfg.data_dir), "split": cfg.split, "seq_len": shape[1], "windows": shape[0],
+            settings={"seq_len": shape[1], "windows": shape[0],
                       "tokens": shape[0] * shape[1], "attention": attention, "maps_per_layer": state.maps,
                       "median_method": {"histogram": "log10 bins", "log10_bin_width": LOG10_BIN,
                                         "range": [10 ** LOG10_MIN, 10 ** LOG10_MAX],

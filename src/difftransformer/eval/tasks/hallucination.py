@@ -310,6 +310,11 @@ def _conflicts(sample: Sample) -> bool:
     return any(find_phrase(text, normalize(v)) >= 0 for v in values)
 
 
+def _picked(scores: list[float], i: int) -> bool:
+    """Whether choice i scores strictly above every other choice."""
+    return scores[i] > max(scores[:i] + scores[i + 1:], default=-math.inf)
+
+
 def _choose_values(sample: Sample, n: int, rng: random.Random) -> list[str]:
     """The in-context value, the world value (counterfactuals), then others of the pool absent from the text."""
     fixed = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
@@ -542,11 +547,11 @@ class Hallucination(Task):
         if self.options.forced_choice:
             scores = [score_continuations(model, tokenizer, s.prompt, s.continuations(), cfg.device, cfg.batch_size)
                       for s in items]
-            cell["choice_correct"] = [int(sc[0] > max(sc[1:])) for sc in scores]
+            cell["choice_correct"] = [int(_picked(sc, s.choices.index(s.fact.value))) for s, sc in zip(items, scores)]
         if sub == "counterfactual":
             cell["states_world"] = [int(occurs(s.fact.world, out)) for s, (out, _) in zip(items, outputs)]
             if scores:
-                cell["choice_world"] = [int(sc[1] > max(sc[:1] + sc[2:], default=-math.inf)) for sc in scores]
+                cell["choice_world"] = [int(_picked(sc, s.choices.index(s.fact.world))) for s, sc in zip(items, scores)]
         for i, (s, (out, full), v) in enumerate(zip(items, outputs, verdicts)):
             if i >= self.options.examples:
                 break
