@@ -120,7 +120,7 @@ OWNERS = {
     "model_config.json": "train/checkpoint.py", "train_config.json": "train/checkpoint.py",
     "final": "train/run_dir.py", "tb": "train/run_dir.py", "done.json": "train/run_dir.py",
     "samples.json": "train/run_dir.py", "tokenizer.json": "data/tokenizer.py",
-    "compare.json": "experiments/study_dir.py", "report.md": "experiments/study_dir.py",
+    "compare.json": "experiments/units.py", "report.md": "experiments/study_dir.py",
     "loss_curves.png": "experiments/study_dir.py", "lambda.png": "experiments/study_dir.py",
     "prepared.json": "data/prepare.py", "prepare-failed.txt": "data/prepare.py", "config.json": "model/serialization.py",
     ".lock": "_io.py", "replaced": "train/run_dir.py",

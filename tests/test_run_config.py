@@ -28,7 +28,7 @@ def test_set_overrides_parse_scalars_and_win_over_the_file(tmp_path):
     assert cfg.train.lr == 3e-4 and cfg.train.max_steps == 7 and cfg.train.tensorboard is False
     assert cfg.model.attention == "transformer" and cfg.model.num_hidden_layers == 3
     assert cfg.model.lambda_init == 0.5
-    assert cfg.data.corpus == "notes/" and cfg.compare.arms == ["diff"]
+    assert cfg.data.corpus == "notes/" and cfg.compare.arm_names == ["diff"]
     assert parse_scalar("[1, 2]") == [1, 2] and parse_scalar("none") is None and parse_scalar("abc") == "abc"
 
 
@@ -130,3 +130,19 @@ def test_yaml_reads_floats_as_yaml_1_2_keeps_quoted_strings_and_refuses_a_repeat
     (tmp_path / "b.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
     with pytest.raises(ConfigError, match="cannot parse .*b.yaml.*key 'lr' is given twice"):
         load_run_config(tmp_path / "b.yaml")
+
+
+def test_set_reaches_nested_tables_and_checks_their_keys(tmp_path):
+    sections = {"data": {"mixture": {"qa": 0.1}}, "train": {}}
+    apply_overrides(sections, ["data.mixture.needle=0.2", "data.mixture.seed=3", "train.lr=1e-3"])
+    assert sections["data"] == {"mixture": {"qa": 0.1, "needle": 0.2, "seed": 3}} and sections["train"]["lr"] == 1e-3
+    (tmp_path / "m.toml").write_text("[data.mixture]\nneedle = 0.1\n")
+    cfg = load_run_config(tmp_path / "m.toml", overrides=["data.mixture.icl=0.05"])
+    assert (cfg.data.mixture.needle, cfg.data.mixture.icl, cfg.data.mixture.qa) == (0.1, 0.05, 0.0)
+    with pytest.raises(ConfigError, match=r"unknown key 'neede' in \[data.mixture\] \(did you mean 'needle'\?\)"):
+        load_run_config(overrides=["data.mixture.neede=0.1"])
+    with pytest.raises(ConfigError, match="data.corpus is a single value, not a table"):
+        load_run_config(overrides=["data.corpus=notes/", "data.corpus.x=1"])
+    (tmp_path / "bad.toml").write_text("[data.mixture]\nqa = 0.1\nicll = 0.2\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key 'icll' in \[data.mixture\] \(did you mean 'icl'\?\)"):
+        load_run_config(tmp_path / "bad.toml")

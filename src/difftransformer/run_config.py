@@ -164,13 +164,38 @@ def apply_overrides(sections: dict[str, dict[str, Any]], overrides: list[str]) -
         if section not in SECTIONS:
             raise ConfigError(f"--set {item!r}: unknown section {section!r}{_suggest(section, SECTIONS)}; "
                               f"valid sections: {', '.join(SECTIONS)}")
-        sections[section][name] = parse_scalar(value)
+        *tables, leaf = name.split(".")  # data.mixture.needle: a key of the nested table [data.mixture]
+        target = sections[section]
+        for i, table in enumerate(tables):
+            target = target.setdefault(table, {})
+            if not isinstance(target, dict):
+                where = ".".join([section, *tables[:i + 1]])
+                raise ConfigError(f"--set {item!r}: {where} is a single value, not a table of settings; "
+                                  f"set {where}=... instead")
+        target[leaf] = parse_scalar(value)
+
+
+def _nested_tables(section: str) -> dict[str, type]:
+    """Fields of [section] that are nested tables: a dataclass default ([data.mixture] -> MixtureConfig)."""
+    owner = {"train": TrainConfig, "data": DataConfig, "compare": CompareConfig}.get(section)
+    if owner is None:
+        return {}
+    return {f.name: f.default_factory for f in dataclasses.fields(owner)
+            if dataclasses.is_dataclass(f.default_factory)}
 
 
 def check_keys(section: str, values: dict[str, Any]) -> None:
-    """Every key of [section] must be a field of its config (renamed keys name their new name)."""
+    """Every key of [section] must be a field of its config (renamed keys name their new name), and
+    every key of a nested table ([data.mixture]) a field of its config."""
     valid = _valid_keys()[section]
+    nested = _nested_tables(section)
     for key in values:
+        if key in nested and isinstance(values[key], dict):
+            fields_ = sorted(f.name for f in dataclasses.fields(nested[key]))
+            for sub in values[key]:
+                if sub not in fields_:
+                    raise ConfigError(f"unknown key {sub!r} in [{section}.{key}]{_suggest(str(sub), fields_)}; "
+                                      f"valid keys: {', '.join(fields_)}")
         if key in valid:
             continue
         if (section, key) in RENAMED:

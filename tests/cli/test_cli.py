@@ -85,7 +85,7 @@ def test_compare_rerun_skips_finished_arms(compared, workdir, caplog):
     caplog.set_level("INFO")
     assert main(["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(compared)]) == 0
     assert (compared / "diff" / "final" / "model.safetensors").stat().st_mtime_ns == before
-    assert "already finished" in caplog.text
+    assert "result file exists; skipping" in caplog.text
 
 
 def test_generate_prints_text(compared, capsys):

@@ -34,6 +34,10 @@ def test_a_run_whose_checkpoints_were_deleted_is_not_overwritten_by_another_conf
     cli_fails(capsys, _train(workdir, run, "train.max_steps=4", "model.hidden_size=32"), "holds another run",
            "hidden_size: 64 there vs 32 requested", "--no-resume")
     assert (run / "final" / "model.safetensors").read_bytes() == before
+    # the same model and recipe is the same run: trained again from the start (a kill before its first
+    # checkpoint leaves just this), not refused for the bookkeeping keys of its saved config
+    assert main(_train(workdir, run, "train.max_steps=4")) == 0
+    assert (run / "final" / "model.safetensors").read_bytes() == before  # same seed, same batches: same weights
 
 
 def test_a_checkpoint_is_never_decoded_with_a_tokenizer_it_was_not_trained_with(workdir, tmp_path, capsys):

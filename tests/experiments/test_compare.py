@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,10 +84,17 @@ def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplo
     report = folder.report.read_text()
     loss = {a: r["metrics"]["loss"] for a, r in records.items()}
     assert "## Evaluation" in report and f"| heldout-loss | loss | {loss['transformer']:.4g} | {loss['diff']:.4g} |" in report
-    # a second call trains nothing and evaluates nothing: the stored results belong to the same weights
+    # a second call trains nothing and evaluates nothing: each unit has its result file
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_compare(study, out)
+    assert caplog.text.count("result file exists; skipping") == 2 and "evaluated" not in caplog.text
+    # without result files, the stored evaluations are reused: they belong to the same weights
+    shutil.rmtree(folder.results)
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):
         run_compare(study, out)
     assert "evaluated" not in caplog.text and caplog.text.count("reused") == 4
+    assert (folder.results / "diff.json").is_file() and (folder.results / "transformer.json").is_file()
     with pytest.raises(ValueError, match="compare.eval_tasks: unknown evaluation task 'neddle'"):
         CompareConfig(eval_tasks=["neddle"])

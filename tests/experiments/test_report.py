@@ -49,7 +49,7 @@ def test_report_within_noise(tmp_path):
 ])
 def test_report_names_the_lower_arm_when_far_beyond_noise(tmp_path, finals, lower):
     text = write_report(_synthetic(tmp_path, finals), samples=False).read_text()
-    assert f"{lower} reaches the lower validation loss" in text and "within seed noise" not in text
+    assert f"{lower} reaches the lower final validation loss" in text and "within seed noise" not in text
     assert "0.900" in text  # throughput ratio diff / transformer from the synthetic 900 vs 1000 tokens/s
     assert (tmp_path / "loss_curves.png").is_file() and (tmp_path / "lambda.png").is_file()
 

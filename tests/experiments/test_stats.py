@@ -1,8 +1,19 @@
-"""Paired differences, mean and spread, and the verdict rule, on numbers whose answer is known."""
+"""Intervals, paired tests and the verdict, on numbers whose answer is known by hand or by an independent route."""
 
+from __future__ import annotations
+
+import math
+
+import numpy as np
 import pytest
+from scipy import stats as sst
 
-from difftransformer.experiments import NOISE_FACTOR, mean_std, paired_differences, verdict
+from difftransformer.experiments.stats import (
+    Interval, compare_paired, mean_std, paired_differences, t_interval, verdict, verdict_text,
+)
+
+# t quantile 0.975 with 2 degrees of freedom; for df = 2 it is (2p − 1) / sqrt(2p(1 − p)) = 4.3026527297
+T_975_2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
 
 
 def test_paired_differences_use_the_seeds_both_arms_have():
@@ -16,17 +27,126 @@ def test_mean_and_sample_std():
     assert m == 2.0 and s == pytest.approx(1.0)
 
 
-def test_verdict_rules():
-    assert "cannot separate" in verdict("diff", "transformer", [-0.3])
-    assert "within seed noise" in verdict("diff", "transformer", [-0.01, 0.02, -0.03])
-    assert "diff reaches the lower" in verdict("diff", "transformer", [-0.10, -0.11, -0.09])
+def test_t_interval_by_hand():
+    assert T_975_2 == pytest.approx(4.302653, abs=5e-7)  # printed tables
+    iv = t_interval([1.0, 2.0, 3.0])
+    half = T_975_2 / math.sqrt(3)
+    assert (iv.mean, iv.n, iv.confidence) == (2.0, 3, 0.95) and iv.std == pytest.approx(1.0)
+    assert iv.low == pytest.approx(2 - half, rel=1e-12) and iv.high == pytest.approx(2 + half, rel=1e-12)
+    assert iv.contains(2 - half + 1e-9) and not iv.contains(2 + half + 1e-9) and not iv.excludes_zero
+
+
+@pytest.mark.parametrize("n, confidence", [(2, 0.95), (5, 0.9), (17, 0.99)])
+def test_t_interval_matches_an_independent_computation(n, confidence):
+    xs = np.random.default_rng(n).normal(0.3, 0.2, n)
+    iv = t_interval(list(xs), confidence)
+    low, high = sst.t.interval(confidence, n - 1, loc=xs.mean(), scale=sst.sem(xs))  # numpy/scipy route
+    assert iv.low == pytest.approx(low, rel=1e-10) and iv.high == pytest.approx(high, rel=1e-10)
+    assert iv.std == pytest.approx(xs.std(ddof=1), rel=1e-12)
+
+
+def test_t_interval_edge_cases():
+    one = t_interval([0.7])
+    assert (one.mean, one.low, one.high, one.std, one.n) == (0.7, None, None, None, 1)
+    assert one.contains(1e9) and not one.excludes_zero  # unknown spread excludes nothing
+    flat = t_interval([0.5, 0.5, 0.5])
+    assert (flat.low, flat.high, flat.std) == (0.5, 0.5, 0.0) and flat.excludes_zero
+    with pytest.raises(ValueError, match="at least one value"):
+        t_interval([])
+    with pytest.raises(ValueError, match="not finite"):
+        t_interval([1.0, math.nan])
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        t_interval([1.0, 2.0], confidence=95)
+
+
+def test_paired_test_matches_ttest_rel_and_a_textbook_value():
+    # Student's sleep data (Cushny & Peebles; R: t.test(g1, g2, paired = TRUE) gives t = -4.0621, p = 0.002833)
+    g1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+    g2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+    cmp = compare_paired(dict(enumerate(g1)), dict(enumerate(g2)), arm="a", baseline="b")
+    ref = sst.ttest_rel(g1, g2)
+    assert cmp.t == pytest.approx(ref.statistic, rel=1e-12) and cmp.p == pytest.approx(ref.pvalue, rel=1e-12)
+    assert cmp.t == pytest.approx(-4.0621, abs=1e-4) and cmp.p == pytest.approx(0.002833, abs=1e-6)
+    assert cmp.interval.low == pytest.approx(-2.4598858, abs=1e-6)  # R: 95% CI -2.4598858 -0.7001142
+    assert cmp.interval.high == pytest.approx(-0.7001142, abs=1e-6)
+    d = np.subtract(g1, g2)  # scipy's exact Wilcoxon on the same differences (one zero, dropped by both)
+    assert cmp.wilcoxon_p == pytest.approx(sst.wilcoxon(d, method="exact").pvalue)
+    assert cmp.outcome == "better"  # a has the lower values and lower is better
+
+
+def test_pairs_by_seed_and_drops_unpaired_seeds():
+    cmp = compare_paired({0: 3.0, 1: 3.5, 7: 9.0}, {1: 3.0, 0: 2.0, 4: 1.0}, arm="diff", baseline="transformer")
+    assert cmp.seeds == (0, 1) and cmp.diffs == (1.0, 0.5) and cmp.n == 2
+    assert cmp.wilcoxon_p is None  # fewer than 5 seeds
+
+
+@pytest.mark.parametrize("diffs, lower_is_better, outcome", [
+    ([-0.10, -0.11, -0.09], True, "better"),
+    ([0.10, 0.11, 0.09], True, "worse"),
+    ([-0.10, 0.18, -0.10], True, "inconclusive"),
+    ([-0.10, -0.11, -0.09], False, "worse"),   # e.g. accuracy: lower is worse
+    ([0.02, 0.03, 0.025, 0.021, 0.028], False, "better"),
+    ([0.4], True, "single seed"),
+    ([], True, "no data"),
+])
+def test_outcome_follows_the_interval(diffs, lower_is_better, outcome):
+    base = {s: 1.0 for s in range(len(diffs))}
+    arm = {s: 1.0 + d for s, d in enumerate(diffs)}
+    cmp = compare_paired(arm, base, arm="diff", baseline="transformer", metric="accuracy",
+                         lower_is_better=lower_is_better)
+    assert cmp.outcome == outcome
+    if len(diffs) >= 2:  # outcome and interval agree with an independent interval
+        low, high = sst.t.interval(0.95, len(diffs) - 1, loc=np.mean(cmp.diffs), scale=sst.sem(cmp.diffs))
+        assert (outcome == "inconclusive") == (low <= 0 <= high)
+
+
+def test_the_interval_is_where_the_verdict_turns():
+    # diffs [0.2 - k, 0.2, 0.2 + k] have std k; the 95% interval touches 0 when t_{.975,2} · k / sqrt(3) = 0.2
+    s = 0.2 / (T_975_2 / math.sqrt(3))  # the std at which the interval of mean 0.2 just touches 0
+    inside = [0.2 - 1.01 * s, 0.2, 0.2 + 1.01 * s]   # std 1.01 s: contains 0
+    outside = [0.2 - 0.99 * s, 0.2, 0.2 + 0.99 * s]  # std 0.99 s: excludes 0
+    assert "cannot separate" in verdict("diff", "transformer", inside)
+    assert "transformer reaches the lower" in verdict("diff", "transformer", outside)
+    assert 0.2 >= 2 * np.std(inside, ddof=1)  # the old "|mean| >= 2 std" rule would have named a winner here
+
+
+def test_verdict_text():
+    win = verdict("diff", "transformer", [-0.10, -0.11, -0.09])
+    assert win.startswith("**diff vs transformer:** diff reaches the lower final validation loss")
+    assert "95% interval [" in win and "over 3 seeds" in win and "paired t-test p = " in win
+    assert "With only 3 seeds" in win and "-0.1000 nats" in win and "within seed noise" not in win
+    noise = verdict("diff", "transformer", [-0.01, 0.02, -0.03])
+    assert "cannot separate" in noise and "within seed noise" in noise and "reaches" not in noise
+    assert "So few seeds (3) give a wide interval" in noise
+    one = verdict("diff", "transformer", [-0.3])
+    assert "single seed cannot separate the arms" in one and "--seeds 0,1,2" in one and "reaches" not in one
     assert "nothing to compare" in verdict("diff", "transformer", [])
-
-
-def test_the_noise_threshold_is_where_the_verdict_turns():
-    # mean 0.2, std 0.1: exactly 2 stds is a winner, just under is noise
-    at = [0.1, 0.2, 0.3]
-    assert NOISE_FACTOR == 2.0 and "transformer reaches the lower" in verdict("diff", "transformer", at)
-    under = [0.09, 0.2, 0.31]  # std 0.11 > mean / 2
-    assert "within seed noise" in verdict("diff", "transformer", under)
     assert "identical" in verdict("diff", "transformer", [0.0, 0.0])
+    many = verdict("diff", "transformer", [0.02, 0.03, 0.025, 0.021, 0.028], metric="accuracy", unit="points",
+                   lower_is_better=False)
+    assert "diff reaches the higher accuracy" in many and "Wilcoxon" in many and "With only" not in many
+    assert "points" in many
+
+
+def test_zero_spread_keeps_a_degenerate_interval_and_no_t_test():
+    cmp = compare_paired({0: 3.5, 1: 4.5}, {0: 3.0, 1: 4.0}, arm="diff", baseline="transformer")
+    assert (cmp.interval.low, cmp.interval.high, cmp.t, cmp.p) == (0.5, 0.5, None, None)
+    assert cmp.outcome == "worse" and "no t-test" in verdict_text(cmp)
+    zeros = compare_paired({s: 1.0 for s in range(6)}, {s: 1.0 for s in range(6)}, arm="a", baseline="b")
+    assert zeros.outcome == "inconclusive" and zeros.wilcoxon_p is None and zeros.p is None
+
+
+def test_nan_is_an_error_naming_seed_and_arm():
+    with pytest.raises(ValueError, match=r"arm 'diff' at seed 2 is nan"):
+        compare_paired({0: 1.0, 2: math.nan}, {0: 1.0, 2: 1.0}, arm="diff", baseline="transformer")
+    with pytest.raises(ValueError, match=r"arm 'transformer' at seed 0 is inf"):
+        compare_paired({0: 1.0}, {0: math.inf}, arm="diff", baseline="transformer")
+    with pytest.raises(ValueError, match="not finite"):
+        verdict("diff", "transformer", [0.1, math.nan])
+
+
+def test_interval_is_frozen():
+    iv = Interval(1.0, 0.5, 1.5, 3, 0.2, 0.95)
+    with pytest.raises(AttributeError):
+        iv.mean = 2.0  # type: ignore[misc]
+    assert iv.half_width == 0.5 and iv.known

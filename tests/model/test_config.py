@@ -32,7 +32,7 @@ def test_paper_head_dims(name):
     assert base.num_attention_heads == 2 * diff.num_attention_heads
 
 
-@pytest.mark.parametrize("preset", ["tiny", "cpu-small", "1.4B"])
+@pytest.mark.parametrize("preset", ["tiny", "cpu-small", "cpu-small-h8", "cpu-medium-h8", "1.4B"])
 @pytest.mark.parametrize("kv", [None, 2])
 def test_matched_models_differ_by_6d_per_layer(preset, kv):
     p = get_preset(preset)

@@ -17,6 +17,7 @@ EXPECTED = {
     "transformer": (MultiheadAttention, False, False),
     "transformer_headnorm": (MultiheadAttention, True, False),
     "diff_retrofit": (MultiheadDiffAttention, True, True),
+    "transformer_gated": (MultiheadAttention, False, False),
 }
 
 
@@ -26,7 +27,7 @@ def test_the_table_answers_the_four_questions():
     assert rows == {"diff": (True, True, True, False), "diff_no_headnorm": (True, True, False, False),
                     "diff_v2": (True, False, False, True), "transformer": (False, False, False, False),
                     "transformer_headnorm": (False, False, True, False),
-                    "diff_retrofit": (True, True, True, False)}
+                    "diff_retrofit": (True, True, True, False), "transformer_gated": (False, False, False, False)}
     assert [k for k, v in ATTENTION_KINDS.items() if v.diff_heads] == ["diff", "diff_no_headnorm", "diff_retrofit"]
     assert [k for k, v in ATTENTION_KINDS.items() if v.head_norm_ramp] == ["diff_retrofit"]
     assert all(v.description for v in ATTENTION_KINDS.values())

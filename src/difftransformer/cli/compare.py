@@ -24,15 +24,22 @@ EXAMPLES = """
       difftransformer compare --preset cpu-small --arms diff,transformer,diff_v2 --set train.max_steps=400
       torchrun --nproc_per_node 8 -m difftransformer compare --config configs/gpu-350m.toml
 
-    The report says plainly when the arms cannot be separated: with one seed always, with several
-    when |mean paired difference| < 2 x its std over seeds."""
+      difftransformer compare --config configs/studies/ablations-cpu.toml
+      difftransformer report results/ablations-cpu     # the report again, from committed result files alone
+
+    A study is arms x seeds x sizes x token budgets ([compare] arms, seeds, sizes, tokens). Each finished
+    unit is evaluated (compare.eval_tasks) and summarised in a result file under compare.results_dir;
+    units whose result file exists are skipped, so a study continues on another machine from committed
+    results. The report says plainly when the arms cannot be separated: with one seed always, with
+    several when the 95% interval of the paired difference contains 0."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "the size spec's own attention kind (default diff); the arms are derived from it",
                     "[model], [train], [data], [compare]")
-    p.add_argument("--arms", metavar="KINDS", help="comma-separated attention kinds to compare (default: "
-                   "[compare].arms, else diff,transformer); the first is the paired-init reference")
+    p.add_argument("--arms", metavar="ARMS", help="comma-separated arms: attention kinds or named ablations "
+                   "(diff_lambda_0.8, transformer_diff_heads, transformer_gated, ...; see docs/results.md) "
+                   "(default: [compare].arms, else diff,transformer); the first is the paired-init reference")
     p.add_argument("--seeds", metavar="LIST", help="comma-separated training seeds, e.g. 0,1,2 (default: "
                    "[compare].seeds, else [train].seed)")
 
@@ -42,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     arms = seeds = None
     try:
         if args.arms is not None:
-            arms = CompareConfig(arms=args.arms).arms  # validates the names with a did-you-mean
+            arms = CompareConfig(arms=args.arms).arm_names  # validates the names with a did-you-mean
         if args.seeds is not None:
             seeds = parse_int_list(args.seeds, "--seeds")
             if not seeds:

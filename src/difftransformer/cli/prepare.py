@@ -7,7 +7,7 @@ import time
 
 from difftransformer.cli.common import add_renamed_flag
 from difftransformer.data import DataConfig, prepare_from_config
-from difftransformer.run_config import build_section, load_file
+from difftransformer.run_config import SECTIONS, ConfigError, apply_overrides, build_section, load_file
 
 
 HELP = "tokenise a corpus into train/val/test shards (trains a BPE)"
@@ -24,7 +24,8 @@ EXAMPLES = """
       difftransformer prepare                                  # sotu -> cache/data/sotu-8192
       difftransformer prepare notes/ --out-dir cache/data/notes --vocab-size 4096
       difftransformer prepare --config configs/demo.toml       # the [data] section of a run config
-      difftransformer prepare sotu --tokenizer runs/demo/diff/final/tokenizer.json --force"""
+      difftransformer prepare sotu --tokenizer runs/demo/diff/final/tokenizer.json --force
+      difftransformer prepare sotu --set data.mixture.needle=0.1 --set data.mixture.icl=0.05   # + task documents"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-seed", type=int, metavar="N",
                    help="seed of the document split (default 0; not a training seed)")
     p.add_argument("--force", action="store_true", help="redo everything, ignoring caches")
+    p.add_argument("--set", action="append", default=[], metavar="data.KEY=VALUE",
+                   help="override a [data] setting, e.g. data.mixture.needle=0.1 (repeatable; applied last)")
     add_renamed_flag(p, "--seed", "--split-seed", "it seeds the document split, not training")
 
 
@@ -50,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
         section["data_dir"] = args.out_dir
     if args.tokenizer:
         section["tokenizer_path"] = args.tokenizer
+    sections = {s: {} for s in SECTIONS}
+    sections["data"] = section
+    apply_overrides(sections, args.set)
+    others = [s for s in SECTIONS if s != "data" and sections[s]]
+    if others:
+        raise ConfigError(f"prepare reads only data.* settings; --set {others[0]}.{next(iter(sections[others[0]]))} "
+                          f"belongs to train or compare")
     config: DataConfig = build_section("data", section)
     t0 = time.perf_counter()
     data = prepare_from_config(config, force=args.force)
@@ -58,4 +68,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'split':<6} {'documents':>10} {'tokens':>12}")
     for split in data.num_tokens:
         print(f"{split:<6} {data.num_documents.get(split, 0):>10,} {data.num_tokens[split]:>12,}")
+    if data.mixture:
+        print(f"of train, generated from {data.mixture['corpus_tokens']:,} corpus tokens:")
+        for kind, tokens in data.mixture["num_tokens"].items():
+            print(f"  {kind:<12} {data.mixture['num_documents'][kind]:>8,} {tokens:>12,} "
+                  f"({tokens / data.num_tokens['train']:.1%})")
     return 0

@@ -123,7 +123,10 @@ def _check_expressible(config: DiffTransformerConfig) -> None:
                "diff_v2": "DiffLlama is DIFF V1 (scalar λ, head norm); V2's per-token sigmoid λ has no place in it",
                "transformer": "it is ordinary attention: convert it to Llama instead",
                "transformer_headnorm": "it is ordinary attention with a head norm, which no transformers class "
-                                       "holds"}[config.attention]
+                                       "holds",
+               "transformer_gated": "it is ordinary attention with a per-head sigmoid output gate, which DiffLlama "
+                                    "lacks (dropping the gate would change the model)"}.get(
+            config.attention, "no transformers class holds this kind")
         raise ConversionError(f"attention {config.attention!r} cannot convert to DiffLlama: {why}; only 'diff' does")
     if config.lambda_init is not None:
         raise ConversionError(f"lambda_init={config.lambda_init} is a constant; DiffLlama fixes λ_init to the depth "

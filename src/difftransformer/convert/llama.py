@@ -7,7 +7,7 @@ may be left out) and its config.json as a dict; it returns our state dict (as
 `DiffTransformerLM.state_dict()` lists it: a tied head under both names, the same tensor) and our
 `DiffTransformerConfig`. `ours_to_llama` is the inverse and returns a dict that
 `LlamaConfig.from_dict` reads (transformers 4.56 and 5). Nothing is approximated: a model that one
-side cannot express (biases, another activation, scaled RoPE, a head norm, a differential kind) is a
+side cannot express (biases, another activation, scaled RoPE, a head norm, an output gate, a differential kind) is a
 `ConversionError` naming the value, the rule and what to do; tensors keep their dtype, and a round
 trip gives back every tensor bit for bit.
 
@@ -235,5 +235,8 @@ def _not_llama(attention: str) -> str:
                  else "no transformers class holds this kind")
         return (f"a {attention!r} model is differential; LlamaForCausalLM is ordinary attention and cannot hold "
                 f"it ({where})")
+    if attention == "transformer_gated":
+        return (f"attention {attention!r} gates each head's output with a sigmoid that LlamaForCausalLM lacks "
+                f"(dropping the gate would change the model); only the 'transformer' kind converts to Llama")
     return (f"attention {attention!r} has a head-wise RMSNorm that LlamaForCausalLM lacks, and a norm cannot be "
             f"folded into a linear layer; only the 'transformer' kind converts to Llama")

@@ -2,18 +2,99 @@
 
 It is the [data] section of a run config and the arguments of `prepare_data`/`ensure_data`.
 `resolved_dir()` is the one rule for where shards are cached when no folder is given, so every run
-with the same corpus, vocabulary and split shares one prepared folder.
+with the same corpus, vocabulary, split and training mixture shares one prepared folder.
+
+`mixture` ([data.mixture], `MixtureConfig`) adds generated task documents to the TRAIN split (see
+data/mixture.py). Unset (every fraction 0) it changes nothing: not the data, not the folder name,
+not `to_dict()` (records of runs made before it existed stay identical).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._config import check_field_types
+
 _DEFAULT_SPLIT = (0.05, 0.05, 0)  # (val_fraction, test_fraction, split_seed): no suffix on the folder name
+MIXTURE_KINDS = ("needle", "needles_only", "icl", "qa")  # the generated document kinds (data/mixture.py)
+
+
+@dataclass
+class MixtureConfig:
+    """Generated task documents in the train split: each kind's share of the TRAINING tokens.
+
+    needle: corpus haystack with 1..max_needles needles, then the question(s) and answers (needle task);
+    needles_only: a haystack of needles only (RULER multi-key); icl: labelled demonstrations (icl task);
+    qa: a fact about a made-up person in corpus text, its question and answer (hallucination task).
+    The shares sum below 1 (the rest is corpus text); `length` is the target tokens of one document
+    (the demo's training length by default); `seed` seeds the generator (nothing else)."""
+
+    needle: float = 0.0
+    needles_only: float = 0.0
+    icl: float = 0.0
+    qa: float = 0.0
+    length: int = 256
+    max_needles: int = 6  # the needle task's default grid goes up to N = 6
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "data.mixture")
+        for name in MIXTURE_KINDS:
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"data.mixture.{name} must be a fraction of the training tokens in [0, 1), "
+                                 f"got {value!r}")
+        if sum(self.fractions.values()) >= 1:
+            raise ValueError(f"the data.mixture fractions must sum to less than 1 (the rest is corpus text), got "
+                             f"{' + '.join(f'{v:g}' for v in self.fractions.values())} = "
+                             f"{sum(self.fractions.values()):g}; lower them")
+        if self.length < 32:
+            raise ValueError(f"data.mixture.length must be at least 32 tokens (a document holds an instruction, "
+                             f"text and a question), got {self.length}")
+        if self.max_needles < 1:
+            raise ValueError(f"data.mixture.max_needles must be >= 1, got {self.max_needles}")
+        if self.seed < 0:
+            raise ValueError(f"data.mixture.seed must be an integer >= 0, got {self.seed}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MixtureConfig:
+        """From a [data.mixture] table; an unknown key names the nearest valid one."""
+        if not isinstance(values, dict):
+            raise ValueError(f"data.mixture must be a table of settings ({', '.join(_field_names(cls))}), "
+                             f"got {values!r}")
+        valid = _field_names(cls)
+        for key in values:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown key {key!r} in [data.mixture]{hint}; valid keys: {', '.join(valid)}")
+        return cls(**values)
+
+    @property
+    def fractions(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in MIXTURE_KINDS}
+
+    @property
+    def active(self) -> bool:
+        """Whether any document is generated (all fractions 0: the data is the corpus alone)."""
+        return any(v > 0 for v in self.fractions.values())
+
+    def tag(self) -> str:
+        """The folder-name suffix of an active mixture: every setting that changes the data."""
+        parts = [f"{k}{v:g}" for k, v in self.fractions.items() if v > 0]
+        return "-mix-" + "-".join(parts) + f"-len{self.length}-n{self.max_needles}-mixseed{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 @dataclass
@@ -27,8 +108,14 @@ class DataConfig:
     val_fraction: float = 0.05
     test_fraction: float = 0.05
     split_seed: int = 0  # seeds the document split only (training has its own seed, train.seed)
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)  # [data.mixture]: generated task documents
 
     def __post_init__(self) -> None:
+        if isinstance(self.mixture, dict):
+            self.mixture = MixtureConfig.from_dict(self.mixture)
+        elif not isinstance(self.mixture, MixtureConfig):
+            raise ValueError(f"data.mixture must be a table of settings (needle, needles_only, icl, qa, length, "
+                             f"max_needles, seed), got {self.mixture!r}")
         if not isinstance(self.corpus, str) or not self.corpus:
             raise ValueError(f"data.corpus must be a non-empty corpus spec such as 'sotu' or 'notes/', "
                              f"got {self.corpus!r}")
@@ -57,7 +144,12 @@ class DataConfig:
         split = (self.val_fraction, self.test_fraction, self.split_seed)
         tag = "" if split == _DEFAULT_SPLIT else "-val{:g}-test{:g}-splitseed{}".format(*split)
         vocab = Path(self.tokenizer_path).stem if self.tokenizer_path else str(self.vocab_size)
-        return f"cache/data/{name}-{vocab}{tag}"
+        mix = self.mixture.tag() if self.mixture.active else ""
+        return f"cache/data/{name}-{vocab}{tag}{mix}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings; `mixture` only when active, so records of corpus-only data are as they always were."""
+        out = dataclasses.asdict(self)
+        if not self.mixture.active:
+            del out["mixture"]
+        return out

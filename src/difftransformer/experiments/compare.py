@@ -1,9 +1,11 @@
-"""Side-by-side runs: every arm (attention kind) x every training seed, paired, resumable, then the report.
+"""Studies: every arm x training seed x size x token budget, paired, resumable, evaluated, then the report.
 
-Per seed, all arms start from `paired_init` (identical weights wherever names and shapes match) and
-see the same batches (the same TrainConfig.seed), so the only difference between arms is the
-attention. The study folder (study_dir.py) holds one run folder per arm and seed and a manifest of
-what was run. Re-running continues unfinished arms and skips finished ones.
+Per (size, budget, seed), all arms start from `paired_init` (identical weights wherever names and
+shapes match) and see the same batches (the same TrainConfig.seed), so the only difference between
+arms is what the arm changes. The study folder (study_dir.py) holds one run folder per unit and a
+manifest of what was run; each finished unit is evaluated (compare.eval_tasks) and summarised in a
+result file (units.py) under compare.results_dir. Re-running continues unfinished units and skips
+units whose result file exists, on this machine or on another where the results were committed.
 
     study = Study(get_preset("cpu-small").config(), TrainConfig(max_steps=240), DataConfig(corpus="sotu"),
                   CompareConfig(arms=["diff", "transformer"]))
@@ -24,13 +26,16 @@ from typing import Any
 from difftransformer import dist
 from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.data import DataConfig, PreparedData, ensure_data
-from difftransformer.experiments.config import CompareConfig, baseline_arm
+from difftransformer.experiments.ablations import Arm, parse_arm
+from difftransformer.experiments.config import CompareConfig, Size, baseline_arm
 from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
-from difftransformer.experiments.study_dir import StudyDir
+from difftransformer.experiments.report.runs import Run
+from difftransformer.experiments.study_dir import RESULTS_DIR, StudyDir
+from difftransformer.experiments.units import MANIFEST_COPY, Unit, check_identity, read_result, result_path, write_result
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
-from difftransformer.train import TrainConfig, train
+from difftransformer.train import RunDir, TrainConfig, train
 from difftransformer.train.config import FREELY_CHANGEABLE
 from difftransformer.train.distributed import resolve_device
 
@@ -43,25 +48,48 @@ class StudyMismatchError(ValueError):
 
 @dataclass
 class Study:
-    """Everything one comparison needs: the size spec, the recipe, the data and the study settings."""
+    """Everything one study needs: the size spec, the recipe, the data and the study settings."""
 
-    model: DiffTransformerConfig  # the size spec (any kind; arms are derived with `matched`); its
+    model: DiffTransformerConfig  # the size spec (any kind; arms are derived from it, ablations.py); its
     # vocab_size must hold the tokenizer's (the CLI sizes it from the prepared data)
     train: TrainConfig  # its data_dir is replaced by the folder `data` is prepared in
     data: DataConfig
     compare: CompareConfig
     config_file: str | None = None  # the run config it came from, for the record
 
-    def arm_configs(self, arms: list[str]) -> list[DiffTransformerConfig]:
-        """Each arm is the size spec with another attention kind (heads converted by `matched`)."""
-        return [self.model.matched(a) for a in arms]
+    def arm_configs(self, arms: list[str], size: Size | None = None) -> list[DiffTransformerConfig]:
+        """Each arm's model at `size` (default: the [model] section's): the spec with the arm's kind and overrides."""
+        spec = size.spec(self.model) if size is not None else self.model
+        return [self._arm(a).config(spec) for a in arms]
+
+    def cells(self) -> list[tuple[Size | None, int | None]]:
+        """The (size, token budget) points of the grid, smallest first."""
+        return [(size, tokens) for size in (self.compare.sizes or [None]) for tokens in (self.compare.tokens or [None])]
+
+    def train_for(self, tokens: int | None) -> TrainConfig:
+        """The recipe for one token budget: max_steps = ceil(tokens / (batch_size * seq_len))."""
+        if tokens is None:
+            return self.train
+        per_step = self.train.batch_size * self.train.seq_len
+        steps = -(-tokens // per_step)
+        if steps <= self.train.warmup_steps:
+            raise ValueError(f"compare.tokens {tokens:,} is {steps} steps of {per_step:,} tokens, not more than "
+                             f"train.warmup_steps ({self.train.warmup_steps}); raise the budget or lower the warmup")
+        return dataclasses.replace(self.train, max_steps=steps)
+
+    def results_dir(self, out_dir: Path) -> Path:
+        return Path(self.compare.results_dir) if self.compare.results_dir else out_dir / RESULTS_DIR
+
+    def _arm(self, name: str) -> Arm:
+        return next((a for a in self.compare.arms if a.name == name), None) or parse_arm(name)
 
 
 def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 resume: bool = True, command: str | None = None, report: bool = True) -> Path:
-    """Train every arm for every seed (paired), then write <out_dir>/report.md; returns out_dir.
+    """Train and evaluate every unit (arm x seed x size x budget, paired per seed), write each unit's
+    result file, then <out_dir>/report.md; returns out_dir. Units with a result file are skipped.
 
-    One comparison at a time per folder: a second one refuses at once (FolderInUseError)."""
+    One study at a time per folder: a second one refuses at once (FolderInUseError)."""
     folder = StudyDir(out_dir)
     if not dist.is_main():
         return _run_compare(study, folder, arms, seeds, resume, command, report)
@@ -71,27 +99,25 @@ def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = N
 
 def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
                  command: str | None, report: bool) -> Path:
-    arms = list(arms or study.compare.arms)
+    arms = list(arms or study.compare.arm_names)
     seeds = list(seeds if seeds is not None else (study.compare.seeds or [study.train.seed]))
     data = ensure_data(study.data)
     study = dataclasses.replace(study, train=dataclasses.replace(study.train, data_dir=str(data.out_dir)))
-    configs = study.arm_configs(arms)
-    manifest = _merge_manifest(folder, _manifest(study, arms, seeds, configs, data, command))
+    for _, tokens in study.cells():
+        study.train_for(tokens)  # every budget is checked before anything trains
+    results = study.results_dir(folder.path)
+    manifest = _merge_manifest(folder, results, _manifest(study, arms, seeds, data, command))
     if dist.is_main():
         folder.path.mkdir(parents=True, exist_ok=True)
-        _write_json(folder.manifest, manifest)
-    for seed in seeds:
-        _run_seed(study, folder, manifest, arms, configs, seed, multi=len(seeds) > 1, resume=resume)
-    if dist.is_main() and study.compare.eval_tasks:
-        from difftransformer.experiments.evaluate import evaluate_run
-
+        _save_manifest(folder, results, manifest)
+    multi = len(seeds) > 1
+    for size, tokens in study.cells():
         for seed in seeds:
-            for arm in arms:
-                evaluate_run(folder.run_dir(arm, seed, len(seeds) > 1), study.compare.eval_tasks, data.out_dir,
-                             device=str(resolve_device(study.train.device)))
+            cell = _Cell(study, folder, manifest, results, data, size, tokens, seed, multi)
+            cell.run(arms, resume)
     if dist.is_main():
         manifest["finished"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
-        _write_json(folder.manifest, manifest)
+        _save_manifest(folder, results, manifest)
         if report:
             from difftransformer.experiments.report import write_report
 
@@ -99,33 +125,110 @@ def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: 
     return folder.path
 
 
-def _run_seed(study: Study, folder: StudyDir, manifest: dict[str, Any], arms: list[str],
-              configs: list[DiffTransformerConfig], seed: int, *, multi: bool, resume: bool) -> None:
-    """Train the arms of one seed that are not finished yet, from one paired initialisation."""
-    dirs = [folder.run_dir(a, seed, multi) for a in arms]
-    pending = [i for i, d in enumerate(dirs) if not (resume and d.is_finished(study.train.max_steps))]
-    for i in sorted(set(range(len(arms))) - set(pending)):
-        log.info("seed %d, arm %s: already finished in %s; skipping", seed, arms[i], dirs[i].path)
-    if not pending:
-        return
-    states = paired_init(configs, seed)  # ignored by train() for arms that resume from a checkpoint
-    for n, i in enumerate(pending):
-        tcfg = dataclasses.replace(study.train, out_dir=str(dirs[i].path), seed=seed)
-        log.info("seed %d, arm %s (%d/%d): training into %s", seed, arms[i], n + 1, len(pending), dirs[i].path)
+@dataclass
+class _Cell:
+    """The arms of one (size, budget, seed): trained from one paired initialisation, then evaluated."""
+
+    study: Study
+    folder: StudyDir
+    manifest: dict[str, Any]
+    results: Path
+    data: PreparedData
+    size: Size | None
+    tokens: int | None
+    seed: int
+    multi: bool
+
+    def unit(self, arm: str) -> Unit:
+        return Unit(self.size.name if self.size else None, self.tokens, self.seed, arm)
+
+    def run(self, arms: list[str], resume: bool) -> None:
+        configs = self.study.arm_configs(arms, self.size)
+        train_cfg = self.study.train_for(self.tokens)
+        units = [self.unit(a) for a in arms]
+        identities = [unit_identity(c, train_cfg, self.data) for c in configs]
+        done = [resume and self._has_result(u, ident) for u, ident in zip(units, identities)]
+        dirs = [self.folder.unit_dir(u, self.multi) for u in units]
+        pending = [i for i in range(len(arms)) if not done[i] and not (resume and dirs[i].is_finished(
+            train_cfg.max_steps))]
+        for i in range(len(arms)):
+            if done[i]:
+                log.info("%s: result file exists; skipping", units[i].label())
+        if pending:
+            states = paired_init(configs, self.seed)  # ignored by train() for arms that resume from a checkpoint
+            for n, i in enumerate(pending):
+                self._train(units[i], configs[i], train_cfg, dirs[i], states[i], resume, n, len(pending))
+                states[i] = None  # free memory early: big models
+        if dist.is_main():
+            for i in range(len(arms)):
+                self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
+
+    def _has_result(self, unit: Unit, identity: dict[str, Any]) -> bool:
+        path = result_path(self.results, unit, self.multi)
+        record = read_result(path)
+        return record is not None and check_identity(path, record, identity)
+
+    def _train(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir, state,
+               resume: bool, n: int, total: int) -> None:
+        tcfg = dataclasses.replace(train_cfg, out_dir=str(run.path), seed=self.seed)
+        log.info("%s (%d/%d): training into %s", unit.label(), n + 1, total, run.path)
         t0 = time.perf_counter()
-        result = train(configs[i], tcfg, init_state=states[i], resume=resume)
+        train(config, tcfg, init_state=state, resume=resume)
         wall = time.perf_counter() - t0
         if dist.is_main():
-            key = f"seed{seed}/{arms[i]}"
-            manifest["wall_s"][key] = manifest["wall_s"].get(key, 0.0) + wall if resume else wall
-            _write_json(folder.manifest, manifest)
-        states[i] = None  # free memory early: big models
-        del result
+            key = str(unit.rel(True))
+            self.manifest["wall_s"][key] = self.manifest["wall_s"].get(key, 0.0) + wall if resume else wall
+            _save_manifest(self.folder, self.results, self.manifest)
+
+    def _finish(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir,
+                identity: dict[str, Any], done: bool) -> None:
+        """Evaluate the finished run (cached by weights hash) and write the unit's result file."""
+        path = result_path(self.results, unit, self.multi)
+        tasks = self.study.compare.eval_tasks
+        if done:
+            missing = sorted(set(tasks) - set((read_result(path) or {}).get("evals", {})))
+            if not missing or not run.has_final():
+                if missing:
+                    log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
+                                ", ".join(missing))
+                return
+        if not run.is_finished(train_cfg.max_steps):
+            return
+        from difftransformer.experiments.evaluate import evaluate_run
+        from difftransformer.experiments.report.samples import sample_texts
+
+        evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)))
+        rep = self.study.compare
+        sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
+        result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
+        result.parameters = DiffTransformerLM(config, device="meta").num_parameters()
+        arm = self.study._arm(unit.arm)
+        write_result(path, result.to_record(unit, identity, arm=arm.to_dict(), train_config=_recipe(train_cfg),
+                                            wall_s=self.manifest["wall_s"].get(str(unit.rel(True))),
+                                            hardware=self.manifest.get("hardware"),
+                                            run_dir=str(run.path)))
 
 
-def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[DiffTransformerConfig],
-              data: PreparedData, command: str | None) -> dict[str, Any]:
-    counts = {a: DiffTransformerLM(c, device="meta").num_parameters() for a, c in zip(arms, configs)}
+def unit_identity(config: DiffTransformerConfig, train_cfg: TrainConfig, data: PreparedData) -> dict[str, Any]:
+    """What a unit's result depends on: the model, the recipe (with max_steps) and the tokens it saw."""
+    return {"model": model_identity(config.to_dict()), "train": _recipe(train_cfg),
+            "data": {"corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash,
+                     "num_tokens": dict(data.num_tokens)}}
+
+
+def _recipe(train_cfg: TrainConfig) -> dict[str, Any]:
+    record = {k: v for k, v in train_cfg.to_dict().items() if k not in FREELY_CHANGEABLE}
+    record["max_steps"] = train_cfg.max_steps
+    return record
+
+
+def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedData,
+              command: str | None) -> dict[str, Any]:
+    models = {}
+    for size, _ in dict.fromkeys(study.cells()):
+        for a, c in zip(arms, study.arm_configs(arms, size)):
+            models[f"{size.name}/{a}" if size else a] = c
+    counts = {k: DiffTransformerLM(c, device="meta").num_parameters() for k, c in models.items()}
     train_record = study.train.to_dict()
     train_record.pop("out_dir")
     return {
@@ -133,7 +236,11 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[Dif
         "arms": arms,
         "seeds": seeds,
         "baseline": baseline_arm(arms),
-        "models": {a: c.to_dict() for a, c in zip(arms, configs)},
+        "arm_specs": {a: study._arm(a).to_dict() for a in arms},
+        "sizes": [dataclasses.asdict(s) for s in study.compare.sizes],
+        "tokens": list(study.compare.tokens),
+        "results_dir": str(study.results_dir(Path(study.compare.out_dir))) if study.compare.results_dir else None,
+        "models": {k: c.to_dict() for k, c in models.items()},
         "parameters": counts,
         "train": train_record,
         "data": {**study.data.to_dict(), "data_dir": str(data.out_dir), "corpus": data.corpus or study.data.corpus,
@@ -149,18 +256,21 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], configs: list[Dif
     }
 
 
-def _merge_manifest(folder: StudyDir, new: dict[str, Any]) -> dict[str, Any]:
-    """Continue the manifest of an earlier invocation in the same folder (refusing another study):
-    arms and seeds from before stay, so the report covers everything in the folder."""
-    old = folder.read_manifest()
+def _merge_manifest(folder: StudyDir, results: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """Continue the manifest of an earlier invocation in the same folder, or of the result files (a study
+    continued on another machine), refusing another study: arms and seeds from before stay, so the
+    report covers everything."""
+    source = folder.manifest if folder.manifest.is_file() else results / MANIFEST_COPY
+    old = StudyDir(source.parent).read_manifest()
     if old is None:
         return new
-    _check_same_study(old, new, folder.manifest)
+    _check_same_study(old, new, source)
     new["started"] = old.get("started", new["started"])
     new["wall_s"] = old.get("wall_s", {})
     new["arms"] = new["arms"] + [a for a in old.get("arms", []) if a not in new["arms"]]
     new["baseline"] = baseline_arm(new["arms"])
     new["seeds"] = sorted(set(new["seeds"]) | set(old.get("seeds", [])))
+    new["arm_specs"] = {**old.get("arm_specs", {}), **new["arm_specs"]}
     new["models"] = {**old.get("models", {}), **new["models"]}
     new["parameters"] = {**old.get("parameters", {}), **new["parameters"]}
     return new
@@ -186,6 +296,14 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
         if o != n:
             raise StudyMismatchError(f"{path} was written for a different comparison ({key} differ); use another "
                                      f"--out-dir, or delete {path.parent} to start over")
+
+
+def _save_manifest(folder: StudyDir, results: Path, manifest: dict[str, Any]) -> None:
+    """The manifest in the study folder, and a copy beside the result files (so that they alone
+    rebuild the report on another machine)."""
+    _write_json(folder.manifest, manifest)
+    results.mkdir(parents=True, exist_ok=True)
+    _write_json(results / MANIFEST_COPY, manifest)
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:

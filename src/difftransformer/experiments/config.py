@@ -1,8 +1,16 @@
-"""A comparison study's typed config: the [compare] section of a run config.
+"""A study's typed config: the [compare] section of a run config.
 
 The size spec, training recipe and data come from the [model], [train] and [data] sections; this
-adds what makes it a study: the arms (attention kinds at that size), the training seeds, the
-settings of the report's sample generations, and the evaluation tasks run on every finished arm.
+adds what makes it a study: arms (ablations.py: name, attention kind, overrides) x training seeds x
+sizes x token budgets, the evaluation tasks run on every finished unit, where each unit's small
+result file goes (results_dir, committable), and the settings of the report's sample generations.
+
+    arms = ["diff", "transformer", "diff_lambda_0.8"]    # named ablations or attention kinds, or tables
+    seeds = [0, 1, 2]
+    sizes = ["cpu-xs-h8", {name = "w192", hidden_size = 192, num_hidden_layers = 4, diff_heads = 6}]
+    tokens = [500_000, 1_000_000]                        # training tokens per run (max_steps derived)
+
+No sizes: the [model] section is the one size. No tokens: train.max_steps is the one budget.
 """
 
 from __future__ import annotations
@@ -11,7 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from difftransformer.model import attention_kind
+from difftransformer.experiments.ablations import Arm, parse_arm
+from difftransformer.model import PRESETS, DiffTransformerConfig, Preset
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
@@ -31,13 +40,84 @@ def baseline_arm(arms: list[str]) -> str:
     return "transformer" if "transformer" in arms else arms[-1]
 
 
+_SIZE_KEYS = ("name", "preset", "hidden_size", "num_hidden_layers", "diff_heads", "diff_kv_heads",
+              "intermediate_size")
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size of a scaling grid: a preset's shape, or a table of the shape fields (DIFF heads).
+
+    Only the shape changes; vocabulary, context, λ schedule and backend stay the [model] section's."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    diff_heads: int
+    diff_kv_heads: int | None = None
+    intermediate_size: int | None = None  # None: round(8/3 * hidden_size)
+
+    def spec(self, base: DiffTransformerConfig) -> DiffTransformerConfig:
+        """`base` (any kind) with this shape, as a DIFF-unit spec that arms are derived from."""
+        diff = base.matched("diff")
+        try:
+            return dataclasses.replace(diff, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+                                       num_attention_heads=self.diff_heads,
+                                       num_key_value_heads=self.diff_kv_heads or self.diff_heads,
+                                       intermediate_size=self.intermediate_size)
+        except ValueError as e:
+            raise ValueError(f"size {self.name!r} is not a valid model: {e}") from None
+
+
+def parse_size(entry: Any) -> Size:
+    """A size from a config entry: a preset name or a table of shape fields (with a name)."""
+    if isinstance(entry, Size):
+        return entry
+    if isinstance(entry, str):
+        if entry not in PRESETS:
+            import difflib
+
+            close = difflib.get_close_matches(entry, list(PRESETS), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"compare.sizes: unknown preset {entry!r}{hint}; name a preset ({', '.join(PRESETS)}) "
+                             f"or give a table {{name, hidden_size, num_hidden_layers, diff_heads}}")
+        return _from_preset(entry, PRESETS[entry])
+    if isinstance(entry, dict):
+        unknown = sorted(set(entry) - set(_SIZE_KEYS))
+        if unknown or "name" not in entry:
+            raise ValueError(f"compare.sizes: a size table needs `name` and either `preset` or hidden_size, "
+                             f"num_hidden_layers, diff_heads (optional diff_kv_heads, intermediate_size); "
+                             f"unknown keys {unknown}" if unknown else f"compare.sizes: a size table needs a "
+                             f"`name`, got {entry!r}")
+        fields = {k: v for k, v in entry.items() if k not in ("name", "preset")}
+        if "preset" in entry:
+            base = parse_size(entry["preset"])
+            fields = {**{k: getattr(base, k) for k in _SIZE_KEYS[2:]}, **fields}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "diff_heads") if k not in fields]
+        if missing:
+            raise ValueError(f"compare.sizes: size {entry['name']!r} lacks {', '.join(missing)}")
+        for k, v in fields.items():
+            if v is not None and (not _natural(v) or v == 0):
+                raise ValueError(f"compare.sizes: size {entry['name']!r} has {k} = {v!r}; it must be a positive "
+                                 f"integer")
+        return Size(str(entry["name"]), **fields)
+    raise ValueError(f"compare.sizes: a size is a preset name or a table, got {entry!r}")
+
+
+def _from_preset(name: str, p: Preset) -> Size:
+    return Size(name, p.hidden_size, p.num_hidden_layers, p.diff_heads, p.diff_kv_heads, p.intermediate_size)
+
+
 @dataclass
 class CompareConfig:
     """What `difftransformer compare` runs: arms (attention kinds) x training seeds, and the report's samples."""
 
-    arms: list[str] = field(default_factory=lambda: ["diff", "transformer"])
+    arms: list[Any] = field(default_factory=lambda: ["diff", "transformer"])  # -> list[Arm] (ablations.py)
     seeds: list[int] | None = None  # training seeds; None: the single seed train.seed
+    sizes: list[Any] = field(default_factory=list)  # -> list[Size]; empty: the [model] section's size only
+    tokens: list[int] = field(default_factory=list)  # training tokens per run; empty: train.max_steps
     out_dir: str = "runs/compare"
+    results_dir: str | None = None  # each unit's result JSON (committable); None: <out_dir>/results
     prompts: list[str] = field(default_factory=lambda: [
         "The state of the Union is", "My fellow citizens,", "Congress must"])
     sample_tokens: int = 48
@@ -49,24 +129,52 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if isinstance(self.arms, str):
             self.arms = [a.strip() for a in self.arms.split(",") if a.strip()]
+        if not isinstance(self.arms, list):
+            raise ValueError(f"compare.arms must be a list of arms like [\"diff\", \"transformer\"], got {self.arms!r}")
+        self.arms = [parse_arm(a) for a in self.arms]
         if isinstance(self.seeds, int) and not isinstance(self.seeds, bool):
             self.seeds = [self.seeds]
         elif isinstance(self.seeds, str):
             self.seeds = parse_int_list(self.seeds, "compare.seeds")
         if not self.arms:
             raise ValueError("compare.arms is empty; give at least one attention kind, e.g. ['diff', 'transformer']")
-        for arm in self.arms:
-            attention_kind(arm, what="arm")  # arms are attention kinds
-        if len(set(self.arms)) != len(self.arms):
-            raise ValueError(f"compare.arms lists an arm twice: {self.arms}")
+        names = self.arm_names
+        if len(set(names)) != len(names):
+            raise ValueError(f"compare.arms lists an arm twice: {names}")
         if self.seeds is not None:
             if not isinstance(self.seeds, list) or not all(_natural(s) and s < 2**32 for s in self.seeds):
                 raise ValueError(f"compare.seeds must be a list of integers in [0, 2**32) like [0, 1, 2], "
                                  f"got {self.seeds!r}")
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"compare.seeds lists a seed twice: {self.seeds}")
+        self._check_grid()
         self._check_samples()
         self._check_eval_tasks()
+
+    @property
+    def arm_names(self) -> list[str]:
+        return [a.name for a in self.arms]
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def _check_grid(self) -> None:
+        if not isinstance(self.sizes, list):
+            raise ValueError(f"compare.sizes must be a list of presets or size tables, got {self.sizes!r}")
+        self.sizes = [parse_size(s) for s in self.sizes]
+        names = [s.name for s in self.sizes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"compare.sizes lists a size name twice: {names}")
+        if isinstance(self.tokens, str):
+            self.tokens = parse_int_list(self.tokens.replace("_", ""), "compare.tokens")
+        if not isinstance(self.tokens, list) or not all(_natural(t) and t > 0 for t in self.tokens):
+            raise ValueError(f"compare.tokens must be a list of positive token budgets like [500_000, 1_000_000], "
+                             f"got {self.tokens!r}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError(f"compare.tokens lists a budget twice: {self.tokens}")
+        self.tokens = sorted(self.tokens)
+        if self.results_dir is not None and (not isinstance(self.results_dir, str) or not self.results_dir):
+            raise ValueError(f"compare.results_dir must be a folder path or null, got {self.results_dir!r}")
 
     def _check_eval_tasks(self) -> None:
         if isinstance(self.eval_tasks, str):

@@ -1,17 +1,41 @@
-"""Statistics of a comparison over seeds: paired differences, mean and spread, and the verdict rule.
+"""Statistics of a comparison over seeds: paired differences, their 95% interval, the paired tests and the verdict.
 
-The verdict rule: a paired difference (arm − baseline, same training seed, so the same initial
-weights and batches) separates the arms only when |mean| >= NOISE_FACTOR × its std over seeds; with
-one seed nothing can be separated, because seed noise is unknown.
+Contract:
+- `t_interval(xs)` is the Student-t interval of the mean (scipy.stats.t.ppf), the textbook interval for a
+  handful of roughly normal values whose spread is unknown. One value gives no interval (low = high = None:
+  the spread is unknown, so the mean could be anywhere); identical values give the degenerate interval [m, m].
+- `compare_paired(arm, baseline)` pairs the two arms by training seed (same seed = same data order and, with
+  paired init, the same initial weights), so seed-to-seed noise common to both arms cancels in the difference
+  arm − baseline. It returns the interval of those differences, the two-sided paired t-test (= scipy's ttest_rel)
+  and, from 5 seeds on, the exact Wilcoxon signed-rank test as a check that does not assume normality.
+- The outcome follows the interval only: "better"/"worse" when the 95% interval of arm − baseline excludes 0
+  (on the good or bad side given `lower_is_better`), "inconclusive" when it contains 0, "single seed" with one
+  seed (spread unknown: nothing can be separated), "no data" with none. The p-values are reported, never used
+  to decide: the interval already says the same as the t-test at the same level and also gives the size.
+- `verdict`/`verdict_text` write one Markdown sentence that never claims more than the interval.
+
+Choices where the paper is silent (it reports single runs, no intervals):
+- 95% two-sided, Student t rather than a normal interval: with 2-5 seeds the normal interval is far too narrow.
+- A non-finite value is an error (naming seed and arm), not silently dropped: a diverged run is a result to
+  look at, and dropping it would bias the comparison towards the arm that diverged.
+- Zero spread with n >= 2 (every seed gives the same difference, e.g. fully deterministic arms) keeps the
+  degenerate interval [m, m]; the t-test is then undefined (t = ±inf) and reported as None.
+- The Wilcoxon test needs 5 seeds: below that its exact two-sided p can never reach 0.05, so it says nothing.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-NOISE_FACTOR = 2.0  # |mean paired difference| must reach this many stds to call a winner
+from scipy import stats as _st
+
+OUTCOMES = ("better", "worse", "inconclusive", "single seed", "no data")
+WILCOXON_MIN_SEEDS = 5
+FEW_SEEDS = 4  # up to this many seeds the verdict says the interval is wide because of the few seeds
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:
@@ -24,27 +48,189 @@ def paired_differences(arm: Mapping[int, float], baseline: Mapping[int, float]) 
     return [arm[s] - baseline[s] for s in sorted(arm) if s in baseline]
 
 
-def verdict(arm: str, baseline: str, diffs: list[float]) -> str:
-    """One honest sentence on `arm` − `baseline` final validation loss, from paired per-seed differences."""
-    n = len(diffs)
+@dataclass(frozen=True)
+class Interval:
+    """A two-sided confidence interval of a mean; low = high = None when the spread is unknown (n = 1)."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+    std: float | None
+    confidence: float
+
+    @property
+    def known(self) -> bool:
+        """Whether the interval has finite bounds (needs n >= 2)."""
+        return self.low is not None and self.high is not None
+
+    def contains(self, x: float) -> bool:
+        """Whether x lies in [low, high]; with unknown spread every x does (nothing is excluded)."""
+        if self.low is None or self.high is None:
+            return True
+        return self.low <= x <= self.high
+
+    @property
+    def excludes_zero(self) -> bool:
+        return not self.contains(0.0)
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.low is None or self.high is None else (self.high - self.low) / 2
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r} must lie strictly between 0 and 1 (e.g. 0.95)")
+
+
+def _check_finite(xs: Sequence[float], what: str) -> list[float]:
+    out = [float(x) for x in xs]
+    bad = [i for i, x in enumerate(out) if not math.isfinite(x)]
+    if bad:
+        raise ValueError(f"{what}: value {out[bad[0]]!r} at position {bad[0]} is not finite; "
+                         f"drop or fix that run before computing statistics")
+    return out
+
+
+def t_interval(xs: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Student-t interval of the mean of xs: mean ± t_{(1+confidence)/2, n-1} · std / sqrt(n)."""
+    _check_confidence(confidence)
+    values = _check_finite(xs, "t_interval")
+    n = len(values)
     if n == 0:
-        return f"**{arm} vs {baseline}:** no seed has finished both arms yet, so there is nothing to compare."
-    m, s = mean_std(diffs)
+        raise ValueError("t_interval needs at least one value, got none; pass the per-seed values")
+    m = statistics.fmean(values)
     if n == 1:
-        return (f"**{arm} vs {baseline}:** {arm} − {baseline} = {m:+.4f} nats with a single seed. A single seed "
-                f"cannot separate the arms: how much the loss moves from seed to seed is unknown, and at this "
-                f"scale it is typically as large as differences like this one. Run several seeds "
-                f"(`--seeds 0,1,2`) before reading anything into the sign.")
-    assert s is not None
-    if s == 0 and m == 0:
-        return f"**{arm} vs {baseline}:** identical final validation loss on all {n} seeds."
-    if abs(m) < NOISE_FACTOR * s:
-        return (f"**{arm} vs {baseline}:** {arm} − {baseline} = {m:+.4f} ± {s:.4f} nats (mean ± std of the paired "
-                f"difference over {n} seeds). That is within seed noise (|mean| < {NOISE_FACTOR:g} × std): "
-                f"these runs cannot separate the two arms.")
-    lower, higher = (arm, baseline) if m < 0 else (baseline, arm)
-    return (f"**{arm} vs {baseline}:** {lower} reaches the lower validation loss: {arm} − {baseline} = "
-            f"{m:+.4f} ± {s:.4f} nats (mean ± std of the paired difference over {n} seeds), "
-            f"{abs(m) / s if s else math.inf:.1f} × the std, beyond the {NOISE_FACTOR:g} × std noise threshold. "
-            f"{higher} is behind at this scale and budget; with {n} seeds the std itself is rough, and "
-            f"small-model results need not carry over to larger models.")
+        return Interval(m, None, None, 1, None, confidence)
+    s = statistics.stdev(values)
+    half = float(_st.t.ppf((1 + confidence) / 2, n - 1)) * s / math.sqrt(n)
+    return Interval(m, m - half, m + half, n, s, confidence)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """arm vs baseline on one metric, paired by seed; `outcome` follows the interval of the differences."""
+
+    arm: str
+    baseline: str
+    metric: str
+    lower_is_better: bool
+    seeds: tuple[int, ...]
+    diffs: tuple[float, ...]  # arm − baseline per seed, in the order of `seeds`
+    interval: Interval | None  # None when no seed has both arms
+    t: float | None  # paired t statistic; None for n < 2 or zero spread
+    p: float | None  # its two-sided p-value
+    wilcoxon_p: float | None  # exact two-sided Wilcoxon signed-rank p; None for n < 5 or all diffs 0
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def outcome(self) -> str:
+        if self.interval is None:
+            return "no data"
+        if self.n == 1:
+            return "single seed"
+        if not self.interval.excludes_zero:
+            return "inconclusive"
+        arm_lower = self.interval.mean < 0
+        return "better" if arm_lower == self.lower_is_better else "worse"
+
+
+def _t_test(diffs: Sequence[float], std: float | None) -> tuple[float | None, float | None]:
+    """Two-sided one-sample t-test of diffs against 0 (the paired t-test); None where it is undefined."""
+    if len(diffs) < 2 or not std:
+        return None, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # scipy's "nearly identical data" precision warning
+        res = _st.ttest_1samp(list(diffs), 0.0)
+    t, p = float(res.statistic), float(res.pvalue)
+    return (t, p) if math.isfinite(t) and math.isfinite(p) else (None, None)
+
+
+def _wilcoxon(diffs: Sequence[float]) -> float | None:
+    if len(diffs) < WILCOXON_MIN_SEEDS or all(d == 0 for d in diffs):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = float(_st.wilcoxon(list(diffs), method="exact", alternative="two-sided").pvalue)
+    return p if math.isfinite(p) else None
+
+
+def _comparison(arm: str, baseline: str, seeds: Sequence[int], diffs: Sequence[float], *, metric: str,
+                lower_is_better: bool, confidence: float) -> PairedComparison:
+    _check_confidence(confidence)
+    diffs = _check_finite(diffs, f"{arm} − {baseline} differences")
+    interval = t_interval(diffs, confidence) if diffs else None
+    t, p = _t_test(diffs, interval.std if interval else None)
+    return PairedComparison(arm, baseline, metric, lower_is_better, tuple(seeds), tuple(diffs), interval,
+                            t, p, _wilcoxon(diffs))
+
+
+def compare_paired(arm_values: Mapping[int, float], baseline_values: Mapping[int, float], *, arm: str,
+                   baseline: str, metric: str = "final validation loss", lower_is_better: bool = True,
+                   confidence: float = 0.95) -> PairedComparison:
+    """Pair arm and baseline by the seeds both have; a non-finite value is a ValueError naming seed and arm."""
+    for name, values in ((arm, arm_values), (baseline, baseline_values)):
+        for seed, v in values.items():
+            if not math.isfinite(float(v)):
+                raise ValueError(f"{metric} of arm {name!r} at seed {seed} is {v!r}, not a finite number; "
+                                 f"that run diverged or did not finish: fix or rerun it before comparing")
+    seeds = sorted(s for s in arm_values if s in baseline_values)
+    diffs = [float(arm_values[s]) - float(baseline_values[s]) for s in seeds]
+    return _comparison(arm, baseline, seeds, diffs, metric=metric, lower_is_better=lower_is_better,
+                       confidence=confidence)
+
+
+def _fmt_p(p: float | None) -> str:
+    if p is None:
+        return "undefined"
+    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def verdict_text(cmp: PairedComparison, unit: str = "nats") -> str:
+    """One honest Markdown sentence on the comparison; it names a better arm only if the interval excludes 0."""
+    head = f"**{cmp.arm} vs {cmp.baseline}:**"
+    if cmp.outcome == "no data":
+        return f"{head} no seed has finished both arms yet, so there is nothing to compare."
+    iv = cmp.interval
+    assert iv is not None
+    if cmp.outcome == "single seed":
+        return (f"{head} {cmp.arm} − {cmp.baseline} {cmp.metric} = {iv.mean:+.4f} {unit} with a single seed. "
+                f"A single seed cannot separate the arms: how much the {cmp.metric} moves from seed to seed is "
+                f"unknown, so there is no interval, and at this scale seed noise is typically as large as "
+                f"differences like this one. Run several seeds (`--seeds 0,1,2`) before reading anything "
+                f"into the sign.")
+    assert iv.low is not None and iv.high is not None
+    pct = f"{iv.confidence:.0%}"
+    if iv.std == 0 and iv.mean == 0:
+        return (f"{head} identical {cmp.metric} on all {cmp.n} seeds (every paired difference is 0): "
+                f"no difference to separate.")
+    tests = f"paired t-test p = {_fmt_p(cmp.p)}"
+    if cmp.wilcoxon_p is not None:
+        tests += f", Wilcoxon signed-rank p = {_fmt_p(cmp.wilcoxon_p)}"
+    if iv.std == 0:
+        tests = "the same difference on every seed, so no t-test"
+    core = (f"{cmp.arm} − {cmp.baseline} {cmp.metric} = {iv.mean:+.4f} {unit} (mean paired difference over "
+            f"{cmp.n} seeds, {pct} interval [{iv.low:+.4f}, {iv.high:+.4f}], {tests}).")
+    few = cmp.n <= FEW_SEEDS
+    if cmp.outcome == "inconclusive":
+        return (f"{head} {core} The {pct} interval contains 0: the difference is within seed noise, and "
+                f"these runs cannot separate the two arms."
+                + (f" So few seeds ({cmp.n}) give a wide interval; more seeds narrow it." if few else ""))
+    better, worse = (cmp.arm, cmp.baseline) if cmp.outcome == "better" else (cmp.baseline, cmp.arm)
+    side = "lower" if cmp.lower_is_better else "higher"
+    return (f"{head} {better} reaches the {side} {cmp.metric}: {core} The {pct} interval excludes 0, so "
+            f"{worse} is behind at this scale and budget; small-model results need not carry over to larger "
+            f"models." + (f" With only {cmp.n} seeds the spread behind the interval is itself a rough estimate."
+                          if few else ""))
+
+
+def verdict(arm: str, baseline: str, diffs: list[float], *, metric: str = "final validation loss",
+            unit: str = "nats", lower_is_better: bool = True, confidence: float = 0.95) -> str:
+    """One honest sentence on `arm` − `baseline` from paired per-seed differences (see `verdict_text`)."""
+    cmp = _comparison(arm, baseline, range(len(diffs)), diffs, metric=metric, lower_is_better=lower_is_better,
+                      confidence=confidence)
+    return verdict_text(cmp, unit=unit)

@@ -4,7 +4,10 @@
       compare.json          the manifest: arms, seeds, model configs, train recipe, data, hardware
       report.md             written by experiments.report, with loss_curves.png and lambda.png
       <arm>/                one run folder per arm (see train/run_dir.py) when one seed is run ...
-      seed<s>/<arm>/        ... and per seed and arm when several are
+      seed<s>/<arm>/        ... and per seed and arm when several are; a grid of sizes and token
+                            budgets adds <size>/ and <tokens>tok/ in front (units.Unit.rel)
+      results/              each unit's result file, <same path>.json, unless compare.results_dir
+                            puts them elsewhere (e.g. results/<study>/ in the repository, to commit)
 
 A folder that was filled by hand (no compare.json) is still read: arms and seeds come from its layout.
 """
@@ -12,13 +15,17 @@ A folder that was filled by hand (no compare.json) is still read: arms and seeds
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from difftransformer._io import Folder, folder_entry
+from difftransformer.experiments.units import MANIFEST_COPY, Unit
 from difftransformer.train import RunDir
 
-MANIFEST_FILE = "compare.json"
+MANIFEST_FILE = MANIFEST_COPY
+RESULTS_DIR = "results"
 REPORT_FILE = "report.md"
+HTML_FILE = "report.html"
 LOSS_PLOT_FILE = "loss_curves.png"
 LAMBDA_PLOT_FILE = "lambda.png"
 _SEED_PREFIX = "seed"
@@ -29,8 +36,19 @@ class StudyDir(Folder):
 
     __slots__ = ()
 
-    manifest, report, loss_plot, lambda_plot = map(folder_entry, (MANIFEST_FILE, REPORT_FILE, LOSS_PLOT_FILE,
-                                                                  LAMBDA_PLOT_FILE))
+    manifest, report, loss_plot, lambda_plot, html = map(folder_entry, (
+        MANIFEST_FILE, REPORT_FILE, LOSS_PLOT_FILE, LAMBDA_PLOT_FILE, HTML_FILE))
+    results = folder_entry(RESULTS_DIR)
+
+    def results_dir(self, manifest: dict[str, Any] | None = None) -> Path:
+        """Where this study's result files are: results/ inside it, else the manifest's results_dir,
+        else the folder itself when it is a results folder (a manifest and no run folders)."""
+        if (self.results / MANIFEST_FILE).is_file() or self.results.is_dir():
+            return self.results
+        named = (manifest or {}).get("results_dir")
+        if named and Path(named).is_dir():
+            return Path(named)
+        return self.path if not self.run_dirs() else self.results
 
     def is_study(self) -> bool:
         """Whether a comparison has been started here (its manifest exists)."""
@@ -54,6 +72,20 @@ class StudyDir(Folder):
     def run_dir(self, arm: str, seed: int, multi_seed: bool) -> RunDir:
         """Where the run of `arm` with training seed `seed` goes."""
         return RunDir(self.path / f"{_SEED_PREFIX}{seed}" / arm if multi_seed else self.path / arm)
+
+    def unit_dir(self, unit: Unit, multi_seed: bool) -> RunDir:
+        """Where a unit of the grid is trained."""
+        return RunDir(self.path / unit.rel(multi_seed))
+
+    def find_unit(self, unit: Unit) -> RunDir | None:
+        """The existing run folder of a unit (either layout), or None."""
+        if unit.size is None and unit.tokens is None:
+            return self.find_run(unit.arm, unit.seed)
+        for multi in (True, False):
+            run = self.unit_dir(unit, multi)
+            if run.has_metrics() and (multi or (run.seed() if run.seed() is not None else unit.seed) == unit.seed):
+                return run
+        return None
 
     def find_run(self, arm: str, seed: int) -> RunDir | None:
         """The existing run of (arm, seed): seed<s>/<arm>, or <arm> when its train_config has that seed."""

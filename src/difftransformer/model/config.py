@@ -3,7 +3,8 @@
 `num_attention_heads` always counts the heads *of the configured attention kind* (see kinds.py):
 - kinds with `diff_heads` (diff, diff_no_headnorm): DIFF heads h, half the matched Transformer's;
   diff_retrofit counts DIFF heads too, but a retrofitted Llama keeps its own heads (convert/llama_retrofit.py);
-- the others (transformer, transformer_headnorm, diff_v2): ordinary heads H, the baseline's own count.
+- the others (transformer, transformer_headnorm, transformer_gated, diff_v2): ordinary heads H, the
+  baseline's own count (transformer_gated adds hidden_size * H gate weights per layer, see kinds.py).
 `config.matched("transformer")` / `config.matched("diff")` convert between the two so that a
 DIFF model and its baseline have the same width, depth, FFN and head_dim, and parameter counts
 that differ only by 6 * head_dim per layer (lambda vectors and head-norm weight).
@@ -268,6 +269,14 @@ PRESETS: dict[str, Preset] = {
                         description="5.2M params, the CPU demo size"),
     "cpu-medium": Preset(384, 6, 6, vocab_size=8192, max_position_embeddings=512,
                          description="13.8M params, a longer CPU run"),
+    # The authors advise at least 8 DIFF heads; the CPU presets above have 4 and 6. These hold DIFF at
+    # 8 heads (16 baseline heads) with head_dim >= 16, so RoPE still has 8+ frequencies per head (a
+    # width-128 model would need head_dim 8, so no smaller one). They differ only in width (and the
+    # longest context allowed), at equal depth and heads: a width-scaling pair.
+    "cpu-small-h8": Preset(256, 4, 8, vocab_size=8192, max_position_embeddings=256,
+                           description="5.2M params, cpu-small with 8 DIFF heads of 2 x 16 (16 baseline heads of 16)"),
+    "cpu-medium-h8": Preset(512, 4, 8, vocab_size=8192, max_position_embeddings=512,
+                            description="16.8M params, 8 DIFF heads of 2 x 32 (16 baseline heads of 32)"),
 }
 
 

@@ -10,6 +10,7 @@ A kind answers four questions, and everything else is derived from the answers:
 | `transformer`          | no           | no       | no        | no  | ordinary heads            |
 | `transformer_headnorm` | no           | no       | yes       | no  | ordinary heads            |
 | `diff_retrofit`        | yes          | yes      | ramped    | no  | DIFF heads (the source's) |
+| `transformer_gated`    | no           | no       | no        | no  | ordinary heads (+ gate)   |
 
 - differential: each output is one softmax map minus λ times another.
 - scalar λ: one learnable λ per layer, λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init (V1). A per-token
@@ -19,6 +20,13 @@ A kind answers four questions, and everything else is derived from the answers:
 - head-norm ramp (`diff_retrofit` only): the head norm is blended in as o + α (norm(o) − o), α a
   buffer the trainer ramps from 0 to 1 (`head_norm_ramp_steps`), so a retrofitted pretrained model
   (convert/llama_retrofit.py) computes its source's function at α = 0 and exact V1 arithmetic at α = 1.
+- output gate (`transformer_gated` only): the control the paper lacks, asking whether DIFF's gain is
+  only a nonlinearity before the output projection. Gated Attention (Qiu et al. 2025, arXiv
+  2505.06708) at the position it recommends (G1: after scaled-dot-product attention, before o_proj),
+  head-wise: o_h <- sigmoid(x W_g)_h * o_h, x the layer's (pre-normed) input, W_g: hidden -> heads
+  without bias (the reference code puts these rows in q_proj, with q_proj's bias: none here, as our
+  projections have none). One extra hidden x heads matrix per layer, initialised like every linear
+  layer; not expressible as Llama/DiffLlama, so the converters refuse it.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class AttentionKind:
     head_norm: bool
     v2: bool
     head_norm_ramp: bool = False  # head norm blended in by a ramp coefficient α (diff_retrofit)
+    output_gate: bool = False  # a per-head sigmoid gate on the attention output (transformer_gated)
 
     @property
     def diff_heads(self) -> bool:
@@ -62,6 +71,10 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (
     AttentionKind("diff_retrofit", "DIFF V1 retrofitted onto a pretrained Llama: explicit head_dim, head norm "
                   "ramped in by alpha (0 at conversion), see convert/llama_retrofit.py",
                   differential=True, scalar_lambda=True, head_norm=True, v2=False, head_norm_ramp=True),
+    AttentionKind("transformer_gated", "control: the baseline with a per-head sigmoid gate on the attention "
+                  "output (Gated Attention, Qiu et al. 2025, G1 head-wise): a nonlinearity before o_proj, "
+                  "nothing differential",
+                  differential=False, scalar_lambda=False, head_norm=False, v2=False, output_gate=True),
 )}
 
 

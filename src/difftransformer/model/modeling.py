@@ -52,7 +52,8 @@ def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtyp
                                       norm_eps=config.rms_norm_eps, deterministic=config.attn_deterministic,
                                       head_dim=config.attention_head_dim, head_norm_ramp=kind.head_norm_ramp,
                                       **common)
-    return MultiheadAttention(E, depth, H, KV, head_norm=kind.head_norm, norm_eps=config.rms_norm_eps, **common)
+    return MultiheadAttention(E, depth, H, KV, head_norm=kind.head_norm, norm_eps=config.rms_norm_eps,
+                              output_gate=kind.output_gate, **common)
 
 
 class DecoderBlock(nn.Module):
@@ -124,7 +125,8 @@ class DiffTransformerLM(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, initializer_range) for linear and embedding weights; lambda vectors N(0, 0.1); norms 1."""
+        """N(0, initializer_range) for linear and embedding weights (the output gate's W_g too, so a gated
+        model starts with every gate near sigmoid(0) = 1/2); lambda vectors N(0, 0.1); norms 1."""
         std = self.config.initializer_range
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):

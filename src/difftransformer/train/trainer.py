@@ -118,7 +118,8 @@ def _check_same_run(run: RunDir, model_config: DiffTransformerConfig, cfg: Train
     if not saved_model or not (run.has_metrics() or run.has_final()):
         return
     wanted = model_identity(model_config.to_dict())
-    diff = {k: (v, wanted.get(k)) for k, v in model_identity(saved_model).items() if wanted.get(k) != v}
+    # the saved file also carries bookkeeping (model_type, format_version): only the fields are compared
+    diff = {k: (v, wanted[k]) for k, v in model_identity(saved_model).items() if k in wanted and wanted[k] != v}
     diff.update({k: (saved_train.get(k), getattr(cfg, k)) for k in RESUME_MUST_MATCH
                  if k in saved_train and saved_train[k] != getattr(cfg, k)})
     if diff:

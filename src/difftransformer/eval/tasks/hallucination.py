@@ -80,6 +80,8 @@ import numpy as np
 import torch
 
 from difftransformer.data import PreparedData
+from difftransformer.data.templates import Fact, held_out_text, insert_at_depth, person_fact  # shared with training
+from difftransformer.data.templates import fact_prompt as build_prompt
 from difftransformer.eval.judge import (
     DEFAULT_TIMEOUT_S,
     CallableJudge,
@@ -93,37 +95,11 @@ from difftransformer.eval.lm import generate_text, split_continuation
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 SUBTASKS = ("qa", "counterfactual", "summary")
-QA_INSTRUCTION = "Answer the question using only the passage."
-SUMMARY_INSTRUCTION = "Restate the key fact of the passage in one sentence."
-SUMMARY_CUE = "In summary,"
 MAX_ATTEMPTS = 200  # draws of (fact, window) per sample before giving up
 MIN_HELD_OUT_TOKENS = 8  # a prompt with less held-out text than this is refused as too short
 EXCERPT_CHARS = 160  # held-out text kept on each side of the fact in the examples
 
 # ---------------------------------------------------------------- the facts
-
-FIRST_NAMES = ("Maria", "Aiko", "Omar", "Elena", "Tomas", "Priya", "Lukas", "Amara", "Diego", "Ingrid", "Kofi",
-               "Mei", "Rafael", "Sofia", "Henrik", "Leila", "Mateo", "Nadia", "Viktor", "Yusuf")
-LAST_NAMES = ("Lopez", "Okafor", "Tanaka", "Novak", "Haddad", "Lindqvist", "Moreau", "Kowalski", "Brennan",
-              "Castillo", "Petrov", "Nakamura", "Osei", "Fischer", "Romano", "Dubois", "Sato", "Varga", "Mendes",
-              "Halvorsen")
-CITIES = ("Lyon", "Porto", "Krakow", "Osaka", "Tampere", "Valencia", "Gdansk", "Leeds", "Bergen", "Graz", "Bologna",
-          "Utrecht", "Ghent", "Seville", "Turku", "Brno", "Nantes", "Malmo", "Aarhus", "Cork")
-JOBS = ("baker", "pilot", "tailor", "dentist", "plumber", "painter", "sailor", "jeweller", "librarian", "potter",
-        "surveyor", "chemist", "butcher", "carpenter", "florist")
-COLOURS = ("green", "purple", "orange", "yellow", "crimson", "violet", "turquoise", "scarlet", "indigo", "amber",
-           "silver", "maroon")
-YEARS = tuple(str(y) for y in range(1850, 2000))
-AMOUNTS = tuple(f"{500 * n:,}" for n in range(2, 199))
-
-# (subject with {name}, relation, value pool, tail after the value, question with {name})
-PERSON_RELATIONS = (
-    ("{name}", "was born in", CITIES, "", "Where was {name} born?"),
-    ("{name}", "was born in the year", YEARS, "", "In which year was {name} born?"),
-    ("{name}", "works as a", JOBS, "", "What is {name}'s job?"),
-    ("{name}'s favourite colour", "is", COLOURS, "", "What is {name}'s favourite colour?"),
-    ("{name}", "paid", AMOUNTS, " dollars for the farm", "How many dollars did {name} pay for the farm?"),
-)
 
 CAPITALS = {"France": "Paris", "Italy": "Rome", "Japan": "Tokyo", "Spain": "Madrid", "Germany": "Berlin",
             "England": "London", "Russia": "Moscow", "Egypt": "Cairo", "China": "Beijing", "Greece": "Athens",
@@ -157,33 +133,6 @@ WORLD_FACTS = tuple(
 )
 
 
-@dataclass(frozen=True)
-class Fact:
-    """One inserted fact: "{subject} {relation} {value}{tail}." and how it is asked back."""
-
-    subject: str
-    relation: str
-    value: str  # the in-context answer
-    tail: str
-    question: str
-    pool: tuple[str, ...]  # values of the same kind (the judge's candidates, the forced choice's distractors)
-    world: str | None = None  # the world-knowledge value a counterfactual contradicts
-
-    @property
-    def sentence(self) -> str:
-        return f"{self.subject} {self.relation} {self.value}{self.tail}."
-
-    def continuation(self, value: str, summary: bool) -> str:
-        """What follows the cue when the model states `value`."""
-        return f" {self.relation} {value}{self.tail}" if summary else f" {value}"
-
-
-def person_fact(rng: random.Random) -> Fact:
-    name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
-    subject, relation, pool, tail, question = rng.choice(PERSON_RELATIONS)
-    return Fact(subject.format(name=name), relation, rng.choice(pool), tail, question.format(name=name), pool)
-
-
 def counterfactual_fact(rng: random.Random) -> Fact:
     subject, relation, world, pool, tail, question = rng.choice(WORLD_FACTS)
     value = rng.choice([v for v in pool if v != world])
@@ -193,16 +142,6 @@ def counterfactual_fact(rng: random.Random) -> Fact:
 # ---------------------------------------------------------------- prompts
 
 
-def build_prompt(subtask: str, passage: str, fact: Fact) -> tuple[str, str, str]:
-    """(prompt, question or instruction, cue): the prompt ends with the cue, which the answer continues."""
-    if subtask == "summary":
-        cue = f"{SUMMARY_CUE} {fact.subject}"
-        return f"Passage: {passage}\n\n{SUMMARY_INSTRUCTION}\n{cue}", SUMMARY_INSTRUCTION, cue
-    cue = f"{fact.subject} {fact.relation}"
-    return f"{QA_INSTRUCTION}\n\nPassage: {passage}\n\nQuestion: {fact.question}\nAnswer: {cue}", fact.question, cue
-
-
-_SENTENCE_BOUNDARY = re.compile(r"(?<=[.!?])\s+")
 _SENTENCE_END = re.compile(r"\n|[.!?](?!\d)")
 
 
@@ -211,42 +150,6 @@ def first_sentence(text: str) -> str:
     text = text.lstrip()
     m = _SENTENCE_END.search(text)
     return text if m is None else text[:m.end()].rstrip()
-
-
-def held_out_text(tokens: np.ndarray, start: int, count: int, text_tokenizer, eos_id: int) -> str:
-    """The split's tokens [start, start + count) as text: documents joined by a blank line, a word cut by
-    either end of the window dropped."""
-    window = tokens[start:start + count].tolist()
-    pieces, current = [], []
-    for t in window:
-        if t == eos_id:
-            pieces.append(current)
-            current = []
-        else:
-            current.append(t)
-    pieces.append(current)
-    text = "\n\n".join(text_tokenizer.decode(p) for p in pieces)
-    cut_start = start > 0 and tokens[start - 1] != eos_id and window and window[0] != eos_id \
-        and not text_tokenizer.decode(window[:1])[:1].isspace()
-    end = start + count
-    cut_end = end < len(tokens) and tokens[end] != eos_id \
-        and not text_tokenizer.decode([int(tokens[end])])[:1].isspace()
-    if cut_start:
-        i = next((k for k, c in enumerate(text) if c.isspace()), len(text))
-        text = text[i:]
-    if cut_end:
-        i = max((k for k, c in enumerate(text) if c.isspace()), default=0)
-        text = text[:i]
-    return text.strip()
-
-
-def insert_at_depth(text: str, sentence: str, depth: float) -> tuple[str, str, str]:
-    """(passage, before, after): `sentence` put at the sentence boundary of `text` nearest to
-    depth * len(text); before/after are the held-out text on either side as it reads in the passage."""
-    bounds = [0, len(text)] + [m.start() for m in _SENTENCE_BOUNDARY.finditer(text)]
-    at = min(bounds, key=lambda b: (abs(b - depth * len(text)), b))
-    before, after = text[:at].rstrip(), text[at:].lstrip()
-    return " ".join(p for p in (before, sentence, after) if p), before, after
 
 
 # ---------------------------------------------------------------- samples

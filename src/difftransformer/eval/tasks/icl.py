@@ -52,10 +52,13 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.data.templates import ICL_SEPARATOR as SEPARATOR  # the prompt format, shared with training
+from difftransformer.data.templates import icl_demo as format_demo
+from difftransformer.data.templates import icl_prompt as build_prompt
+from difftransformer.data.templates import icl_query as format_query
 from difftransformer.eval.labelled import LabelledSet, check_labelled_name, labelled_names, load_labelled
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
-SEPARATOR = "\n==\n"
 STOP = "\n"  # appended to a label whose tokens are a prefix of another label's
 FIT_SHARE, FIT_SIMULATIONS, MAX_REDRAWS = 0.9, 200, 100
 
@@ -64,20 +67,6 @@ Item = tuple[str, str]
 
 # ----------------------------------------------------------------------------------------------
 # prompts
-
-
-def format_demo(data: LabelledSet, item: Item) -> str:
-    return f"{data.x_prefix}{item[0]}\n{data.y_prefix}{item[1]}"
-
-
-def format_query(data: LabelledSet, text: str) -> str:
-    """The test item without its label; ends with the label prefix, no trailing space (as the original)."""
-    return f"{data.x_prefix}{text}\n{data.y_prefix}".rstrip()
-
-
-def build_prompt(data: LabelledSet, demos: Sequence[Item], text: str) -> str:
-    """k demonstrations and the test item, joined by the separator."""
-    return SEPARATOR.join([*(format_demo(data, d) for d in demos), format_query(data, text)])
 
 
 def _encode_many(tokenizer, texts: Sequence[str]) -> list[list[int]]:

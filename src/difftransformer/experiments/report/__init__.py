@@ -10,41 +10,74 @@ folder of run folders without a manifest (arms and seeds are read from its layou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from difftransformer._io import atomic_write_text
 from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.report import sections
+from difftransformer.experiments.report.html import write_html
 from difftransformer.experiments.report.plots import plot_lambdas, plot_losses
-from difftransformer.experiments.report.runs import Run, load_runs
+from difftransformer.experiments.report.scaling_view import plot_scaling
+from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.study_dir import MANIFEST_FILE, StudyDir
+from difftransformer.experiments.units import Unit, find_results
 from difftransformer.train.run_dir import METRICS_FILE
 
 
-def write_report(study_dir: str | Path, *, samples: bool = True) -> Path:
-    """Write <study_dir>/report.md and its PNGs from what is on disk; returns the report's path."""
-    ctx = _context(StudyDir(study_dir))
+def write_report(study_dir: str | Path, *, samples: bool = True, html: bool = True) -> Path:
+    """Write <study_dir>/report.md (and report.html, self-contained) with its PNGs; returns report.md's path.
+
+    `study_dir` is a study folder, or a results folder alone (its result files and the manifest copy):
+    both give the same report, because every number is read from the units' result records, or from a
+    run folder for a unit that has no result file yet."""
+    ctx = _context(StudyDir(study_dir), samples)
     plot_losses(ctx.runs, ctx.arms, ctx.seeds, ctx.study.loss_plot)
     has_lambda_plot = plot_lambdas(ctx.runs, ctx.arms, ctx.seeds[0], ctx.study.lambda_plot)
-    L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.loss_curves(ctx)
-    L += sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
+    has_scaling = plot_scaling(ctx, ctx.study.path)
+    L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.ablations(ctx)
+    L += sections.loss_curves(ctx) + sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
+    L += sections.scaling(ctx, has_scaling) + sections.claims(ctx)
     if samples:
         L += sections.samples(ctx)
     L += sections.what_was_run(ctx)
-    atomic_write_text(ctx.study.report, "\n".join(L).rstrip() + "\n")
+    text = "\n".join(L).rstrip() + "\n"
+    atomic_write_text(ctx.study.report, text)
+    if html:
+        write_html(text, ctx.study.html, ctx.study.path, title=L[0].lstrip("# "))
     return ctx.study.report
 
 
-def _context(study: StudyDir) -> sections.Context:
+def _cells(manifest: dict[str, Any]) -> list[tuple[str | None, int | None]]:
+    sizes = [s["name"] for s in manifest.get("sizes") or []] or [None]
+    tokens = list(manifest.get("tokens") or []) or [None]
+    return [(s, t) for s in sizes for t in tokens]
+
+
+def _context(study: StudyDir, samples: bool = False) -> sections.Context:
     manifest = study.read_manifest() or study.discover()
     arms, seeds = list(manifest["arms"]), sorted(manifest["seeds"])
     if not arms:
         raise FileNotFoundError(f"no runs in {study.path}: expected {MANIFEST_FILE} or <arm>/{METRICS_FILE} "
                                 f"folders (run `difftransformer compare` first)")
-    baseline = baseline_arm(arms)
-    runs = load_runs(study, manifest)
-    if not runs:
-        raise FileNotFoundError(f"{study.path} lists arms {arms} but none has a {METRICS_FILE} yet")
-    return sections.Context(study, manifest, arms, seeds, baseline, runs)
+    records = find_results(study.results_dir(manifest))
+    default_max_steps = (manifest.get("train") or {}).get("max_steps")
+    cells: dict[tuple[str | None, int | None], dict[tuple[str, int], Run]] = {}
+    for cell in _cells(manifest):
+        found = {}
+        for arm in arms:
+            for seed in seeds:
+                unit = Unit(cell[0], cell[1], seed, arm)
+                if unit in records:
+                    found[arm, seed] = Run.from_record(records[unit])
+                    continue
+                run = study.find_unit(unit)
+                if run is not None:
+                    found[arm, seed] = Run.read(arm, seed, run, default_max_steps if cell[1] is None else None)
+        cells[cell] = found
+    headline = next((c for c in reversed(list(cells)) if cells[c]), None)
+    if headline is None:
+        raise FileNotFoundError(f"{study.path} lists arms {arms} but none has a {METRICS_FILE} or a result file yet")
+    return sections.Context(study, manifest, arms, seeds, baseline_arm(arms), cells[headline], cells, headline)
 
 
 __all__ = ["Run", "write_report"]

@@ -1,13 +1,24 @@
-"""The runs of a study as the report reads them: one `Run` per (arm, seed) found on disk."""
+"""The runs of a study as the report reads them: one `Run` per unit, from its result file or run folder.
+
+A `Run` is everything the report needs of one training: learning curves, final loss, λ, throughput,
+evaluation results and sample generations. It is read from a run folder (`Run.read`) or from a unit's
+result file (`Run.from_record`), and written as one (`Run.to_record`), so a report built from
+committed result files alone is the same as one built from the run folders.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from difftransformer.experiments.study_dir import StudyDir
+from difftransformer._version import __version__
+from difftransformer.experiments.units import UNIT_FORMAT, Unit
 from difftransformer.train import RunDir
+
+MAX_TRAIN_ROWS = 250  # a result file keeps at most this many training-log rows (evenly spaced, last kept)
+_TRAIN_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "lambdas", "lambda_inits")
 
 
 @dataclass
@@ -16,22 +27,50 @@ class Run:
 
     arm: str
     seed: int
-    dir: RunDir
+    dir: RunDir | None  # None: read from a result file (no run folder on this machine)
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
     max_steps: int | None = None
     model: dict[str, Any] = field(default_factory=dict)  # the run's model_config.json
     last_step: int = 0  # read once with the rows, so every number of a report comes from one snapshot
     finished: bool = False  # trained to max_steps: the last validation loss is final (final/ need not exist)
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> stored evaluation result
+    samples: list[dict[str, str]] | None = None  # the report's generations, when made
+    parameters: int | None = None
+    record: dict[str, Any] | None = None  # the result file it was read from
 
     @classmethod
     def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None) -> Run:
+        from difftransformer.experiments.evaluate import stored_results
+
         series = run_dir.metric_series()
         max_steps = run_dir.max_steps()
         max_steps = max_steps if max_steps is not None else default_max_steps
         last = run_dir.last_step(series)
+        cached = run_dir.read_json(run_dir.samples)
         return cls(arm, seed, run_dir, series.train, series.val, max_steps, run_dir.read_json(run_dir.model_config),
-                   last, max_steps is not None and last >= max_steps)
+                   last, max_steps is not None and last >= max_steps, stored_results(run_dir),
+                   cached.get("samples"))
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Run:
+        unit = Unit.from_dict(record["unit"])
+        return cls(unit.arm, unit.seed, None, list(record.get("train", [])), list(record.get("val", [])),
+                   record.get("max_steps"), dict(record.get("model", {})), int(record.get("last_step", 0)),
+                   bool(record.get("finished")), dict(record.get("evals", {})), record.get("samples"),
+                   record.get("parameters"), record)
+
+    def to_record(self, unit: Unit, identity: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """This run as a unit's result file (`identity`: what must match for it to be reused)."""
+        step = max(1, -(-len(self.train) // MAX_TRAIN_ROWS))
+        rows = self.train[::-1][::step][::-1]  # evenly spaced, the last row kept
+        return {"format": UNIT_FORMAT, "unit": unit.to_dict(), "identity": identity,
+                "written": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "version": __version__,
+                "model": self.model, "parameters": self.parameters, "max_steps": self.max_steps,
+                "last_step": self.last_step, "finished": self.finished, "final_val_loss": self.final_val,
+                "tokens_per_s": self.tokens_per_s, **extra,
+                "val": self.val, "train": [{k: r[k] for k in _TRAIN_KEYS if k in r} for r in rows],
+                "evals": self.evals, "samples": self.samples}
 
     @property
     def final_val(self) -> float | None:
@@ -63,18 +102,6 @@ class Run:
     def lambda_inits(self) -> list[float | None] | None:
         """Each layer's λ_init, as the trainer logged it (None for runs logged before λ_init was)."""
         return self._last_lambda_row("lambda_inits")
-
-
-def load_runs(study: StudyDir, manifest: dict[str, Any]) -> dict[tuple[str, int], Run]:
-    """Every (arm, seed) of the manifest that has a run folder with metrics."""
-    runs = {}
-    default_max_steps = (manifest.get("train") or {}).get("max_steps")
-    for arm in manifest["arms"]:
-        for seed in manifest["seeds"]:
-            found = study.find_run(arm, seed)
-            if found is not None:
-                runs[arm, seed] = Run.read(arm, seed, found, default_max_steps)
-    return runs
 
 
 def finished_val(runs: dict[tuple[str, int], Run], arm: str, seeds: list[int]) -> dict[int, float]:

@@ -11,13 +11,16 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from difftransformer.eval.paper import paper_number
+from difftransformer.experiments.report.fmt import (Lines, direction, fmt_ci, fmt_ms, fmt_num, fmt_p, metric_values,
+                                                     table)
 from difftransformer.experiments.report.runs import Run, finished_val
-from difftransformer.experiments.stats import mean_std, paired_differences, verdict
+from difftransformer.experiments.stats import compare_paired, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
+from difftransformer.experiments.units import cell_label
 from difftransformer.model import ATTENTION_KINDS
 from difftransformer.train.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, TENSORBOARD_DIR
 
-Lines = list[str]
 
 
 @dataclass
@@ -29,7 +32,21 @@ class Context:
     arms: list[str]
     seeds: list[int]
     baseline: str
-    runs: dict[tuple[str, int], Run]
+    runs: dict[tuple[str, int], Run]  # the headline cell's runs (the largest size and budget of a grid)
+    cells: dict[tuple[str | None, int | None], dict[tuple[str, int], Run]] = None  # every cell of the grid
+    headline: tuple[str | None, int | None] = (None, None)
+
+    def __post_init__(self) -> None:
+        if self.cells is None:
+            self.cells = {self.headline: self.runs}
+
+    @property
+    def grid(self) -> bool:
+        return len(self.cells) > 1
+
+    def spec(self, arm: str) -> dict[str, Any]:
+        """The arm's definition (name, attention, overrides, heads, description) from the manifest."""
+        return (self.manifest.get("arm_specs") or {}).get(arm) or {"name": arm, "attention": arm}
 
     @property
     def others(self) -> list[str]:
@@ -37,6 +54,11 @@ class Context:
 
     def arm_runs(self, arm: str) -> list[Run]:
         return [self.runs[arm, s] for s in self.seeds if (arm, s) in self.runs]
+
+    def comparison(self, arm: str):
+        """The paired comparison of `arm`'s final val loss with the baseline's (stats.PairedComparison)."""
+        return compare_paired(finished_val(self.runs, arm, self.seeds), finished_val(self.runs, self.baseline,
+                              self.seeds), arm=arm, baseline=self.baseline)
 
     def paired(self, arm: str) -> list[float]:
         """arm − baseline final val loss per seed, over the seeds where both have finished."""
@@ -48,18 +70,12 @@ class Context:
 # formatting
 
 
-def table(header: list[str], rows: list[list[str]]) -> Lines:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def fmt_ms(xs: list[float], digits: int = 4, signed: bool = False) -> str:
-    """'mean ± std' over seeds ('mean' alone for one value, '–' for none)."""
-    if not xs:
-        return "–"
-    m, s = mean_std(xs)
-    sep = "," if digits == 0 else ""  # thousands separators for counts like tokens/s
-    mean = f"{m:+{sep}.{digits}f}" if signed else f"{m:{sep}.{digits}f}"
-    return mean if s is None else f"{mean} ± {s:{sep}.{digits}f}"
+
+
+
+
 
 
 def _code(text: str) -> str:
@@ -75,9 +91,13 @@ def _duration(seconds: float) -> str:
 
 
 def header(ctx: Context) -> Lines:
-    L = [f"# Side-by-side comparison: {' vs '.join(ctx.arms)}", ""]
+    title = " vs ".join(ctx.arms) if len(ctx.arms) <= 3 else f"{len(ctx.arms)} arms"
+    L = [f"# {'Study' if ctx.grid or len(ctx.arms) > 2 else 'Side-by-side comparison'}: {title}", ""]
     L += [f"Report written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} from `{ctx.study.path}`. "
           f"Seeds: {', '.join(map(str, ctx.seeds))}; the baseline for differences is `{ctx.baseline}`.", ""]
+    if ctx.grid:
+        L += [f"The grid has {len(ctx.cells)} cells (sizes × token budgets); the sections up to \"Scaling\" are "
+              f"for the largest one, {cell_label(ctx.headline)}.", ""]
     unfinished = [f"{r.arm} (seed {r.seed}): step {r.last_step} of {r.max_steps}"
                   for r in ctx.runs.values() if not r.finished]
     missing = [f"{a} (seed {s})" for a in ctx.arms for s in ctx.seeds if (a, s) not in ctx.runs]
@@ -107,15 +127,19 @@ def final_losses(ctx: Context) -> Lines:
     baseline, seeds = ctx.baseline, ctx.seeds
     params = ctx.manifest.get("parameters", {})
     base_tps = [r.tokens_per_s for r in ctx.arm_runs(baseline) if r.tokens_per_s]
-    head = ["arm", "parameters", "final val loss" + (" (mean ± std)" if len(seeds) > 1 else ""),
-            f"paired Δ vs {baseline}", "train tokens/s", f"tokens/s ÷ {baseline}"]
+    many = len(seeds) > 1
+    head = ["arm", "parameters", "final val loss" + (" (mean [95% interval])" if many else ""),
+            f"paired Δ vs {baseline}" + (" [95% interval]" if many else ""), "paired t-test p",
+            "train tokens/s", f"tokens/s ÷ {baseline}"]
     rows = []
     for arm in ctx.arms:
         finals = list(finished_val(ctx.runs, arm, seeds).values())
         tps = [r.tokens_per_s for r in ctx.arm_runs(arm) if r.tokens_per_s]
         ratio = f"{statistics.fmean(tps) / statistics.fmean(base_tps):.3f}" if tps and base_tps else "–"
-        rows.append([f"`{arm}`", f"{params[arm]:,}" if arm in params else "–", fmt_ms(finals),
-                     "(baseline)" if arm == baseline else fmt_ms(ctx.paired(arm), 4, signed=True),
+        count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
+        p = None if arm == baseline else ctx.comparison(arm).p
+        rows.append([f"`{arm}`", f"{count:,}" if count else "–", fmt_ci(finals),
+                     "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), fmt_p(p),
                      fmt_ms(tps, 0) if tps else "–", ratio])
     L = ["## Final validation loss and throughput", "", *table(head, rows), ""]
     if len(seeds) > 1:
@@ -125,7 +149,8 @@ def final_losses(ctx: Context) -> Lines:
                                and ctx.runs[a, s].final_val is not None else "–" for a in ctx.arms]]
                     for s in seeds]) + [""]
     L += ["Δ is the per-seed difference arm − baseline (both arms share the initial weights and the batches of "
-          "that seed), averaged over seeds; ± is the sample std over seeds. Tokens/s is the median over logged "
+          "that seed), averaged over seeds; the bracket is its 95% Student-t interval over seeds and p the two-sided "
+          "paired t-test; tokens/s is mean ± std over seeds. Tokens/s is the median over logged "
           "windows of training (forward, backward, optimizer step; evaluation excluded), arms run one after the "
           "other on the same machine (other processes running at the same time distort it). It depends on "
           "the attention backend of the run (config `attn_backend`; on CPU 'auto' runs both arms through this "
@@ -182,8 +207,10 @@ def samples(ctx: Context) -> Lines:
          f"a model this small: the samples are a sanity check, not a quality measure.", ""]
     for arm in ctx.arms:
         run = ctx.runs.get((arm, first_seed))
-        got = run and sample_texts(run.dir, prompts, int(rep.get("sample_tokens", 48)),
-                                   float(rep.get("temperature", 0.8)), rep.get("top_k", 50), sample_seed)
+        got = run and run.samples
+        if run and run.dir is not None:
+            got = sample_texts(run.dir, prompts, int(rep.get("sample_tokens", 48)),
+                               float(rep.get("temperature", 0.8)), rep.get("top_k", 50), sample_seed) or got
         L += [f"### `{arm}`", ""]
         if not got:
             L += ["(no final model yet)", ""]
@@ -215,22 +242,105 @@ def _model_cell(model: dict[str, Any], key: str) -> str:
 
 
 def evaluation(ctx: Context) -> Lines:
-    """Each arm's stored evaluation results beside the baseline's and the paper's (first seed's runs)."""
+    """Each arm's evaluation results beside the baseline's and the paper's: one seed as a side-by-side
+    table, several seeds as mean [95% interval] with the paired difference and its test."""
+    if len(ctx.seeds) == 1 or sum((ctx.baseline, s) in ctx.runs for s in ctx.seeds) < 2:
+        return _evaluation_one_seed(ctx)
+    metrics = _eval_metrics(ctx)
+    if not metrics:
+        return []
+    L = ["## Evaluation", "",
+         "The paper's measurements on each arm's final model (`difftransformer eval`; protocols in "
+         "docs/evaluation.md) over seeds: mean [95% interval]; Δ is the paired difference arm − baseline over the "
+         "seeds both have, with its interval and the paired t-test. The paper's values (3B-13B models, long "
+         "contexts) are a reference for direction, not a target at this scale.", ""]
+    for arm in ctx.others:
+        rows = []
+        for task, metric in metrics:
+            base, own = metric_values(ctx, ctx.baseline, task, metric), metric_values(ctx, arm, task, metric)
+            if not own and not base:
+                continue
+            cmp = compare_paired(own, base, arm=arm, baseline=ctx.baseline, metric=f"{task} {metric}")
+            paper = paper_number(task, metric)
+            rows.append([f"{task}", f"`{metric}`", fmt_ci(list(base.values()), 3), fmt_ci(list(own.values()), 3),
+                         fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–", fmt_p(cmp.p),
+                         direction(cmp.outcome, arm),
+                         "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
+        L += [f"### `{arm}` vs `{ctx.baseline}`", ""]
+        L += table(["task", "metric", f"`{ctx.baseline}`", f"`{arm}`", "Δ [95% interval]", "p", "reading",
+                    "paper T / DIFF"], rows) + [""]
+    return L
+
+
+def _evaluation_one_seed(ctx: Context) -> Lines:
     from difftransformer.eval.compare import compare_table
-    from difftransformer.experiments.evaluate import stored_results
 
     seed = ctx.seeds[0]
-    found = {a: stored_results(ctx.runs[a, seed].dir) for a in ctx.arms if (a, seed) in ctx.runs}
+    found = {a: ctx.runs[a, seed].evals for a in ctx.arms if (a, seed) in ctx.runs}
     if (ctx.baseline, seed) not in ctx.runs or not any(found.values()):
         return []
     L = ["## Evaluation", "",
          f"The paper's measurements on each arm's final model (seed {seed}; `difftransformer eval`, results in each "
-         f"run's eval/ folder, protocols in docs/evaluation.md), beside the paper's numbers for its 3B models. "
-         f"One model per arm: these are observations, not verdicts.", ""]
+         f"run's eval/ folder and its result file, protocols in docs/evaluation.md), beside the paper's numbers for "
+         f"its 3B models. One model per arm: these are observations, not verdicts.", ""]
     for arm in ctx.others:
         names = (f"{ctx.study.path.name}/{ctx.baseline}", f"{ctx.study.path.name}/{arm}")
         L += [compare_table(found.get(ctx.baseline, {}), found.get(arm, {}), names, (ctx.baseline, arm)), ""]
     return L
+
+
+def _eval_metrics(ctx: Context) -> list[tuple[str, str]]:
+    """(task, metric) of every numeric headline metric any run has, in a stable order."""
+    seen: dict[tuple[str, str], None] = {}
+    for run in ctx.runs.values():
+        for task, result in sorted(run.evals.items()):
+            for metric, value in (result.get("metrics") or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    seen[task, metric] = None
+    return list(seen)
+
+
+
+
+
+
+
+
+def ablations(ctx: Context) -> Lines:
+    """The paper's Table 6 at our scale: every arm's final val loss and its paired difference, beside the paper."""
+    if len(ctx.arms) < 3:
+        return []
+    paper = paper_number("lm", "final_val_loss")
+    rows = []
+    for arm in ctx.arms:
+        spec = ctx.spec(arm)
+        finals = list(finished_val(ctx.runs, arm, ctx.seeds).values())
+        cmp = None if arm == ctx.baseline else ctx.comparison(arm)
+        pv = (paper.arms or {}).get(arm) if paper else None
+        rows.append([f"`{arm}`", spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
+                     "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
+                     "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
+                     "–" if pv is None else f"{pv:.3f}"])
+    L = ["## Ablations", "", f"Every arm at the same size and recipe, paired by seed with `{ctx.baseline}` "
+         f"(final validation loss; mean [95% interval] over seeds). The paper's column is its Table 6 (1.4B "
+         f"parameters, 10B tokens): its differences are 0.001-0.06 nats, far below what seed noise lets a small "
+         f"study resolve unless the interval says otherwise.", ""]
+    return L + table(["arm", "what it is", "final val loss", f"Δ vs `{ctx.baseline}`", "p", "reading",
+                      "paper (Table 6)"], rows) + [""]
+
+
+def scaling(ctx: Context, has_plot: bool) -> Lines:
+    """Final val loss over the grid, the power-law fits and the paper's headline read off them."""
+    from difftransformer.experiments.report.scaling_view import scaling_lines
+
+    return scaling_lines(ctx, has_plot) if ctx.grid else []
+
+
+def claims(ctx: Context) -> Lines:
+    """Each of the paper's claims this study measured, our interval beside the paper's direction, a verdict."""
+    from difftransformer.experiments.report.claims import claim_lines
+
+    return claim_lines(ctx)
 
 
 def what_was_run(ctx: Context) -> Lines:
@@ -238,10 +348,12 @@ def what_was_run(ctx: Context) -> Lines:
     L = ["## What was run", ""]
     if m.get("command"):
         L += [f"Command: `{m['command']}`" + (f" (config `{m['config_file']}`)" if m.get("config_file") else ""), ""]
-    models = m.get("models") or {a: r.model for a in ctx.arms for r in ctx.arm_runs(a)}
+    key = (lambda a: f"{ctx.headline[0]}/{a}") if ctx.headline[0] else (lambda a: a)
+    models = m.get("models") or {}
+    models = {a: models.get(key(a)) or next((r.model for r in ctx.arm_runs(a)), {}) for a in ctx.arms}
     params = m.get("parameters", {})
     rows = [[f"`{a}`", *[_model_cell(models.get(a, {}), k) for k in _MODEL_COLUMNS],
-             f"{params[a]:,}" if a in params else "–"] for a in ctx.arms]
+             f"{params[key(a)]:,}" if key(a) in params else "–"] for a in ctx.arms]
     L += table(["arm", *_MODEL_COLUMNS.values(), "parameters"], rows) + [""]
     L += ["Heads count the arm's own kind: a DIFF head holds two softmax maps, so DIFF has half the heads of its "
           "matched Transformer at the same head_dim; parameter counts differ only by the λ vectors and the "
@@ -278,6 +390,13 @@ def _recipe(ctx: Context) -> Lines:
     return L
 
 
+def _rel(path, root) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def _provenance(ctx: Context) -> Lines:
     """Hardware, wall times, dates and where the run folders are."""
     m, L = ctx.manifest, []
@@ -293,7 +412,12 @@ def _provenance(ctx: Context) -> Lines:
               + ", ".join(f"{k} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
-    L += ["Run folders: " + ", ".join(f"`{r.dir.path.relative_to(ctx.study.path)}`" for r in ctx.runs.values())
-          + f" (each has {METRICS_FILE}, TensorBoard logs in {TENSORBOARD_DIR}/, {CHECKPOINTS_DIR}/ and {FINAL_DIR}/).",
-          ""]
+    folders = [r.dir.path for r in ctx.runs.values() if r.dir is not None]
+    if folders:
+        L += ["Run folders: " + ", ".join(f"`{_rel(p, ctx.study.path)}`" for p in folders)
+              + f" (each has {METRICS_FILE}, TensorBoard logs in {TENSORBOARD_DIR}/, {CHECKPOINTS_DIR}/ and "
+              f"{FINAL_DIR}/).", ""]
+    if len(folders) < len(ctx.runs):
+        L += [f"{len(ctx.runs) - len(folders)} of the runs were read from their result files alone (no run folder "
+              f"on this machine).", ""]
     return L

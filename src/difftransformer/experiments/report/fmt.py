@@ -1,0 +1,56 @@
+"""Formatting shared by the report's sections: tables, mean and interval cells, p-values, metric lookups."""
+
+from __future__ import annotations
+
+import math
+
+from difftransformer.experiments.stats import mean_std, t_interval
+
+Lines = list[str]
+
+
+def table(header: list[str], rows: list[list[str]]) -> Lines:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def fmt_ms(xs: list[float], digits: int = 4, signed: bool = False) -> str:
+    """'mean ± std' over seeds ('mean' alone for one value, '–' for none)."""
+    if not xs:
+        return "–"
+    m, s = mean_std(xs)
+    sep = "," if digits == 0 else ""  # thousands separators for counts like tokens/s
+    mean = f"{m:+{sep}.{digits}f}" if signed else f"{m:{sep}.{digits}f}"
+    return mean if s is None else f"{mean} ± {s:{sep}.{digits}f}"
+
+
+def fmt_ci(xs: list[float], digits: int = 4, signed: bool = False) -> str:
+    """'mean [low, high]' with the 95% t-interval over seeds ('mean' alone for one value, '–' for none)."""
+    if not xs:
+        return "–"
+    iv = t_interval(xs)
+    f = (lambda v: f"{v:+.{digits}f}") if signed else (lambda v: f"{v:.{digits}f}")
+    return f(iv.mean) if iv.low is None else f"{f(iv.mean)} [{f(iv.low)}, {f(iv.high)}]"
+
+
+def fmt_p(p: float | None) -> str:
+    return "–" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
+
+
+def metric_values(ctx, arm: str, task: str, metric: str, runs=None) -> dict[int, float]:
+    out = {}
+    for seed in ctx.seeds:
+        run = (runs or ctx.runs).get((arm, seed))
+        value = run and ((run.evals.get(task) or {}).get("metrics") or {}).get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[seed] = float(value)
+    return out
+
+
+def direction(outcome: str, arm: str) -> str:
+    """A paired comparison's outcome in words that take no side on which direction is good."""
+    return {"better": f"`{arm}` lower", "worse": f"`{arm}` higher", "inconclusive": "cannot separate",
+            "single seed": "one seed", "no data": "–"}.get(outcome, outcome)
+
+
+def fmt_num(x: float | None) -> str:
+    return "–" if x is None else f"{x:g}"

@@ -1,0 +1,134 @@
+"""Units of a study and their result files: what one training of the grid produced, in one small JSON.
+
+A study is arms x seeds x sizes x token budgets; one point of that grid is a `Unit`, trained into one
+run folder (checkpoints, weights: large, never committed) and summarised in one result file (a few
+tens of KB: its config, learning curves, final losses, λ, throughput, evaluation results and sample
+generations). Result files are what make a study portable:
+
+    <results_dir>/[<size>/][<tokens>tok/][seed<s>/]<arm>.json    (mirrors the run folders' layout)
+
+- a unit whose result file exists, for the same model, recipe and data (`identity`), is done: the
+  runner skips it on any machine, with or without its run folder, so a study continues where the
+  committed results stop;
+- the report is built from result files alone (run folders are only read for units without one).
+
+The format is `UNIT_FORMAT`; a result file for another identity is never overwritten silently: the
+runner refuses, naming the file and what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from difftransformer._io import atomic_write_text
+
+UNIT_FORMAT = "difftransformer-unit-v1"
+MANIFEST_COPY = "compare.json"  # the study's manifest, copied beside its result files (study_dir.MANIFEST_FILE)
+_SEED_PREFIX = "seed"
+_TOKENS_SUFFIX = "tok"
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One point of a study's grid: an arm trained with one seed, at one size and token budget.
+
+    `size` is None when the study has no size grid (the [model] section is the size), `tokens` None
+    when it has no token grid (train.max_steps is the budget)."""
+
+    size: str | None
+    tokens: int | None
+    seed: int
+    arm: str
+
+    @property
+    def cell(self) -> tuple[str | None, int | None]:
+        """The (size, tokens) point of the grid: the arms and seeds inside one cell are compared."""
+        return self.size, self.tokens
+
+    def rel(self, multi_seed: bool) -> PurePosixPath:
+        """Where this unit lives below the study folder (and below results_dir, with '.json')."""
+        parts = [p for p in (self.size, f"{self.tokens}{_TOKENS_SUFFIX}" if self.tokens else None) if p]
+        if multi_seed:
+            parts.append(f"{_SEED_PREFIX}{self.seed}")
+        return PurePosixPath(*parts, self.arm)
+
+    def label(self) -> str:
+        parts = [f"size {self.size}" if self.size else "", f"{self.tokens:,} tokens" if self.tokens else "",
+                 f"seed {self.seed}", f"arm {self.arm}"]
+        return ", ".join(p for p in parts if p)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "tokens": self.tokens, "seed": self.seed, "arm": self.arm}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Unit":
+        return cls(d.get("size"), d.get("tokens"), int(d["seed"]), str(d["arm"]))
+
+
+def cell_label(cell: tuple[str | None, int | None]) -> str:
+    size, tokens = cell
+    parts = [f"size {size}" if size else "", f"{tokens:,} tokens" if tokens else ""]
+    return ", ".join(p for p in parts if p) or "the study's size and budget"
+
+
+class ResultFileError(ValueError):
+    """A result file that cannot be read, or that belongs to another model, recipe or data."""
+
+
+def result_path(results_dir: str | Path, unit: Unit, multi_seed: bool) -> Path:
+    return Path(results_dir) / f"{unit.rel(multi_seed)}.json"
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A unit's result record (None when there is none); an unreadable one is an error naming the file."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResultFileError(f"{path} is not a readable result file ({e}); restore it from git, or delete it to "
+                              f"have the unit trained and evaluated again") from None
+    if not isinstance(record, dict) or record.get("format") != UNIT_FORMAT or "unit" not in record:
+        raise ResultFileError(f"{path} is not a {UNIT_FORMAT} result file; move it away, or delete it to have the "
+                              f"unit trained and evaluated again")
+    return record
+
+
+def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any]) -> bool:
+    """Whether `record` was produced for `identity` (then the unit is done). A record of the same unit
+    trained for another number of steps is stale (False: the unit is continued and the file replaced);
+    one for another model, recipe or data is a ResultFileError: reusing it would report another
+    experiment's numbers."""
+    old = record.get("identity") or {}
+    differ = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+    if differ == ["train"]:
+        steps = lambda d: {k: v for k, v in (d.get("train") or {}).items() if k != "max_steps"}
+        if steps(old) == steps(identity):
+            return False
+    if differ:
+        raise ResultFileError(f"{path} holds the result of another experiment ({', '.join(differ)} differ); use "
+                              f"another compare.results_dir, or delete the file to train this unit again")
+    return True
+
+
+def write_result(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=False) + "\n")
+
+
+def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
+    """Every readable result record under `results_dir`, by unit."""
+    root = Path(results_dir)
+    out: dict[Unit, dict[str, Any]] = {}
+    if not root.is_dir():
+        return out
+    for path in sorted(root.rglob("*.json")):
+        if path.name == MANIFEST_COPY:
+            continue
+        record = read_result(path)
+        if record is not None:
+            out[Unit.from_dict(record["unit"])] = record
+    return out

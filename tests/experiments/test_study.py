@@ -1,0 +1,203 @@
+"""Studies as grids: sizes and token budgets, result files that survive the machine, resuming, and the report
+rebuilt from result files alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from difftransformer.data import DataConfig, PreparedData
+from difftransformer.experiments import CompareConfig, Size, Study, StudyDir, Unit, run_compare, write_report
+from difftransformer.experiments.units import ResultFileError, result_path
+from difftransformer.model import get_preset
+from difftransformer.train import TrainConfig
+from tests.helpers import tiny
+
+SIZES = [{"name": "s32", "hidden_size": 32, "num_hidden_layers": 1, "diff_heads": 1},
+         {"name": "s64", "hidden_size": 64, "num_hidden_layers": 2, "diff_heads": 2}]
+
+
+def _study(data_dir: str, results_dir: Path | None = None, **compare) -> Study:
+    prepared = PreparedData.load(data_dir)
+    data = DataConfig(corpus=prepared.corpus, data_dir=data_dir, vocab_size=prepared.vocab_size)
+    recipe = TrainConfig(seq_len=32, batch_size=4, max_steps=2, warmup_steps=1, eval_interval=1, eval_batches=1,
+                         log_interval=1, ckpt_interval=2, progress=False, tensorboard=False, device="cpu")
+    settings = dict(arms=["diff", "transformer"], sample_tokens=2, prompts=["a"],
+                    results_dir=str(results_dir) if results_dir else None)
+    return Study(tiny(vocab_size=prepared.vocab_size), recipe, data, CompareConfig(**{**settings, **compare}))
+
+
+def test_sizes_and_budgets_in_the_config():
+    cfg = CompareConfig(sizes=["cpu-small", *SIZES], tokens="1_000,500")
+    assert [s.name for s in cfg.sizes] == ["cpu-small", "s32", "s64"] and cfg.tokens == [500, 1000]
+    assert cfg.sizes[0] == Size("cpu-small", 256, 4, 4)
+    spec = cfg.sizes[1].spec(get_preset("tiny").config("transformer"))
+    assert (spec.attention, spec.hidden_size, spec.num_attention_heads, spec.head_dim, spec.intermediate_size) == (
+        "diff", 32, 1, 16, round(8 * 32 / 3))  # the FFN follows the width unless given
+    assert CompareConfig(**cfg.to_dict()).sizes == cfg.sizes
+    study = Study(tiny(), TrainConfig(seq_len=32, batch_size=4, warmup_steps=2), DataConfig(), cfg)
+    assert study.train_for(1000).max_steps == 8 and study.train_for(None) is study.train  # ceil(1000 / 128)
+    with pytest.raises(ValueError, match="not more than train.warmup_steps"):
+        study.train_for(200)
+    for bad, message in (({"sizes": ["cpu-smal"]}, "did you mean 'cpu-small'"),
+                         ({"sizes": [{"name": "x", "hidden_size": 32}]}, "lacks num_hidden_layers, diff_heads"),
+                         ({"sizes": [{"name": "x", "hidden_size": 0, "num_hidden_layers": 1, "diff_heads": 1}]},
+                          "positive integer"),
+                         ({"sizes": [{"name": "x", "width": 3}]}, "unknown keys"),
+                         ({"sizes": ["tiny", "tiny"]}, "size name twice"),
+                         ({"tokens": [100, -1]}, "positive token budgets"),
+                         ({"tokens": [100, 100]}, "budget twice")):
+        with pytest.raises(ValueError, match=message):
+            CompareConfig(**bad)
+    with pytest.raises(ValueError, match="size 'odd' is not a valid model"):
+        Size("odd", 30, 1, 4).spec(tiny())
+
+
+def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data_dir, tmp_path, caplog):
+    results = tmp_path / "committed" / "grid"
+    study = _study(data_dir, results, sizes=SIZES, seeds=[0, 1])
+    out = run_compare(study, tmp_path / "machine1")
+    folder = StudyDir(out)
+    for size in ("s32", "s64"):
+        for seed in (0, 1):
+            for arm in ("diff", "transformer"):
+                unit = Unit(size, None, seed, arm)
+                record = json.loads(result_path(results, unit, True).read_text())
+                run = folder.unit_dir(unit, True)
+                assert run.is_finished(2) and run.path == out / size / f"seed{seed}" / arm
+                assert record["unit"] == unit.to_dict() and record["finished"] and record["model"]["hidden_size"] == \
+                    int(size[1:])
+                assert record["final_val_loss"] == run.metric_series().val[-1]["loss"]
+                assert record["samples"] and record["samples"][0]["prompt"] == "a"
+    # paired per (size, seed): both arms of a cell start from the same embedding
+    assert (results / "compare.json").is_file()
+    report = folder.report.read_text()
+    assert "## Scaling" in report and "| s32 |" in report and "| s64 |" in report
+    html = folder.html.read_text()
+    assert "data:image/png;base64," in html and 'src="loss_curves.png"' not in html
+
+    # another machine: only the committed result files; nothing is trained again
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_compare(study, tmp_path / "machine2")
+    assert caplog.text.count("result file exists; skipping") == 8 and "training into" not in caplog.text
+
+    # the result files alone rebuild the same report
+    copy = tmp_path / "copy"
+    shutil.copytree(results, copy)
+    rebuilt = write_report(copy, samples=True).read_text()
+
+    def numbers(text: str) -> list[str]:
+        keep = [ln for ln in text.splitlines() if not ln.startswith(("Report written", "Run folders", "Wall time"))
+                and "read from their result files" not in ln and "Started" not in ln and "Command" not in ln]
+        return keep
+
+    assert numbers(rebuilt) == numbers(report)
+
+
+def test_a_killed_study_resumes_and_a_foreign_result_file_is_refused(data_dir, tmp_path, monkeypatch):
+    import difftransformer.experiments.compare as compare
+
+    study = _study(data_dir, None, tokens=[256, 384])
+    calls = []
+    real = compare.train
+
+    def dies_on_second(*args, **kwargs):
+        calls.append(kwargs.get("resume"))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed while training the second unit
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "train", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(study, tmp_path / "s")
+    monkeypatch.setattr(compare, "train", real)
+    out = run_compare(study, tmp_path / "s")
+    folder = StudyDir(out)
+    for tokens, steps in ((256, 2), (384, 3)):
+        for arm in ("diff", "transformer"):
+            unit = Unit(None, tokens, 0, arm)
+            assert folder.unit_dir(unit, False).is_finished(steps)
+            record = json.loads(result_path(folder.results, unit, False).read_text())
+            assert record["max_steps"] == steps and record["identity"]["train"]["max_steps"] == steps
+    assert "## Scaling" in folder.report.read_text()
+    # a result file written for another model is never taken for this one
+    path = result_path(folder.results, Unit(None, 256, 0, "diff"), False)
+    record = json.loads(path.read_text())
+    record["identity"]["model"]["hidden_size"] = 999
+    path.write_text(json.dumps(record))
+    with pytest.raises(ResultFileError, match=re.escape(str(path)) + ".*another experiment \\(model"):
+        run_compare(study, out)
+    path.write_text("{not json")
+    with pytest.raises(ResultFileError, match="not a readable result file"):
+        run_compare(study, out)
+
+
+def _record(unit: Unit, final: float, params: int, evals: dict | None = None) -> dict:
+    from difftransformer.experiments.units import UNIT_FORMAT
+
+    return {"format": UNIT_FORMAT, "unit": unit.to_dict(), "identity": {}, "parameters": params,
+            "model": {"attention": unit.arm, "vocab_size": 10, "hidden_size": 10, "tie_word_embeddings": True},
+            "max_steps": 10, "last_step": 10, "finished": True, "final_val_loss": final,
+            "val": [{"step": 10, "loss": final, "tokens": 1000}],
+            "train": [{"step": 10, "loss": final, "tokens": 1000, "tokens_per_s": 100.0}],
+            "evals": evals or {}, "samples": None}
+
+
+def _write_results(root: Path, records: list[dict], sizes: list[str], seeds: list[int]) -> None:
+    manifest = {"arms": ["diff", "transformer"], "seeds": seeds, "baseline": "transformer",
+                "sizes": [{"name": s} for s in sizes] if sizes else [], "tokens": []}
+    root.mkdir(parents=True)
+    (root / "compare.json").write_text(json.dumps(manifest))
+    for r in records:
+        unit = Unit.from_dict(r["unit"])
+        p = result_path(root, unit, len(seeds) > 1)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(r))
+
+
+def test_scaling_section_reads_the_known_fraction_off_result_files(tmp_path):
+    """Losses from L(x) = 1 + 10 x^-0.3 (Transformer) and L(x / 0.6) (DIFF), over non-embedding parameters:
+    the report must say DIFF matches the Transformer with about 60% of the parameters."""
+    sizes = {"a": 1e4, "b": 3e4, "c": 1e5, "d": 3e5}
+    records = []
+    for seed, noise in ((0, 0.0), (1, 4e-4), (2, -3e-4)):
+        for name, x in sizes.items():
+            base = 1 + 10 * x ** -0.3
+            records.append(_record(Unit(name, None, seed, "transformer"), base + noise, int(x) + 100))
+            records.append(_record(Unit(name, None, seed, "diff"), 1 + 10 * (x / 0.6) ** -0.3 - noise,
+                                   int(x) + 100))
+    _write_results(tmp_path / "r", records, list(sizes), [0, 1, 2])
+    text = write_report(tmp_path / "r", samples=False).read_text()
+    line = next(ln for ln in text.splitlines() if "diff matches the transformer with" in ln)
+    pct = int(re.search(r"with (\d+)%", line).group(1))
+    assert 57 <= pct <= 63, line
+    assert "## The paper's claims" in text and "DIFF needs a fraction of the Transformer's parameters" in text
+    claim = next(ln for ln in text.splitlines() if ln.startswith("| DIFF needs a fraction"))
+    assert "**reproduced**" in claim  # the interval lies below 1
+
+
+def test_claims_follow_the_interval(tmp_path):
+    """Needle accuracy clearly higher for DIFF (the paper's direction): reproduced; loss inside noise: not shown;
+    the outlier metric in the opposite direction: opposite; and the not-reproduced list names them."""
+    records = []
+    for seed in range(3):
+        for arm, acc, loss, top1 in (("diff", 0.9 + 0.01 * seed, 3.0 + (0.02, -0.03, 0.01)[seed], 50.0 + seed),
+                                     ("transformer", 0.5 + 0.01 * seed, 3.0, 20.0 + seed)):
+            evals = {"needle": {"metrics": {"greedy@N2R2": acc}},
+                     "outliers": {"metrics": {"attention_logits_top1": top1}}}
+            records.append(_record(Unit(None, None, seed, arm), loss, 1000, evals))
+    _write_results(tmp_path / "r", records, [], [0, 1, 2])
+    text = write_report(tmp_path / "r", samples=False).read_text()
+    rows = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "**reproduced**" in rows["needle `greedy@N2R2`"]
+    assert "+0.400 [+0.400, +0.400]" in rows["needle `greedy@N2R2`"]  # the same difference on every seed
+    assert "**not shown**" in rows["validation loss (DIFF lower)"]
+    assert "**opposite**" in rows["outliers `attention_logits_top1`"]
+    missed = text.split("### What did not reproduce")[1]
+    assert "validation loss" in missed and "outliers" in missed and "needle" not in missed.split("Testing")[0]
+    assert "paired seeds" in missed  # how many seeds the observed spread would need
