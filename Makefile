@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo paper-cpu bench clean
 
 venv: $(STAMP) $(RT_FILE)
 
@@ -32,6 +32,14 @@ test: venv
 ## writes runs/demo/report.md. Re-running resumes unfinished arms.
 demo: venv
 	$(PY) -m difftransformer compare --config configs/demo.toml --out-dir runs/demo
+
+## make paper-cpu: the paper's claims, ablation table and scaling at CPU scale (configs/studies/; several
+## hours on 2 cores, times in each config). Each unit's result file lands in results/<study>/ (commit
+## them): units with one are skipped, so the studies continue on any machine from the committed results.
+paper-cpu: venv
+	$(PY) -m difftransformer compare --config configs/studies/paper-cpu.toml
+	$(PY) -m difftransformer compare --config configs/studies/ablations-cpu.toml
+	$(PY) -m difftransformer compare --config configs/studies/scaling-cpu.toml
 
 bench: venv
 	$(PY) benchmarks/attention_cpu.py

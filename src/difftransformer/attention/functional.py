@@ -108,7 +108,8 @@ def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
 def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
                            scale: float | None = None, backend: str = "auto",
                            return_maps: bool = False, deterministic: bool = True,
-                           score_hook: ScoreHook | None = None):
+                           score_hook: ScoreHook | None = None,
+                           out_norm: tuple[torch.Tensor, float] | None = None):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every head; see the module doc.
 
     Returns the (B, h, T, 2d) output in q's dtype, and `AttentionMaps` when `return_maps`.
@@ -116,26 +117,47 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     deterministic=False lets the Triton backend use its one-pass backward (dQ summed with atomics);
     eager and cpp are deterministic anyway, sdpa follows torch.use_deterministic_algorithms.
     score_hook: see the module doc (runs the eager backend).
+    out_norm: None, or (weight (2d,), eps): the output rows go through RMSNorm with this weight
+    (DIFF's head norm, its constant folded into the weight), computed in `compute_dtype` of the
+    output as `RMSNorm` does. Given here rather than applied by the caller so the cpp backend can
+    fuse it into its decode path (one op less per layer and token).
     """
     h, h_kv, T = _check_diff_shapes(q, k, v, lam)
     B, S, d = q.shape[0], k.shape[2], q.shape[-1]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
-    lam = torch.as_tensor(lam, device=q.device).to(compute_dtype(q))
+    if out_norm is not None and tuple(out_norm[0].shape) != (2 * d,):
+        raise ValueError(f"out_norm's weight must have shape (2d,) = ({2 * d},), one entry per output "
+                         f"feature of a head; got {tuple(out_norm[0].shape)}")
+    f = compute_dtype(q)
+    if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # as_tensor + to: ~2 us
+        lam = torch.as_tensor(lam, device=q.device).to(f)
     which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
                             has_padding=key_padding_mask is not None, dtype=q.dtype)
     if which == "eager":
         out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook)
+        out = _apply_out_norm(out, out_norm)
         return (out, maps) if return_maps else out
     if which == "sdpa":
-        return _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale)
+        return _apply_out_norm(_diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale), out_norm)
     if which == "cpp":
         from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu
 
-        return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+        return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                        out_norm=out_norm)
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
-    return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic)
+    out = diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic)
+    return _apply_out_norm(out, out_norm)
+
+
+def _apply_out_norm(out: torch.Tensor, out_norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """RMSNorm of each output row with out_norm = (weight, eps), as `RMSNorm` computes it."""
+    if out_norm is None:
+        return out
+    weight, eps = out_norm
+    f = compute_dtype(out)
+    return F.rms_norm(out.to(f), (out.shape[-1],), weight.to(f), eps).to(out.dtype)
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

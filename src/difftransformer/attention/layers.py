@@ -4,7 +4,8 @@ Head-count conventions (the source of most bugs in public re-implementations):
 - `MultiheadDiffAttention(num_heads=h)`: h is the number of *differential* heads, half of the
   matched baseline's. Each head has two q/k components of dim d = embed_dim / (2h) and a value
   of dim 2d. num_kv_heads is halved the same way.
-- `MultiheadAttention(num_heads=H)`: H ordinary heads of dim embed_dim / H (H = 2h when matched).
+- `MultiheadAttention(num_heads=H)`: H ordinary heads of dim embed_dim / H (H = 2h when matched);
+  output_gate=True adds one sigmoid gate per head and token on the attention output (see the class).
 - `MultiheadDiffAttentionV2(num_heads=H)`: H is the baseline's own head count; 2H query heads
   are computed internally and paired.
 All layers do causal self-attention with RoPE at positions 0..T-1 (or after the cached prefix).
@@ -152,6 +153,7 @@ class MultiheadDiffAttention(_SelfAttention):
         if self.head_norm_ramp:
             self.register_buffer("head_norm_mix", torch.zeros((), device=device, dtype=lambda_dtype))
         self.rotary = RotaryEmbedding(d, rope_theta)
+        self._inference_cache: tuple | None = None  # see _forward_constants
         self.reset_lambda_parameters()
 
     def reset_lambda_parameters(self) -> None:
@@ -185,6 +187,53 @@ class MultiheadDiffAttention(_SelfAttention):
         return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
                                       self.lambda_init)
 
+    def _forward_constants(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
+        """λ (`lambda_full()`) and the head norm as `differential_attention(out_norm=...)` takes it,
+        (weight with (1 - lambda_init) folded in, eps), or None when the norm is not the plain V1 one
+        (no head norm, or the retrofit ramp: then `_head_norm_and_scale` runs after attention).
+
+        Why cached: decoding runs the layer once per token, and λ (two dot products, two exps) and
+        the folded weight cost more small ops than their arithmetic is worth. The cached pair is
+        reused only while no gradient is wanted (no_grad, inference_mode, or parameters that do not
+        require grad) and the same parameter objects hold the same
+        storage at the same version (`_version` counts every in-place write: optimizer steps,
+        load_state_dict, fill_, nn.init), so any change recomputes it; when gradients flow (training),
+        while torch.compile traces, or for parameters that are not plain tensors (FSDP's DTensors)
+        it is computed afresh every call, so autograd always sees the real graph. Writes through
+        `param.data` bypass the version counter (as they bypass autograd's own checks): change
+        parameters in place under torch.no_grad() instead, as the package does everywhere.
+        """
+        # Plain dict look-ups, not attribute access: this runs once per layer and token.
+        norm = self._modules.get("subln")
+        norm_weight = None if norm is None or self.head_norm_ramp else norm._parameters.get("weight")
+        fused = norm_weight is not None
+        f = compute_dtype(x)
+        if torch.compiler.is_compiling():
+            return self._compute_constants(fused, f)
+        ps = self._parameters
+        tensors = (ps["lambda_q1"], ps["lambda_k1"], ps["lambda_q2"], ps["lambda_k2"])
+        if fused:
+            tensors += (norm_weight,)
+        if (any(type(t) is not nn.Parameter for t in tensors)
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+            return self._compute_constants(fused, f)
+        # ids identify the objects: the entry holds them, so no new object can reuse an id meanwhile.
+        # Inference mode is in the key: its tensors cannot be saved for a backward outside it.
+        key = (f, self.lambda_init, torch.is_inference_mode_enabled(), *map(id, tensors), *[t._version for t in tensors],
+               *[t.data_ptr() for t in tensors])
+        hit = self.__dict__.get("_inference_cache")  # absent in a layer unpickled from an older version
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        value = self._compute_constants(fused, f)
+        self._inference_cache = (key, tensors, value)
+        return value
+
+    def _compute_constants(self, fused: bool, f: torch.dtype):
+        lam = self.lambda_full()
+        if not fused:
+            return lam, None
+        return lam, (self.subln.weight.to(f) * (1.0 - self.lambda_init), self.subln.eps)  # as RMSNorm folds it
+
     @torch.no_grad()
     def current_lambda(self) -> float:
         """λ now, as a float, also when FSDP2 has sharded the λ vectors (then it gathers them: a
@@ -203,11 +252,14 @@ class MultiheadDiffAttention(_SelfAttention):
         B, T, _ = x.shape
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
-        res = differential_attention(q, k, v, self.lambda_full(), causal=True, key_padding_mask=attention_mask,
+        lam, out_norm = self._forward_constants(x)  # the head norm goes to the attention call, which may fuse it
+        res = differential_attention(q, k, v, lam, causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
-                                     deterministic=self.deterministic, score_hook=self.score_hook)
+                                     deterministic=self.deterministic, score_hook=self.score_hook,
+                                     out_norm=out_norm)
         o, maps = res if return_attention else (res, None)
-        o = self._head_norm_and_scale(o)
+        if out_norm is None:
+            o = self._head_norm_and_scale(o)
         out = self.out_proj(o.transpose(1, 2).reshape(B, T, 2 * self.num_heads * d))
         return (out, maps) if return_attention else out
 
@@ -222,11 +274,17 @@ class MultiheadAttention(_SelfAttention):
     """The matched Transformer baseline: ordinary causal GQA attention with RoPE.
 
     head_norm=True adds a head-wise RMSNorm (the paper's "Transformer + GroupNorm" ablation).
+    output_gate=True is Gated Attention (Qiu et al. 2025, arXiv 2505.06708), head-wise at position G1:
+    each query head's output is scaled by g = sigmoid(x W_g), W_g = `head_gate` (embed_dim -> num_heads,
+    no bias), x the layer's input, before out_proj (after the head norm when both are on). The gate
+    is computed from the same tokens as the queries, so it needs nothing from the KV cache and works
+    with every backend; the attention maps and the score hook see the ungated attention.
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, head_norm: bool = False, norm_eps: float = 1e-5,
-                 backend: str = "auto", max_seq_len: int | None = None, device=None, dtype=None):
+                 output_gate: bool = False, backend: str = "auto", max_seq_len: int | None = None,
+                 device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         if embed_dim % num_heads or (embed_dim // num_heads) % 2:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
@@ -235,7 +293,14 @@ class MultiheadAttention(_SelfAttention):
         self.head_dim, self.scaling = d, d ** -0.5
         self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.subln = RMSNorm(d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
+        self.head_gate = nn.Linear(E, num_heads, bias=False, device=device, dtype=dtype) if output_gate else None
         self.rotary = RotaryEmbedding(d, rope_theta)
+
+    def _gate(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o (B, H, T, d) times sigmoid(x W_g) per head and token, in compute_dtype (as V2's λ)."""
+        f = compute_dtype(o)
+        g = torch.sigmoid(self.head_gate(x).to(f)).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        return (o.to(f) * g).to(o.dtype)
 
     def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
                 return_attention: bool = False):
@@ -248,6 +313,8 @@ class MultiheadAttention(_SelfAttention):
         o, probs = res if return_attention else (res, None)
         if self.subln is not None:
             o = self.subln(o)
+        if self.head_gate is not None:
+            o = self._gate(o, x)
         out = self.out_proj(o.transpose(1, 2).reshape(B, T, E))
         return (out, AttentionMaps(probs, probs, None)) if return_attention else out
 

@@ -13,7 +13,9 @@ that sees no key, fp32 compute (other dtypes are upcast and the result cast back
 
 Why it exists: PyTorch's CPU flash kernel needs equal q/k/v head dims, which costs the `sdpa`
 backend 2x the baseline's attention FLOPs for DIFF; this kernel does 1.5x in the forward and 1.0x
-in the backward (see `csrc/flash_cpu.cpp`).
+in the backward (see `csrc/flash_cpu.cpp`). Decoding (few queries, no gradient) takes a separate
+forward-only path that splits the keys across threads and merges a DIFF head's two maps before
+P V, so a DIFF decoding step costs what the baseline's does (`decode_path_applies` states when).
 
 The extension is built with `torch.utils.cpp_extension.load` (needs a C++ compiler and ninja,
 both installed by `make venv`) into TORCH_EXTENSIONS_DIR and reused from there. If the build
@@ -29,6 +31,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from difftransformer.kernels import token_major_empty
 
@@ -121,14 +124,54 @@ def _register_fakes() -> None:
         S = k.shape[2]
         return token_major_empty(q, H, d), q.new_empty(B, H, 1, S, d), q.new_empty(B, H, S, d)
 
+    @torch.library.register_fake("difftransformer_cpu::diff_flash_decode")
+    def _(q, k, v, lam, causal, scale, key_mask, norm_weight, norm_eps):
+        return token_major_empty(q, q.shape[1] // 2, 2 * q.shape[3])
+
+    @torch.library.register_fake("difftransformer_cpu::flash_decode")
+    def _(q, k, v, causal, scale, key_mask):
+        return token_major_empty(q, q.shape[1], q.shape[3])
+
+
+# The decode path's rule, stated once. `csrc/flash_cpu.cpp` has two forward paths:
+#   training  one task per (batch, head, 64-query block), each walking all keys; saves what the
+#             backward needs (log-sum-exps, A2 V);
+#   decode    one task per (batch, kv group, 128-key split), all the group's query rows scored in
+#             one matrix, partial softmaxes combined afterwards (flash-decoding); forward only.
+# Decode runs when (a) no gradient is wanted: it keeps nothing for a backward, so under grad (a
+# training step, or any input that requires grad) the training path always runs; and (b) the
+# group's query rows fit one query block, n_rep * T <= DECODE_MAX_ROWS (64, the training path's
+# block): then the training path has at most B * h tasks, each reading the whole cache (one query
+# with B = 1 and 4 heads uses at most 4 threads, and every head of a GQA group re-reads its K and
+# V), while the decode path reads each key once and has more tasks the longer the cache is. Both
+# paths compute the same function within fp32 rounding (tests/kernels/test_flash_cpu_decode.py).
+DECODE_MAX_ROWS = 64
+
+
+def decode_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
+    """True when `csrc/flash_cpu.cpp`'s decode path computes this call (the rule above): q (B, C h,
+    T, d) and k (B, C h_kv, S, d); `inputs`: every tensor a gradient could flow to (q, k, v, lam)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return False
+    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS
+
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
     so its rows must be dense, must not overlap (no broadcast length axis) and their stride must
     fit in 32 bits. Otherwise copy. (`.contiguous()` would keep odd strides of size-1 dims.)"""
-    if t.numel() == 0 or (t.stride(-1) == 1 and max(t.shape[-1], 1) <= t.stride(-2) < 2**31):
+    stride = t.stride()  # one call: this runs for every input of every decoding step
+    if (stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31) or t.numel() == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.to(torch.float32)  # skips `.to`'s argument parsing
+
+
+def _cast_back(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _sum_over_group(dk_h, dv_h, k):
@@ -189,27 +232,45 @@ class FlashAttentionCPU(torch.autograd.Function):
 
 def _prepare(q, k, v, key_padding_mask, scale):
     _require()
-    f = torch.float32
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool).contiguous()
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    return (*(_dense_rows(t.to(f)) for t in (q, k, v)), mask, scale)
+    return _dense_rows(_fp32(q)), _dense_rows(_fp32(k)), _dense_rows(_fp32(v)), mask, scale
+
+
+def _rms_norm(out: torch.Tensor, out_norm) -> torch.Tensor:
+    """RMSNorm of each output row with weight out_norm[0] and eps out_norm[1], in fp32, cast back."""
+    weight, eps = out_norm
+    return F.rms_norm(out.float(), (out.shape[-1],), weight.float(), float(eps)).to(out.dtype)
 
 
 def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
-                             scale: float | None = None):
+                             scale: float | None = None, out_norm=None):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every DIFF head on CPU, fused.
 
     Shapes as in `difftransformer.attention.functional`; lam is a 0-d fp32 tensor (it gets a
-    gradient). Returns (B, h, T, 2d) in q's dtype.
+    gradient). Returns (B, h, T, 2d) in q's dtype. out_norm: None, or (weight (2d,), eps) for an
+    RMSNorm of each head's output row (DIFF's head norm), applied inside the decode path's combine
+    pass for fp32 inputs (the layer then runs no separate norm op), else after the kernel.
     """
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
-    lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
-    return DiffFlashAttentionCPU.apply(q, k, v, lam, mask, bool(causal), scale).to(dtype)
+    if not (isinstance(lam, torch.Tensor) and lam.dtype == torch.float32):
+        lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
+    weight = None if out_norm is None else out_norm[0]
+    if decode_path_applies(q, k, q, k, v, lam, weight):
+        fused = weight is not None and dtype == torch.float32  # fp16/bf16: round, then norm, as unfused
+        out = _cast_back(torch.ops.difftransformer_cpu.diff_flash_decode(
+            q, k, v, lam, bool(causal), scale, mask, _fp32(weight).contiguous() if fused else None,
+            float(out_norm[1]) if fused else 0.0), dtype)
+        return out if fused or out_norm is None else _rms_norm(out, out_norm)
+    out = _cast_back(DiffFlashAttentionCPU.apply(q, k, v, lam, mask, bool(causal), scale), dtype)
+    return out if out_norm is None else _rms_norm(out, out_norm)
 
 
 def flash_attention_cpu(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None):
     """softmax(Q K^T s) V for every head on CPU, GQA included: q (B, H, T, d), k/v (B, H_kv, S, d)."""
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
-    return FlashAttentionCPU.apply(q, k, v, mask, bool(causal), scale).to(dtype)
+    if decode_path_applies(q, k, q, k, v):
+        return _cast_back(torch.ops.difftransformer_cpu.flash_decode(q, k, v, bool(causal), scale, mask), dtype)
+    return _cast_back(FlashAttentionCPU.apply(q, k, v, mask, bool(causal), scale), dtype)

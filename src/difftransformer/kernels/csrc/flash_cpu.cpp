@@ -380,6 +380,229 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_impl(
   return {dq, dk, dvh};
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Decode path (forward only, no lse): few queries against many keys, as in token-by-token generation.
+//
+// The training path above runs one task per (batch, head, query block), each walking every key:
+// with one query and B = 1 that is at most h tasks, each reading the whole cache, and with GQA
+// every head of a kv group reads the group's K and V again. Here the KEYS are split instead
+// (flash-decoding): one task per (batch, kv group, key split) scores ALL the group's query rows
+// (n_rep heads x T queries x C maps, packed into one matrix) against its kSplitK keys, so K and V
+// are read once, by one task, for both maps, and the tasks grow with the cache length.
+// Pass 1 (over K) leaves each split's probabilities exp(s - m_s) with its row max m_s and sum
+// l_s; pass 2 (over V) weights them by their final softmax factors exp(m_s - M) / L (M = max_s
+// m_s, L = sum_s l_s exp(m_s - M)), sums the C maps of a head into one row (coefficients 1, -lam)
+// and multiplies it with the split's V, so the DIFF head's P V costs what an ordinary head's
+// does; a last pass sums the splits' shares. With one split the passes run in one task. The split
+// size is fixed (not derived from the thread count), so the result does not depend on how many
+// threads run it. Masks, NaN propagation and rows that see no key behave as in the training
+// path. An optional head norm (RMSNorm over C d with the given weight) is applied to each output
+// row in the last pass, saving the DIFF layer one op per token.
+constexpr int64_t kSplitK = 128;
+// Up to this many rows per task the products are written out below instead of calling BLAS: with
+// one or two rows they are vector-matrix products, where a BLAS call's fixed cost exceeds the
+// arithmetic (the loop is bound by reading K and V either way).
+constexpr int64_t kFewRows = 8;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// s (nr, lds) = sc * qb (nr, d) kk^T for keys kk (bk, d) with row stride ldk: each key read once.
+inline void scores_few(const float* qb, int64_t nr, int64_t d, const float* kk, int64_t ldk, int64_t bk, float sc,
+                       float* s, int64_t lds) {
+  for (int64_t j = 0; j < bk; ++j)
+    for (int64_t r = 0; r < nr; ++r) s[r * lds + j] = sc * dot(qb + r * d, kk + j * ldk, d);
+}
+
+// acc (nr, dv) = p (nr, lds) vv (bk, dv) for values vv with row stride ldv: each value row read once.
+inline void pv_few(const float* p, int64_t lds, int64_t nr, const float* vv, int64_t ldv, int64_t bk, int64_t dv,
+                   float* acc) {
+  std::fill(acc, acc + nr * dv, 0.f);
+  for (int64_t j = 0; j < bk; ++j)
+    for (int64_t r = 0; r < nr; ++r) axpby_into(acc + r * dv, acc + r * dv, 1.f, vv + j * ldv, p[r * lds + j], dv);
+}
+
+template <int C>
+at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
+                             bool causal, float sc, const std::optional<at::Tensor>& key_mask,
+                             const std::optional<at::Tensor>& norm_weight, double norm_eps) {
+  const Shape s = check_inputs<C>(q, k, v, key_mask);
+  const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S, R = s.n_rep * T;  // R: query rows of one map
+  auto out = new_out(s, dv, q.options());
+  if (out.numel() == 0) return out;
+  const float* nw = nullptr;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() &&
+                    norm_weight->dim() == 1 && norm_weight->size(0) == dv,
+                "flash_cpu: norm_weight must be a contiguous float32 vector of the output's width C d");
+    nw = norm_weight->data_ptr<float>();
+  }
+  const int64_t nsplit = (S + kSplitK - 1) / kSplitK, ntask = s.B * s.h_kv * nsplit;
+  const int64_t rows = C * R;  // score rows of one (batch, kv group) task: map-major, then head, then query
+  // probs: each task's exp(score - its row max), (rows, kSplitK); stats: its m and l per row;
+  // part: its share of every output row, (R, dv).
+  auto probs = at::empty({ntask, rows, kSplitK}, q.options());
+  auto stats = at::empty({ntask, 2, rows}, q.options());
+  auto part = at::empty({ntask, R, dv}, q.options());
+  const Strides sq(q), sk(k), sv(v), so(out);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = key_mask.has_value() ? key_mask->data_ptr<bool>() : nullptr;
+  float* probp = probs.data_ptr<float>();
+  float* statp = stats.data_ptr<float>();
+  float* partp = part.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+
+  // Pass 1 over K: scores, row maxima and sums of each split.
+  auto score_task = [&](int64_t idx, float* qbuf) {
+    const int64_t b = idx / (s.h_kv * nsplit), g = (idx / nsplit) % s.h_kv, sp = idx % nsplit;
+    const int64_t j0 = sp * kSplitK, bk = std::min(kSplitK, S - j0);
+    const bool* keep = mp == nullptr ? nullptr : mp + b * S;
+    for (int c = 0; c < C; ++c)  // pack the group's query rows of map c: (n_rep T, d)
+      for (int64_t rep = 0; rep < s.n_rep; ++rep)
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(qp + sq.at(b, C * (g * s.n_rep + rep) + c, t), d, qbuf + ((c * s.n_rep + rep) * T + t) * d);
+    float* pb = probp + idx * rows * kSplitK;
+    for (int c = 0; c < C; ++c) {
+      const float* kk = kp + sk.at(b, C * g + c, j0);
+      float* pc = pb + c * R * kSplitK;
+      if (rows <= kFewRows) scores_few(qbuf + c * R * d, R, d, kk, sk.t, bk, sc, pc, kSplitK);
+      else mm(false, true, R, bk, d, sc, qbuf + c * R * d, d, kk, sk.t, 0.f, pc, kSplitK);
+    }
+    float* m = statp + idx * 2 * rows;
+    float* l = m + rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = pb + r * kSplitK;
+      const int64_t nvis = causal_visible(causal, r % T, T, S, j0, bk);
+      if (nvis < bk || keep != nullptr) mask_row(row, nvis, bk, keep, j0);
+      m[r] = row_max(row, bk);
+      if (std::isnan(m[r]) || m[r] == kInf) {  // poison the row, as the training path does
+        m[r] = l[r] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(row, row + bk, 0.f);
+      } else if (m[r] == kNegInf) {  // no key of this split is visible to the row
+        l[r] = 0.f;
+        std::fill(row, row + bk, 0.f);
+      } else {
+        l[r] = exp_sub_sum(row, bk, m[r]);
+      }
+    }
+  };
+  // Pass 2 over V: each split's rows weighted by their final softmax factors, the C maps of a
+  // head summed into ONE row u = sum_c coef_c exp(m_c - M_c) / L_c P_c, then u V: a DIFF head
+  // costs what an ordinary head costs here.
+  // One map (C = 1) has nothing to merge before P V: its splits take P V of their own
+  // probabilities right after the scores, and the last pass rescales them (classic flash-decoding).
+  constexpr bool kOnePass = C == 1;
+  auto value_task = [&](int64_t idx, float* ubuf) {
+    const int64_t sp = idx % nsplit, task0 = idx - sp, bk = std::min(kSplitK, S - sp * kSplitK);
+    const int64_t b = idx / (s.h_kv * nsplit), g = (idx / nsplit) % s.h_kv;
+    const float* pb = probp + idx * rows * kSplitK;
+    if constexpr (kOnePass) ubuf = const_cast<float*>(pb);
+    for (int64_t r = 0; r < R && !kOnePass; ++r) {
+      float* u = ubuf + r * kSplitK;
+      std::fill(u, u + bk, 0.f);
+      for (int c = 0; c < C; ++c) {
+        const int64_t rc = c * R + r;
+        float M = kNegInf;  // the row's maximum over all splits (NaN if any split saw a NaN)
+        for (int64_t o = 0; o < nsplit; ++o) {
+          const float mo = statp[(task0 + o) * 2 * rows + rc];
+          M = std::isnan(mo) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, mo);
+        }
+        if (M == kNegInf) continue;  // the row sees no key: this map contributes zeros
+        float L = 0.f;
+        for (int64_t o = 0; o < nsplit; ++o) {
+          const float* st = statp + (task0 + o) * 2 * rows;
+          L += st[rows + rc] * std::exp(st[rc] - M);  // NaN stays NaN
+        }
+        const float w = coef[c] * std::exp(statp[idx * 2 * rows + rc] - M) / L;
+        if (w != 0.f || std::isnan(w)) axpby_into(u, u, 1.f, pb + rc * kSplitK, w, bk);
+      }
+    }
+    float* pr = partp + idx * R * dv;
+    const float* vv = vp + sv.at(b, g, sp * kSplitK);
+    if (R <= kFewRows) pv_few(ubuf, kSplitK, R, vv, sv.t, bk, dv, pr);
+    else mm(false, false, R, dv, bk, 1.f, ubuf, kSplitK, vv, sv.t, 0.f, pr, dv);
+  };
+  if (nsplit == 1 || kOnePass) {  // one split: its statistics are final, so both passes run in one task
+    at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qbuf(rows * d), ubuf(R * kSplitK);
+      for (int64_t idx = begin; idx < end; ++idx) {
+        score_task(idx, qbuf.data());
+        value_task(idx, ubuf.data());
+      }
+    });
+  } else {
+    at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qbuf(rows * d);
+      for (int64_t idx = begin; idx < end; ++idx) score_task(idx, qbuf.data());
+    });
+    at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> ubuf(R * kSplitK);
+      for (int64_t idx = begin; idx < end; ++idx) value_task(idx, ubuf.data());
+    });
+  }
+
+  // Sum the splits' shares of each output row (then the optional head norm). Small: run inline
+  // unless there is real work to share.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(nsplit * dv, 1));
+  at::parallel_for(0, s.B * s.h * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / (s.h * T), i = (idx / T) % s.h, t = idx % T, g = i / s.n_rep;
+      const int64_t r = (i % s.n_rep) * T + t, task0 = (b * s.h_kv + g) * nsplit;
+      float* o = outp + so.at(b, i, t);
+      if constexpr (kOnePass) {  // each split's share times exp(m_s - M) / L
+        float M = kNegInf, L = 0.f;
+        for (int64_t sp = 0; sp < nsplit; ++sp) {
+          const float ms = statp[(task0 + sp) * 2 * rows + r];
+          M = std::isnan(ms) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, ms);
+        }
+        std::fill(o, o + dv, 0.f);
+        if (M != kNegInf) {  // else the row sees no key: zeros
+          for (int64_t sp = 0; sp < nsplit; ++sp) {
+            const float* st = statp + (task0 + sp) * 2 * rows;
+            L += st[rows + r] * std::exp(st[r] - M);  // NaN stays NaN
+          }
+          for (int64_t sp = 0; sp < nsplit; ++sp) {
+            const float w = std::exp(statp[(task0 + sp) * 2 * rows + r] - M) / L;
+            if (w != 0.f || std::isnan(w)) axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, w, dv);
+          }
+        }
+      } else {
+        std::copy_n(partp + (task0 * R + r) * dv, dv, o);
+        for (int64_t sp = 1; sp < nsplit; ++sp)
+          axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, 1.f, dv);
+      }
+      if (nw != nullptr) {
+        float ss = 0.f;
+        for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(norm_eps));
+        for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * inv * nw[j];
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor diff_flash_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
+                             bool causal, double scale, const std::optional<at::Tensor>& key_mask,
+                             const std::optional<at::Tensor>& norm_weight, double norm_eps) {
+  const float coef[2] = {1.f, -lam.item<float>()};
+  return flash_decode_impl<2>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, norm_weight, norm_eps);
+}
+
+at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                        const std::optional<at::Tensor>& key_mask) {
+  const float coef[1] = {1.f};
+  return flash_decode_impl<1>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, std::nullopt, 0.0);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_flash_fwd(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& v, const at::Tensor& lam,
                                                               bool causal, double scale,
@@ -433,6 +656,9 @@ TORCH_LIBRARY(difftransformer_cpu, m) {
   m.def("flash_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? key_mask) -> (Tensor, Tensor)");
   m.def("flash_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor drow, bool causal, float scale,"
         " Tensor? key_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("diff_flash_decode(Tensor q, Tensor k, Tensor v, Tensor lam, bool causal, float scale, Tensor? key_mask,"
+        " Tensor? norm_weight, float norm_eps) -> Tensor");
+  m.def("flash_decode(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? key_mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
@@ -440,4 +666,6 @@ TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
   m.impl("diff_flash_bwd", &diff_flash_bwd);
   m.impl("flash_fwd", &flash_fwd);
   m.impl("flash_bwd", &flash_bwd);
+  m.impl("diff_flash_decode", &diff_flash_decode);
+  m.impl("flash_decode", &flash_decode);
 }

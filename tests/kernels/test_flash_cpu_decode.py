@@ -1,0 +1,260 @@
+"""The fused CPU kernel's decode path (few queries, keys split across threads) and what decoding relies on.
+
+Checked against the independent float64 reference (tests/reference.py) with the tolerances of
+tests/kernels/test_flash_cpu.py: key lengths that do and do not fill the kernel's 128-key splits,
+bottom-right causal offsets, padding, MHA and GQA, DIFF and ordinary attention; the dispatch rule
+(decode only without gradients); the head norm fused into it; the DIFF layer's cached λ staying
+right after parameter changes; and greedy generation: cached = uncached = batched one by one.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from difftransformer import DiffTransformerLM, differential_attention
+from difftransformer.attention import multihead_attention
+from difftransformer.attention.layers import MultiheadDiffAttention
+from difftransformer.kernels import flash_cpu
+from tests.helpers import CPP_KERNEL_DISABLED, padding_mask, random_inputs, rel_err, tiny
+from tests.reference import diff_attention_reference, mha_reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_extension():
+    if CPP_KERNEL_DISABLED:
+        pytest.skip("DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1")
+    if not flash_cpu.is_available():
+        pytest.fail(f"the C++ kernel did not build: {flash_cpu.build_error()}")
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Counts the calls of the decode ops, so a test knows the path it meant to test ran."""
+    calls = {"diff": 0, "ordinary": 0}
+    ns = torch.ops.difftransformer_cpu
+    for name, key in (("diff_flash_decode", "diff"), ("flash_decode", "ordinary")):
+        op = getattr(ns, name)
+
+        def counted(*args, _op=op, _key=key):
+            calls[_key] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(ns, name, counted)
+    return calls
+
+
+# (B, h, h_kv, T, S): S of one partial split, exactly one and two splits, and splits plus a rest;
+# T > S (causal rows that see no key); MHA and GQA (n_rep 2 and 4).
+SHAPES = [(1, 2, 2, 1, 5), (3, 4, 2, 2, 128), (1, 4, 1, 4, 256), (3, 2, 1, 3, 300), (1, 2, 2, 4, 2),
+          (3, 4, 4, 1, 513)]
+
+
+def _ids(c):
+    return "B{}h{}kv{}T{}S{}".format(*c)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_diff_decode_matches_reference(shape, causal, padded, decode_calls):
+    B, h, h_kv, T, S = shape
+    q, k, v = random_inputs(B, h, h_kv, T, S, 16, seed=S + T)
+    mask = padding_mask(B, S, S) if padded else None
+    with torch.no_grad():
+        out = differential_attention(q, k, v, torch.tensor(0.7), causal=causal, key_padding_mask=mask, backend="cpp")
+    assert decode_calls["diff"] == 1
+    ref = diff_attention_reference(q, k, v, 0.7, causal=causal, key_padding_mask=mask)
+    assert out.shape == (B, h, T, 32) and rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_ordinary_decode_matches_reference(shape, causal, padded, decode_calls):
+    B, h, h_kv, T, S = shape
+    g = torch.Generator().manual_seed(S * 7 + T)
+    q = torch.randn(B, 2 * h, T, 16, generator=g)  # the baseline has twice DIFF's heads
+    k, v = (torch.randn(B, 2 * h_kv, S, 16, generator=g) for _ in range(2))
+    mask = padding_mask(B, S, S + 1) if padded else None
+    with torch.no_grad():
+        out = multihead_attention(q, k, v, causal=causal, key_padding_mask=mask, backend="cpp")
+    assert decode_calls["ordinary"] == 1
+    assert rel_err(out, mha_reference(q, k, v, causal=causal, key_padding_mask=mask)) <= 1e-5
+
+
+def test_decode_equals_the_training_path():
+    """Same inputs through both paths (the training path is forced by asking for a gradient)."""
+    q, k, v = random_inputs(2, 4, 2, 3, 700, 32, seed=11)
+    with torch.no_grad():
+        fast = differential_attention(q, k, v, torch.tensor(-0.4), backend="cpp")
+    slow = differential_attention(q.requires_grad_(), k, v, torch.tensor(-0.4), backend="cpp")
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_is_computed_in_fp32_and_cast_back(decode_calls):
+    q, k, v = random_inputs(1, 2, 1, 1, 300, 16, dtype=torch.bfloat16, seed=2)
+    with torch.no_grad():
+        out = differential_attention(q, k, v, torch.tensor(0.5), backend="cpp")
+        full = differential_attention(q.float(), k.float(), v.float(), torch.tensor(0.5), backend="cpp")
+    assert out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16))
+    assert decode_calls["diff"] == 2
+
+
+def test_nan_and_rows_that_see_nothing_behave_as_softmax():
+    q, k, v = random_inputs(1, 2, 1, 4, 300, 16, seed=8)
+    q[0, 1, 2, 3] = float("nan")
+    mask = torch.ones(1, 300, dtype=torch.bool)
+    mask[0, :298] = False  # causal row 0 sees keys up to 296: all padded, so it sees nothing
+    with torch.no_grad():
+        out = differential_attention(q, k, v, torch.tensor(0.5), key_padding_mask=mask, backend="cpp")
+        eager = differential_attention(q, k, v, torch.tensor(0.5), key_padding_mask=mask, backend="eager")
+    assert torch.equal(out.isnan(), eager.isnan()) and out.isnan().any()
+    assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+    ok = ~eager.isnan()
+    torch.testing.assert_close(out[ok], eager[ok], rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_rule():
+    q, k, v = random_inputs(1, 4, 2, 1, 50, 8)
+    lam = torch.tensor(0.5)
+    assert flash_cpu.decode_path_applies(q, k, q, k, v, lam)  # grad enabled, but nothing requires it
+    q_long = torch.randn(1, 8, 33, 8)  # n_rep 2 x 33 queries = 66 rows > 64
+    assert not flash_cpu.decode_path_applies(q_long, k, q_long, k, v, lam)
+    assert flash_cpu.decode_path_applies(q_long[:, :, :32], k, q_long, k, v, lam)  # 64 rows
+    for needs_grad in (q, k, v, lam):
+        needs_grad.requires_grad_(True)
+        assert not flash_cpu.decode_path_applies(q, k, q, k, v, lam)  # never under grad
+        with torch.no_grad():
+            assert flash_cpu.decode_path_applies(q, k, q, k, v, lam)
+        needs_grad.requires_grad_(False)
+    w = torch.ones(16, requires_grad=True)  # a head-norm weight that wants a gradient counts too
+    assert not flash_cpu.decode_path_applies(q, k, q, k, v, lam, w)
+
+
+def test_one_query_under_grad_takes_the_training_path_and_gets_gradients(decode_calls):
+    q, k, v = random_inputs(1, 2, 2, 1, 200, 16, seed=3, grad=True)
+    lam = torch.tensor(0.3, requires_grad=True)
+    out = differential_attention(q, k, v, lam, backend="cpp")
+    out.square().sum().backward()
+    assert decode_calls["diff"] == 0 and q.grad is not None and lam.grad is not None
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, lam)]
+    diff_attention_reference(*ref_in).square().sum().backward()
+    for got, want in zip((q, k, v), ref_in):
+        assert rel_err(got.grad, want.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["cpp", "eager", "sdpa"])
+def test_out_norm_is_the_head_rmsnorm(backend, decode_calls):
+    q, k, v = random_inputs(3, 4, 2, 2, 300, 16, seed=5)
+    w, eps = torch.rand(32) + 0.5, 1e-5
+    with torch.no_grad():
+        normed = differential_attention(q, k, v, torch.tensor(0.6), backend=backend, out_norm=(w, eps))
+    ref = diff_attention_reference(q, k, v, 0.6)
+    ref = ref / torch.sqrt(ref.square().mean(-1, keepdim=True) + eps) * w.double()
+    assert rel_err(normed, ref) <= 1e-5
+    assert decode_calls["diff"] == (backend == "cpp")
+    with pytest.raises(ValueError, match=r"out_norm's weight must have shape \(2d,\) = \(32,\)"):
+        differential_attention(q, k, v, 0.6, backend=backend, out_norm=(torch.ones(16), eps))
+
+
+def test_bf16_out_norm_rounds_before_the_norm_as_the_unfused_path():
+    q, k, v = random_inputs(1, 2, 1, 1, 40, 16, dtype=torch.bfloat16, seed=6)
+    w = torch.rand(32) + 0.5
+    with torch.no_grad():
+        fused = differential_attention(q, k, v, torch.tensor(0.5), backend="cpp", out_norm=(w, 1e-5))
+        plain = differential_attention(q, k, v, torch.tensor(0.5), backend="cpp")
+    assert torch.equal(fused, F.rms_norm(plain.float(), (32,), w, 1e-5).to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- the DIFF layer's cached λ and head norm
+
+
+def _layer_outputs(layer, x):
+    with torch.no_grad():
+        cached = layer(x)
+    fresh = layer(x).detach()  # grad enabled: λ and the folded weight computed afresh
+    return cached, fresh
+
+
+def _in_place(fn, *args):
+    with torch.no_grad():
+        fn(*args)
+
+
+def test_layer_cache_follows_parameter_changes():
+    torch.manual_seed(0)
+    layer = MultiheadDiffAttention(64, 3, 2, backend="cpp")
+    x = torch.randn(2, 5, 64)
+    cached, fresh = _layer_outputs(layer, x)
+    assert rel_err(cached, fresh) <= 1e-5
+    lam_before = layer._forward_constants(x)[0]
+    with torch.no_grad():
+        assert layer._forward_constants(x)[0] is layer._forward_constants(x)[0]  # reused while unchanged
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)  # an optimizer step changes every vector in place
+    layer(x).square().sum().backward()
+    opt.step()
+    changes = [(lambda: None, True),  # the optimizer step above
+               (lambda: layer.load_state_dict({**layer.state_dict(), "lambda_q2": torch.full((16,), 0.3)}), True),
+               (lambda: _in_place(layer.subln.weight.mul_, 2.0), False),  # only the head norm
+               (lambda: setattr(layer, "lambda_k1", torch.nn.Parameter(torch.full((16,), -0.2))), True)]
+    for change, moves_lambda in changes:
+        change()
+        cached, fresh = _layer_outputs(layer, x)
+        assert rel_err(cached, fresh) <= 1e-5
+        with torch.no_grad():
+            lam_now = layer._forward_constants(x)[0]
+        torch.testing.assert_close(lam_now, layer.lambda_full().detach())
+        assert torch.equal(lam_now, lam_before) != moves_lambda
+        lam_before = lam_now
+
+
+def test_layer_under_grad_gets_lambda_and_norm_gradients():
+    torch.manual_seed(1)
+    layer = MultiheadDiffAttention(64, 0, 2, backend="cpp")
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 64))  # fills the cache; training must not use it
+    layer(torch.randn(1, 1, 64)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in (layer.lambda_q1, layer.lambda_k2, layer.subln.weight))
+
+
+# ---------------------------------------------------------------- generated tokens unchanged
+
+
+@pytest.mark.parametrize("kind", ["diff", "transformer"])
+def test_greedy_generation_cached_equals_uncached_across_both_kernel_paths(kind, decode_calls):
+    """A 70-token prompt: the uncached forwards (70+ queries) run the training path, the cached
+    steps the decode path; the tokens must be the same."""
+    torch.manual_seed(5)
+    model = DiffTransformerLM(tiny(kind, attn_backend="cpp")).eval()
+    prompt = torch.randint(0, 512, (2, 70))
+    cached = model.generate(prompt, 6, temperature=0)
+    assert decode_calls["diff" if kind == "diff" else "ordinary"] > 0
+    assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False))
+    a, b = prompt[:1], prompt[1:, 30:]  # batched left-padded = one by one, on the decode path
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 30, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :30] = 0
+    out = model.generate(batch, 6, temperature=0, attention_mask=mask)
+    assert torch.equal(out[0, 70:], cached[0, 70:])
+    assert torch.equal(out[1, 70:], model.generate(b, 6, temperature=0)[0, 40:])
+
+
+def test_layer_cache_is_reused_only_where_it_is_safe():
+    torch.manual_seed(2)
+    layer = MultiheadDiffAttention(64, 1, 2, backend="cpp")
+    x = torch.randn(1, 2, 64)
+    with torch.no_grad():
+        assert layer._forward_constants(x)[0] is layer._forward_constants(x)[0]
+    assert layer._forward_constants(x)[0].requires_grad  # grad on, parameters want it: afresh, with a graph
+    with torch.inference_mode():
+        lam_inf = layer._forward_constants(x)[0]
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    lam = layer._forward_constants(x)[0]  # grad on, nothing wants it: cached, but not the inference tensor
+    assert lam is not lam_inf and not lam.is_inference() and lam is layer._forward_constants(x)[0]
+    q = torch.randn(1, 4, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 32)
+    differential_attention(q, k, v, lam, backend="cpp", out_norm=layer._forward_constants(x)[1]).sum().backward()
+    assert q.grad is not None
