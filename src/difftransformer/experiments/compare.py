@@ -60,7 +60,7 @@ class Study:
     def arm_configs(self, arms: list[str], size: Size | None = None) -> list[DiffTransformerConfig]:
         """Each arm's model at `size` (default: the [model] section's): the spec with the arm's kind and overrides."""
         spec = size.spec(self.model) if size is not None else self.model
-        return [self._arm(a).config(spec) for a in arms]
+        return [self.arm(a).config(spec) for a in arms]
 
     def cells(self) -> list[tuple[Size | None, int | None]]:
         """The (size, token budget) points of the grid, smallest first."""
@@ -80,7 +80,8 @@ class Study:
     def results_dir(self, out_dir: Path) -> Path:
         return Path(self.compare.results_dir) if self.compare.results_dir else out_dir / RESULTS_DIR
 
-    def _arm(self, name: str) -> Arm:
+    def arm(self, name: str) -> Arm:
+        """The arm called `name`: the config's, else a named ablation or attention kind (e.g. from --arms)."""
         return next((a for a in self.compare.arms if a.name == name), None) or parse_arm(name)
 
 
@@ -202,7 +203,7 @@ class _Cell:
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
         result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
         result.parameters = DiffTransformerLM(config, device="meta").num_parameters()
-        arm = self.study._arm(unit.arm)
+        arm = self.study.arm(unit.arm)
         write_result(path, result.to_record(unit, identity, arm=arm.to_dict(), train_config=_recipe(train_cfg),
                                             wall_s=self.manifest["wall_s"].get(str(unit.rel(True))),
                                             hardware=self.manifest.get("hardware"),
@@ -236,7 +237,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
         "arms": arms,
         "seeds": seeds,
         "baseline": baseline_arm(arms),
-        "arm_specs": {a: study._arm(a).to_dict() for a in arms},
+        "arm_specs": {a: study.arm(a).to_dict() for a in arms},
         "sizes": [dataclasses.asdict(s) for s in study.compare.sizes],
         "tokens": list(study.compare.tokens),
         "results_dir": str(study.results_dir(Path(study.compare.out_dir))) if study.compare.results_dir else None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from difftransformer.eval.paper import PAPER, paper_number
+from difftransformer.eval.paper import PAPER, STUDY_TASKS, paper_number
 from difftransformer.experiments.report.runs import finished_val
 from difftransformer.experiments.stats import compare_paired
 
@@ -62,7 +62,7 @@ def _eval_claims(ctx) -> list[dict[str, Any]]:
 
     rows = []
     for (task, metric), number in PAPER.items():
-        if task in ("lm", "scaling"):
+        if task in STUDY_TASKS:
             continue
         row = _row(f"{task} `{metric}`", number.ref, number.transformer, number.diff,
                    metric_values(ctx, DIFF, task, metric), metric_values(ctx, BASE, task, metric))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from difftransformer._version import __version__
+from difftransformer.experiments.evaluate import stored_results
 from difftransformer.experiments.units import UNIT_FORMAT, Unit
 from difftransformer.train import RunDir
 
@@ -41,8 +42,6 @@ class Run:
 
     @classmethod
     def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None) -> Run:
-        from difftransformer.experiments.evaluate import stored_results
-
         series = run_dir.metric_series()
         max_steps = run_dir.max_steps()
         max_steps = max_steps if max_steps is not None else default_max_steps

@@ -57,7 +57,17 @@ def points(ctx, which: str) -> dict[str, dict[int, list[tuple[float, float]]]]:
 
 
 def fractions(ctx, which: str) -> dict[str, Any]:
-    """arm -> ScalingResult (or the error message when a fit is impossible), for every arm but the baseline."""
+    """arm -> ScalingResult (or the error message when a fit is impossible), for every arm but the baseline.
+
+    Computed once per report (the bootstrap refits 1000 times) and kept on the context for the
+    scaling section, its plot and the claims."""
+    key = ("scaling", which)
+    if key not in ctx.memo:
+        ctx.memo[key] = _fractions(ctx, which)
+    return ctx.memo[key]
+
+
+def _fractions(ctx, which: str) -> dict[str, Any]:
     from difftransformer.experiments.scaling import scaling_fraction
 
     pts = points(ctx, which)

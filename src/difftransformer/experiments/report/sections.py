@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from difftransformer.eval.paper import paper_number
@@ -35,6 +35,7 @@ class Context:
     runs: dict[tuple[str, int], Run]  # the headline cell's runs (the largest size and budget of a grid)
     cells: dict[tuple[str | None, int | None], dict[tuple[str, int], Run]] = None  # every cell of the grid
     headline: tuple[str | None, int | None] = (None, None)
+    memo: dict[Any, Any] = field(default_factory=dict)  # results computed once per report (scaling fits)
 
     def __post_init__(self) -> None:
         if self.cells is None:
