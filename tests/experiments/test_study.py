@@ -201,3 +201,16 @@ def test_claims_follow_the_interval(tmp_path):
     missed = text.split("### What did not reproduce")[1]
     assert "validation loss" in missed and "outliers" in missed and "needle" not in missed.split("Testing")[0]
     assert "paired seeds" in missed  # how many seeds the observed spread would need
+    assert missed.index("outliers") < missed.index("validation loss")  # "opposite" listed before "not shown"
+
+
+def test_one_seed_claims_get_one_sentence_not_a_list(tmp_path):
+    records = []
+    for arm, loss, top1 in (("diff", 3.1, 50.0), ("transformer", 3.0, 20.0)):
+        evals = {"outliers": {"metrics": {"attention_logits_top1": top1}}}
+        records.append(_record(Unit(None, None, 0, arm), loss, 1000, evals))
+    _write_results(tmp_path / "r", records, [], [0])
+    text = write_report(tmp_path / "r", samples=False).read_text()
+    missed = text.split("### What did not reproduce")[1].split("##")[0]
+    assert "2 of the 2 claims were measured with one seed" in missed
+    assert "\n- " not in missed  # no per-claim bullets without an interval

@@ -111,16 +111,26 @@ def claim_lines(ctx) -> list[str]:
     L += table(["claim", "paper (T → DIFF)", "ours: DIFF − T", "seeds", "verdict", "paper's source"],
                [[r["claim"], r["paper"], r["ours"], str(r["n"]), f"**{r['verdict']}**", r["ref"]] for r in rows])
     L += [""]
-    missed = [r for r in rows if r["verdict"] != "reproduced"]
-    L += ["### What did not reproduce", ""]
-    if not missed:
+    return L + _not_reproduced(rows)
+
+
+def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
+    """The claims that did not reproduce, "opposite" before "not shown"; one-seed claims in one sentence
+    (without an interval there is nothing to say about them one by one)."""
+    L = ["### What did not reproduce", ""]
+    single = [r for r in rows if r["verdict"] == "one seed"]
+    tested = sorted((r for r in rows if r["verdict"] in ("opposite", "not shown")), key=lambda r: r["verdict"] != "opposite")
+    if not tested and not single:
         return L + ["Every measured claim reproduced at this scale.", ""]
-    for r in missed:
+    if single:
+        L += [f"{len(single)} of the {len(rows)} claims were measured with one seed: no interval, so no verdict. "
+              f"Run the study with 3 or more paired seeds (`--seeds 0,1,2`) to test them.", ""]
+    for r in tested:
         need = ""
         if r["seeds_needed"]:
             need = (f" Resolving a difference of the paper's size ({r['effect']:.3g}) with the seed-to-seed spread "
                     f"seen here would take about {r['seeds_needed']} paired seeds (normal approximation).")
-        L += [f"- {r['claim']}: {r['verdict']} with {r['n']} seed(s) (ours {r['ours']}; paper {r['paper']}).{need}"]
+        L += [f"- {r['claim']}: {r['verdict']} with {r['n']} seeds (ours {r['ours']}; paper {r['paper']}).{need}"]
     L += ["", "Testing these properly needs what the paper had: models of 0.8B+ parameters trained on billions of "
           "tokens, and contexts of 4K-64K for retrieval and long-context claims (the GPU study config "
           "configs/studies/paper-gpu.toml scales this study up), and enough paired seeds for the intervals above "
