@@ -214,3 +214,19 @@ def test_one_seed_claims_get_one_sentence_not_a_list(tmp_path):
     missed = text.split("### What did not reproduce")[1].split("##")[0]
     assert "2 of the 2 claims were measured with one seed" in missed
     assert "\n- " not in missed  # no per-claim bullets without an interval
+
+
+def test_recipe_line_gives_the_steps_of_each_token_budget(tmp_path):
+    """With token budgets, max_steps differs per cell: the recipe line says the steps of each budget
+    (ceil(tokens / (16 x 32)): 1000 -> 2, 5000 -> 10), not the base recipe's max_steps."""
+    records = [_record(Unit(None, tokens, 0, arm), 3.0, 1000) for tokens in (1000, 5000)
+               for arm in ("diff", "transformer")]
+    _write_results(tmp_path / "r", records, [], [0])
+    manifest_path = tmp_path / "r" / "compare.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest.update(tokens=[1000, 5000], train={"max_steps": 999, "batch_size": 16, "seq_len": 32})
+    manifest_path.write_text(json.dumps(manifest))
+    text = write_report(tmp_path / "r", samples=False).read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("Training (identical"))
+    assert "2 steps for the 1,000-token budget, 10 steps for the 5,000-token budget" in line
+    assert "999" not in line

@@ -12,10 +12,11 @@ with like. Both: bottom-right causal masks, an optional (B, S) key-padding mask,
 that sees no key, fp32 compute (other dtypes are upcast and the result cast back), deterministic.
 
 Why it exists: PyTorch's CPU flash kernel needs equal q/k/v head dims, which costs the `sdpa`
-backend 2x the baseline's attention FLOPs for DIFF; this kernel does 1.5x in the forward and 1.0x
-in the backward (see `csrc/flash_cpu.cpp`). Decoding (few queries, no gradient) takes a separate
-forward-only path that splits the keys across threads and merges a DIFF head's two maps before
-P V, so a DIFF decoding step costs what the baseline's does (`decode_path_applies` states when).
+backend 2x the baseline's attention FLOPs for DIFF; this kernel does 1.5x in the training forward
+and 1.0x in the backward (see `csrc/flash_cpu.cpp`). Without a gradient, forward-only paths merge a
+DIFF head's two maps before P V, so DIFF costs what the baseline costs: decoding (few queries) splits
+the keys across threads, and a prefill or evaluation forward keeps each query block's scores
+(`decode_path_applies` and `infer_path_applies` state when).
 
 The extension is built with `torch.utils.cpp_extension.load` (needs a C++ compiler and ninja,
 both installed by `make venv`) into TORCH_EXTENSIONS_DIR and reused from there. If the build
@@ -128,32 +129,50 @@ def _register_fakes() -> None:
     def _(q, k, v, lam, causal, scale, key_mask, norm_weight, norm_eps):
         return token_major_empty(q, q.shape[1] // 2, 2 * q.shape[3])
 
+    @torch.library.register_fake("difftransformer_cpu::diff_flash_infer")
+    def _(q, k, v, lam, causal, scale, key_mask, norm_weight, norm_eps):
+        return token_major_empty(q, q.shape[1] // 2, 2 * q.shape[3])
+
     @torch.library.register_fake("difftransformer_cpu::flash_decode")
     def _(q, k, v, causal, scale, key_mask):
         return token_major_empty(q, q.shape[1], q.shape[3])
 
 
-# The decode path's rule, stated once. `csrc/flash_cpu.cpp` has two forward paths:
-#   training  one task per (batch, head, 64-query block), each walking all keys; saves what the
-#             backward needs (log-sum-exps, A2 V);
+# The forward paths' rule, stated once. `csrc/flash_cpu.cpp` has three forward paths:
+#   training  one task per (batch, head, 64-query block), each walking all keys with an online
+#             softmax per map; saves what the backward needs (log-sum-exps, A2 V), and multiplies
+#             both DIFF maps with V (1.5x the baseline's attention FLOPs);
 #   decode    one task per (batch, kv group, 128-key split), all the group's query rows scored in
-#             one matrix, partial softmaxes combined afterwards (flash-decoding); forward only.
-# Decode runs when (a) no gradient is wanted: it keeps nothing for a backward, so under grad (a
-# training step, or any input that requires grad) the training path always runs; and (b) the
-# group's query rows fit one query block, n_rep * T <= DECODE_MAX_ROWS (64, the training path's
-# block): then the training path has at most B * h tasks, each reading the whole cache (one query
-# with B = 1 and 4 heads uses at most 4 threads, and every head of a GQA group re-reads its K and
-# V), while the decode path reads each key once and has more tasks the longer the cache is. Both
-# paths compute the same function within fp32 rounding (tests/kernels/test_flash_cpu_decode.py).
+#             one matrix, partial softmaxes combined afterwards (flash-decoding); forward only;
+#   infer     (DIFF only) the training path's tasks, but each keeps its rows' scores over all the
+#             keys they see, so both maps' softmaxes are exact before P V and merge into one row
+#             A1 - lam A2: one P V product, the baseline's attention FLOPs; forward only.
+# Only the training path keeps anything for a backward, so under grad (a training step, or any input
+# that requires grad) it always runs. Otherwise: decode when the group's query rows fit one query
+# block, n_rep * T <= DECODE_MAX_ROWS (64, the training path's block: then the training path has at
+# most B * h tasks, each reading the whole cache, while the decode path reads each key once and has
+# more tasks the longer the cache is); else, for DIFF, infer while S <= INFER_MAX_KEYS (its kept
+# scores, 2 x 64 x S floats per thread, stay within 32 MB); else training. Every path computes the
+# same function within fp32 rounding (tests/kernels/test_flash_cpu_decode.py).
 DECODE_MAX_ROWS = 64
+INFER_MAX_KEYS = 65536
+
+
+def _no_grad_wanted(inputs) -> bool:
+    return not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
 
 
 def decode_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
     """True when `csrc/flash_cpu.cpp`'s decode path computes this call (the rule above): q (B, C h,
     T, d) and k (B, C h_kv, S, d); `inputs`: every tensor a gradient could flow to (q, k, v, lam)."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return False
-    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS
+    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS and _no_grad_wanted(inputs)
+
+
+def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
+    """True when a DIFF call that the decode path does not take runs the inference path (the rule
+    above); arguments as for `decode_path_applies`."""
+    return (not decode_path_applies(q, k, *inputs) and k.shape[2] <= INFER_MAX_KEYS
+            and _no_grad_wanted(inputs))
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -257,11 +276,14 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
     if not (isinstance(lam, torch.Tensor) and lam.dtype == torch.float32):
         lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
     weight = None if out_norm is None else out_norm[0]
-    if decode_path_applies(q, k, q, k, v, lam, weight):
+    inputs = (q, k, v, lam, weight)
+    forward_only = (torch.ops.difftransformer_cpu.diff_flash_decode if decode_path_applies(q, k, *inputs) else
+                    torch.ops.difftransformer_cpu.diff_flash_infer if infer_path_applies(q, k, *inputs) else None)
+    if forward_only is not None:
         fused = weight is not None and dtype == torch.float32  # fp16/bf16: round, then norm, as unfused
-        out = _cast_back(torch.ops.difftransformer_cpu.diff_flash_decode(
-            q, k, v, lam, bool(causal), scale, mask, _fp32(weight).contiguous() if fused else None,
-            float(out_norm[1]) if fused else 0.0), dtype)
+        out = _cast_back(forward_only(q, k, v, lam, bool(causal), scale, mask,
+                                      _fp32(weight).contiguous() if fused else None,
+                                      float(out_norm[1]) if fused else 0.0), dtype)
         return out if fused or out_norm is None else _rms_norm(out, out_norm)
     out = _cast_back(DiffFlashAttentionCPU.apply(q, k, v, lam, mask, bool(causal), scale), dtype)
     return out if out_norm is None else _rms_norm(out, out_norm)

@@ -367,9 +367,8 @@ def _recipe(ctx: Context) -> Lines:
     L: Lines = []
     tr = ctx.manifest.get("train") or {}
     if tr:
-        tok = max((r.tokens for r in ctx.runs.values()), default=0)
-        L += [f"Training (identical for every arm): {tr.get('max_steps')} steps × {tr.get('batch_size')} sequences "
-              f"× {tr.get('seq_len')} tokens = {tok:,} training tokens per run; AdamW (β1 {tr.get('beta1')}, β2 "
+        L += [f"Training (identical for every arm): {_steps_text(tr, ctx.manifest.get('tokens') or [], ctx)}; "
+              f"AdamW (β1 {tr.get('beta1')}, β2 "
               f"{tr.get('beta2')}, weight decay {tr.get('weight_decay')}), lr {tr.get('lr')} → {tr.get('min_lr')} "
               f"({tr.get('lr_schedule')}, {tr.get('warmup_steps')} warmup steps), grad clip {tr.get('grad_clip')}, "
               f"precision {tr.get('precision')}; validation every {tr.get('eval_interval')} steps on "
@@ -389,6 +388,17 @@ def _recipe(ctx: Context) -> Lines:
                   f"val split ({windows * tr['seq_len']:,} of its {nt['val']:,} tokens), the same windows for every "
                   f"arm and every evaluation.", ""]
     return L
+
+
+def _steps_text(tr: dict, budgets: list[int], ctx: Context) -> str:
+    """Steps and tokens per run: the recipe's max_steps, or with token budgets the steps of each budget
+    (ceil(tokens / tokens per step), as `Study.train_for` sets them)."""
+    per_step = (tr.get("batch_size") or 0) * (tr.get("seq_len") or 0)
+    head = f"{tr.get('batch_size')} sequences × {tr.get('seq_len')} tokens per step"
+    if budgets and per_step:
+        return head + ", " + ", ".join(f"{-(-b // per_step)} steps for the {b:,}-token budget" for b in budgets)
+    tok = max((r.tokens for r in ctx.runs.values()), default=0)
+    return f"{tr.get('max_steps')} steps × {head} = {tok:,} training tokens per run"
 
 
 def _rel(path, root) -> str:

@@ -428,6 +428,23 @@ inline void pv_few(const float* p, int64_t lds, int64_t nr, const float* vv, int
     for (int64_t r = 0; r < nr; ++r) axpby_into(acc + r * dv, acc + r * dv, 1.f, vv + j * ldv, p[r * lds + j], dv);
 }
 
+// o = o / sqrt(mean(o^2) + eps) * w: the DIFF head norm of one output row (RMSNorm over C d).
+inline void rms_norm_row(float* o, int64_t n, const float* w, double eps) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) ss += o[j] * o[j];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t j = 0; j < n; ++j) o[j] = o[j] * inv * w[j];
+}
+
+// The optional head-norm weight of the forward-only paths, checked: nullptr when absent.
+inline const float* norm_weight_ptr(const std::optional<at::Tensor>& norm_weight, int64_t dv) {
+  if (!norm_weight.has_value()) return nullptr;
+  TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() && norm_weight->dim() == 1 &&
+                  norm_weight->size(0) == dv,
+              "flash_cpu: norm_weight must be a contiguous float32 vector of the output's width C d");
+  return norm_weight->data_ptr<float>();
+}
+
 template <int C>
 at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float (&coef)[C],
                              bool causal, float sc, const std::optional<at::Tensor>& key_mask,
@@ -436,13 +453,7 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S, R = s.n_rep * T;  // R: query rows of one map
   auto out = new_out(s, dv, q.options());
   if (out.numel() == 0) return out;
-  const float* nw = nullptr;
-  if (norm_weight.has_value()) {
-    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() &&
-                    norm_weight->dim() == 1 && norm_weight->size(0) == dv,
-                "flash_cpu: norm_weight must be a contiguous float32 vector of the output's width C d");
-    nw = norm_weight->data_ptr<float>();
-  }
+  const float* nw = norm_weight_ptr(norm_weight, dv);
   const int64_t nsplit = (S + kSplitK - 1) / kSplitK, ntask = s.B * s.h_kv * nsplit;
   const int64_t rows = C * R;  // score rows of one (batch, kv group) task: map-major, then head, then query
   // probs: each task's exp(score - its row max), (rows, kSplitK); stats: its m and l per row;
@@ -530,12 +541,55 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
     if (R <= kFewRows) pv_few(ubuf, kSplitK, R, vv, sv.t, bk, dv, pr);
     else mm(false, false, R, dv, bk, 1.f, ubuf, kSplitK, vv, sv.t, 0.f, pr, dv);
   };
-  if (nsplit == 1 || kOnePass) {  // one split: its statistics are final, so both passes run in one task
+  // Sum the splits' shares of output row idx = (b, i, t) (then the optional head norm).
+  auto combine = [&](int64_t idx) {
+    const int64_t b = idx / (s.h * T), i = (idx / T) % s.h, t = idx % T, g = i / s.n_rep;
+    const int64_t r = (i % s.n_rep) * T + t, task0 = (b * s.h_kv + g) * nsplit;
+    float* o = outp + so.at(b, i, t);
+    if constexpr (kOnePass) {  // each split's share times exp(m_s - M) / L
+      float M = kNegInf, L = 0.f;
+      for (int64_t sp = 0; sp < nsplit; ++sp) {
+        const float ms = statp[(task0 + sp) * 2 * rows + r];
+        M = std::isnan(ms) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, ms);
+      }
+      std::fill(o, o + dv, 0.f);
+      if (M != kNegInf) {  // else the row sees no key: zeros
+        for (int64_t sp = 0; sp < nsplit; ++sp) {
+          const float* st = statp + (task0 + sp) * 2 * rows;
+          L += st[rows + r] * std::exp(st[r] - M);  // NaN stays NaN
+        }
+        for (int64_t sp = 0; sp < nsplit; ++sp) {
+          const float w = std::exp(statp[(task0 + sp) * 2 * rows + r] - M) / L;
+          if (w != 0.f || std::isnan(w)) axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, w, dv);
+        }
+      }
+    } else {
+      std::copy_n(partp + (task0 * R + r) * dv, dv, o);
+      for (int64_t sp = 1; sp < nsplit; ++sp)
+        axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, 1.f, dv);
+    }
+    if (nw != nullptr) rms_norm_row(o, dv, nw, norm_eps);
+  };
+  if (nsplit == 1) {  // one split: its statistics are final, so every pass runs in one task per (b, g),
+    // which also owns its output rows (one parallel region per call, not three)
     at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qbuf(rows * d), ubuf(R * kSplitK);
       for (int64_t idx = begin; idx < end; ++idx) {
         score_task(idx, qbuf.data());
         value_task(idx, ubuf.data());
+        const int64_t b = idx / s.h_kv, g = idx % s.h_kv;
+        for (int64_t rep = 0; rep < s.n_rep; ++rep)
+          for (int64_t t = 0; t < T; ++t) combine((b * s.h + g * s.n_rep + rep) * T + t);
+      }
+    });
+    return out;
+  }
+  if (kOnePass) {
+    at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qbuf(rows * d);
+      for (int64_t idx = begin; idx < end; ++idx) {
+        score_task(idx, qbuf.data());
+        value_task(idx, nullptr);
       }
     });
   } else {
@@ -548,43 +602,92 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
       for (int64_t idx = begin; idx < end; ++idx) value_task(idx, ubuf.data());
     });
   }
-
-  // Sum the splits' shares of each output row (then the optional head norm). Small: run inline
-  // unless there is real work to share.
+  // Small: run inline unless there is real work to share.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(nsplit * dv, 1));
   at::parallel_for(0, s.B * s.h * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) combine(idx);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Inference path of DIFF (forward only, no lse): many queries (a prompt's prefill, an evaluation's
+// forward) and no gradient wanted.
+//
+// The training forward keeps one online softmax per map and multiplies BOTH maps with V (it must
+// keep A2 V and the log-sum-exps for the backward): 1.5x the baseline's attention FLOPs. Without a
+// backward the two maps can be merged before P V, as the decode path does: here each task (batch,
+// head, query block, as in the training forward) scores its rows against ALL the keys they may see
+// and keeps those scores (C x bq x kend floats, 2 MB at 4K keys), so each map's softmax is exact
+// before any product with V; the row u = A1 - lam A2 then goes through ONE P V product, and DIFF
+// costs what the baseline costs (its q/k dims are half the baseline's, its v dim twice). Masks, NaN
+// propagation, rows that see no key and the optional fused head norm behave as in the decode path.
+// Used while the kept scores fit kInferMaxKeys keys (64 K: 32 MB per thread); beyond, the caller
+// uses the training forward.
+constexpr int64_t kInferMaxKeys = 65536;
+
+at::Tensor diff_flash_infer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
+                            bool causal, double scale, const std::optional<at::Tensor>& key_mask,
+                            const std::optional<at::Tensor>& norm_weight, double norm_eps) {
+  constexpr int C = 2;
+  const Shape s = check_inputs<C>(q, k, v, key_mask);
+  TORCH_CHECK(s.S <= kInferMaxKeys, "flash_cpu: diff_flash_infer keeps every score of a query block; use the "
+              "training forward beyond ", kInferMaxKeys, " keys");
+  const int64_t d = s.d, dv = C * s.d, T = s.T, S = s.S;
+  auto out = new_out(s, dv, q.options());
+  if (out.numel() == 0) return out;
+  const float* nw = norm_weight_ptr(norm_weight, dv);
+  const float sc = static_cast<float>(scale), neg_lam = -lam.item<float>();
+  const Strides sq(q), sk(k), sv(v), so(out);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = key_mask.has_value() ? key_mask->data_ptr<bool>() : nullptr;
+  float* outp = out.data_ptr<float>();
+  const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+  at::parallel_for(0, s.B * s.h * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sbuf;  // (C, bq, kend) scores, then probabilities; map 0's rows become u
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / (s.h * T), i = (idx / T) % s.h, t = idx % T, g = i / s.n_rep;
-      const int64_t r = (i % s.n_rep) * T + t, task0 = (b * s.h_kv + g) * nsplit;
-      float* o = outp + so.at(b, i, t);
-      if constexpr (kOnePass) {  // each split's share times exp(m_s - M) / L
-        float M = kNegInf, L = 0.f;
-        for (int64_t sp = 0; sp < nsplit; ++sp) {
-          const float ms = statp[(task0 + sp) * 2 * rows + r];
-          M = std::isnan(ms) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, ms);
-        }
-        std::fill(o, o + dv, 0.f);
-        if (M != kNegInf) {  // else the row sees no key: zeros
-          for (int64_t sp = 0; sp < nsplit; ++sp) {
-            const float* st = statp + (task0 + sp) * 2 * rows;
-            L += st[rows + r] * std::exp(st[r] - M);  // NaN stays NaN
-          }
-          for (int64_t sp = 0; sp < nsplit; ++sp) {
-            const float w = std::exp(statp[(task0 + sp) * 2 * rows + r] - M) / L;
-            if (w != 0.f || std::isnan(w)) axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, w, dv);
-          }
-        }
-      } else {
-        std::copy_n(partp + (task0 * R + r) * dv, dv, o);
-        for (int64_t sp = 1; sp < nsplit; ++sp)
-          axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, 1.f, dv);
+      const int64_t b = idx / (s.h * nqb), i = (idx / nqb) % s.h, t0 = (idx % nqb) * kBlockQ;
+      const int64_t bq = std::min(kBlockQ, T - t0), g = i / s.n_rep, kend = key_end(causal, t0, bq, T, S);
+      const bool* keep = mp == nullptr ? nullptr : mp + b * S;
+      float* o0 = outp + so.at(b, i, t0);
+      if (kend == 0) {  // no row of the block sees a key: zeros
+        for (int64_t r = 0; r < bq; ++r) std::fill(o0 + r * so.t, o0 + r * so.t + dv, 0.f);
+        continue;
       }
-      if (nw != nullptr) {
-        float ss = 0.f;
-        for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(norm_eps));
-        for (int64_t j = 0; j < dv; ++j) o[j] = o[j] * inv * nw[j];
+      sbuf.resize(C * bq * kend);
+      for (int c = 0; c < C; ++c)
+        mm(false, true, bq, kend, d, sc, qp + sq.at(b, C * i + c, t0), sq.t, kp + sk.at(b, C * g + c, 0), sk.t, 0.f,
+           sbuf.data() + c * bq * kend, kend);
+      for (int64_t r = 0; r < bq; ++r) {
+        float* u = sbuf.data() + r * kend;
+        const int64_t nvis = causal_visible(causal, t0 + r, T, S, 0, kend);
+        float w[C];  // coef_c / L_c of each map; the map's row then holds exp(s - m_c)
+        bool poisoned = false;
+        for (int c = 0; c < C; ++c) {
+          float* row = sbuf.data() + (c * bq + r) * kend;
+          if (nvis < kend || keep != nullptr) mask_row(row, nvis, kend, keep, 0);
+          const float m = row_max(row, kend);
+          if (std::isnan(m) || m == kInf) {  // a NaN or +inf score: the output row is NaN, as softmax's
+            poisoned = true;
+            break;
+          }
+          if (m == kNegInf) {  // the row sees no key: this map contributes zeros
+            std::fill(row, row + kend, 0.f);
+            w[c] = 0.f;
+          } else {
+            w[c] = (c == 0 ? 1.f : neg_lam) / exp_sub_sum(row, kend, m);
+          }
+        }
+        if (poisoned) std::fill(u, u + kend, kNaN);
+        else axpby_into(u, u, w[0], sbuf.data() + (bq + r) * kend, w[1], kend);
       }
+      mm(false, false, bq, dv, kend, 1.f, sbuf.data(), kend, vp + sv.at(b, g, 0), sv.t, 0.f, o0, so.t);
+      if (nw != nullptr)
+        for (int64_t r = 0; r < bq; ++r) rms_norm_row(o0 + r * so.t, dv, nw, norm_eps);
     }
   });
   return out;
@@ -659,6 +762,8 @@ TORCH_LIBRARY(difftransformer_cpu, m) {
   m.def("diff_flash_decode(Tensor q, Tensor k, Tensor v, Tensor lam, bool causal, float scale, Tensor? key_mask,"
         " Tensor? norm_weight, float norm_eps) -> Tensor");
   m.def("flash_decode(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? key_mask) -> Tensor");
+  m.def("diff_flash_infer(Tensor q, Tensor k, Tensor v, Tensor lam, bool causal, float scale, Tensor? key_mask,"
+        " Tensor? norm_weight, float norm_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
@@ -668,4 +773,5 @@ TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
   m.impl("flash_bwd", &flash_bwd);
   m.impl("diff_flash_decode", &diff_flash_decode);
   m.impl("flash_decode", &flash_decode);
+  m.impl("diff_flash_infer", &diff_flash_infer);
 }
