@@ -40,6 +40,7 @@ paper-cpu: venv
 	$(PY) -m difftransformer compare --config configs/studies/paper-cpu.toml
 	$(PY) -m difftransformer compare --config configs/studies/ablations-cpu.toml
 	$(PY) -m difftransformer compare --config configs/studies/scaling-cpu.toml
+	$(PY) -m difftransformer compare --config configs/studies/scaling-tokens-cpu.toml
 
 bench: venv
 	$(PY) benchmarks/attention_cpu.py

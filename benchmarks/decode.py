@@ -7,8 +7,7 @@ process, so machine load hits all alike; figures are medians over repeats. Prefi
 1-token call (the prompt's forward into a fresh cache: time to first token); decode tokens/s is
 batch * (new_tokens - 1) / (new_tokens call - 1-token call), the rate of the single-token steps.
 Timing whole generate calls of every arm, transformers' included, measures what a user gets, with
-each library's own prefill (transformers computes only the last position's logits there; ours
-computes all of them).
+each library's own prefill (both compute only the last position's logits there).
 
 Arms: the Transformer and DIFF on the fused C++ kernel (`cpp`, what 'auto' picks on CPU) and on
 PyTorch's SDPA (`sdpa`); "best" is an arm's faster backend. `Llama (HF)` is transformers'

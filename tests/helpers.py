@@ -206,3 +206,24 @@ class UniformLM(torch.nn.Module):
 
     def forward(self, ids):
         return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)
+
+
+def count_op_calls(monkeypatch, **ops: str) -> dict[str, int]:
+    """Wrap ops of torch.ops.difftransformer_cpu (key=op name) so their calls are counted in the returned
+    dict under each key: a test knows the kernel path it meant to test ran."""
+    calls = dict.fromkeys(ops, 0)
+    ns = torch.ops.difftransformer_cpu
+    for key, name in ops.items():
+        op = getattr(ns, name)
+
+        def counted(*args, _op=op, _key=key):
+            calls[_key] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(ns, name, counted)
+    return calls
+
+
+def shape_id(shape) -> str:
+    """A test id for a (B, h, h_kv, T, S) attention shape."""
+    return "B{}h{}kv{}T{}S{}".format(*shape)

@@ -54,3 +54,18 @@ def test_the_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
     proc = _holder(tmp_path / "x")  # released: another process can take it
     proc.kill()
     proc.wait()
+
+
+def test_the_command_line_knows_every_kind_of_output_folder():
+    """Each owner registers its folder kind when imported; the command line imports all of them."""
+    subprocess.run([sys.executable, "-c", "import difftransformer.cli\nfrom difftransformer._io import FOLDER_MARKERS\n"
+                    "assert set(FOLDER_MARKERS) == {'prepared data', 'a training run', 'a study'}, FOLDER_MARKERS"],
+                   check=True)
+    from difftransformer._io import FOLDER_MARKERS
+    from difftransformer.data.prepare import PREPARED_FILE
+    from difftransformer.experiments.study_dir import MANIFEST_FILE
+    from difftransformer.train.checkpoint import TRAIN_CONFIG_FILE
+    from difftransformer.train.metrics import METRICS_FILE
+
+    assert FOLDER_MARKERS == {"prepared data": (PREPARED_FILE,), "a training run": (TRAIN_CONFIG_FILE, METRICS_FILE),
+                              "a study": (MANIFEST_FILE,)}

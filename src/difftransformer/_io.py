@@ -59,6 +59,34 @@ def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
         fsync_dir(path.parent)
 
 
+def canonical_safetensors(path: str | Path) -> None:
+    """Rewrite a safetensors file's header so that equal tensors and metadata give equal bytes.
+
+    safetensors (0.8 at least) writes its `__metadata__` map in the order of a Rust HashMap, which
+    is seeded at random for every map: two saves of the same tensors with two or more metadata keys
+    differ in their first bytes (`save(t, metadata={"a": "1", "b": "2"})` 50 times gives 2 distinct
+    files), which defeats byte comparison and content hashes of runs that are bitwise equal. The
+    header is written again with its metadata keys sorted, padded with spaces (as the format allows)
+    to its former length; the tensor data are not touched. Call it on a file no reader sees yet (a
+    temp file before its rename): the rewrite is in place.
+    """
+    import json
+    import struct
+
+    with open(path, "r+b") as fh:
+        raw = fh.read(8)
+        (size,) = struct.unpack("<Q", raw) if len(raw) == 8 else (0,)
+        header = json.loads(fh.read(size)) if size else {}
+        if not isinstance(header.get("__metadata__"), dict):
+            return  # no metadata map: nothing whose order could vary
+        ordered = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > size:  # not a header this function knows how to lay out: leave it as written
+            return
+        fh.seek(8)
+        fh.write(text.ljust(size, b" "))
+
+
 def default_permissions(path: str | Path) -> None:
     """Give a file the permissions a plain `open()` would (0666 less the umask): some writers, such as
     safetensors, create their files 0600 whatever the umask, which hides results from a group."""
@@ -119,15 +147,45 @@ def _holder(path: Path) -> str:
     return text or "a process that has not written its name yet"
 
 
+class ForeignFolderError(ValueError):
+    """A command was asked to write its output into a folder that holds another command's output."""
+
+
+# Which command's output a folder holds, told by files only that command writes there: each owner
+# registers its kind and marker names when imported (data/prepare.py, train/run_dir.py,
+# experiments/study_dir.py), since _io sits below them. The command line imports all three.
+FOLDER_MARKERS: dict[str, tuple[str, ...]] = {}
+
+
+def register_folder_kind(kind: str, *markers: str) -> None:
+    """Declare that a folder holding any of `markers` (file names) holds `kind` of output."""
+    FOLDER_MARKERS[kind] = markers
+
+
+def check_folder_kind(folder: str | Path, kind: str) -> None:
+    """ForeignFolderError when `folder` holds the output of another command than the one writing `kind`
+    (prepared data, a training run, a study: the kinds registered so far): mixed into one folder, a later
+    `prepare --force` or `--no-resume` would replace or set aside the other's files, and readers could
+    take one for the other."""
+    folder = Path(folder)
+    for other, markers in FOLDER_MARKERS.items():
+        if other != kind and folder.is_dir() and any((folder / m).is_file() for m in markers):
+            raise ForeignFolderError(f"{folder} holds {other}; {kind} is not written into it: choose another folder")
+
+
 @contextlib.contextmanager
-def folder_lock(folder: str | Path, *, purpose: str = "write") -> Iterator[None]:
+def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: str | None = None) -> Iterator[None]:
     """Hold the exclusive lock of `folder` (created if missing) while the block runs.
 
     A second process that asks for it fails at once with FolderInUseError naming the holder (pid,
     host, command, start time). The lock is an advisory flock on `folder/.lock`: the operating
     system releases it when the holder exits or is killed, so a lock is never stale, whatever the
     file says. Re-entrant within one process. Where flock is missing (Windows) nothing is locked.
+    kind: what the holder writes ("prepared data", "a training run", "a study"): a folder that holds
+    another kind is refused first (check_folder_kind).
     """
+    if kind is not None:
+        check_folder_kind(folder, kind)
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not a POSIX system
@@ -156,7 +214,7 @@ def folder_lock(folder: str | Path, *, purpose: str = "write") -> Iterator[None]
     except OSError:
         os.close(fd)
         raise FolderInUseError(f"{folder} is in use by another process ({_holder(path)}); wait for it to finish, "
-                               f"or {purpose} somewhere else") from None
+                               f"or {purpose}") from None
     _held[key] = (fd, 1)
     try:
         import datetime as dt

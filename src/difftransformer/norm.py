@@ -15,6 +15,8 @@ from torch import nn
 def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
     """The widest of fp32 and the inputs' floating dtypes (tensors or dtypes): never below fp32, never
     below the input."""
+    if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor) and inputs[0].dtype == torch.float32:
+        return torch.float32  # the common case, without a promote_types call (this runs per layer and token)
     dtype = torch.float32
     for x in inputs:
         d = x if isinstance(x, torch.dtype) else None if x is None else x.dtype
@@ -34,9 +36,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """RMSNorm(x) * scale; a constant scale is folded into the weight (one pass over x)."""
         f = compute_dtype(x)
-        w = self.weight.to(f) if self.weight is not None else None
+        w = self.weight
+        if w is not None and w.dtype != f:
+            w = w.to(f)
         if scale != 1.0:
             w = w * scale if w is not None else torch.full((self.dim,), scale, dtype=f, device=x.device)
+        if x.dtype == f:  # no casts to dispatch (the fp32 and float64 cases)
+            return F.rms_norm(x, (self.dim,), w, self.eps)
         return F.rms_norm(x.to(f), (self.dim,), w, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -121,10 +121,14 @@ _Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+
 def load_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a .toml or .yaml/.yml config into {section: {key: value}}; section names are checked here."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give the .toml or .yaml file in it")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file; give a .toml or .yaml file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a byte-order mark (as some Windows editors write) is not the start of a statement
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:

@@ -1,5 +1,6 @@
 """RoPE (GPT-J interleaved) against the formula, on any view, and its relative-position property."""
 
+import pytest
 import torch
 
 from difftransformer import RotaryEmbedding
@@ -34,3 +35,25 @@ def test_rope_relative():
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     dots = [(rope(q[None], torch.tensor([m])) @ rope(k[None], torch.tensor([m - 3])).T).item() for m in (3, 50, 999)]
     assert max(dots) - min(dots) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_shared_table_gives_the_directly_computed_rotations(dtype):
+    """Default positions start .. start + T - 1 come from a table (grown by doubling past 256, 512, ...):
+    the same values as the direct float64 computation, bit for bit, on both sides of each growth."""
+    rope = RotaryEmbedding(16, theta=5000.0 + torch.rand(()).item())  # a theta no other test shares
+    for start, T in ((0, 1), (255, 2), (0, 300), (511, 1), (700, 64), (3, 1000)):
+        pos = torch.arange(start, start + T)
+        tabled = rope.rotation(pos, dtype, start=start)
+        direct = rope.rotation(pos, dtype)
+        assert tabled.dtype == direct.dtype and torch.equal(tabled, direct), (start, T)
+
+
+def test_a_table_built_in_inference_mode_serves_training():
+    rope = RotaryEmbedding(8, theta=1234.5)
+    with torch.inference_mode():
+        rope.rotation(torch.arange(4), start=0)  # the table is built here first
+    x = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = rope.rotate(x, rope.rotation(torch.arange(4), start=0))
+    out.square().sum().backward()  # an inference tensor saved for backward would raise here
+    assert x.grad is not None

@@ -94,15 +94,20 @@ def test_prepare_killed_while_re_preparing_never_leaves_a_usable_mix(workdir, tm
 
 def test_a_second_writer_started_mid_run_is_refused_and_the_first_finishes(workdir, tmp_path):
     out = tmp_path / "busy"
-    # long enough that the second process (a fresh Python importing torch) starts while the first runs
     argv = ("train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out), "--set", "train.max_steps=40")
     first = _cli(*argv)
     deadline = time.monotonic() + 60
     while not (out / ".lock").is_file() or not (out / ".lock").read_text():
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
         time.sleep(0.05)
-    second = _cli(*argv)
-    assert second.wait(timeout=60) == 2 and f"pid {first.pid}" in second.stderr.read()
+    # The first is paused while it holds the lock, so the second (a fresh Python importing torch, seconds)
+    # meets it mid-run on any machine, however fast the first's 40 steps would otherwise be.
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _cli(*argv)
+        assert second.wait(timeout=60) == 2 and f"pid {first.pid}" in second.stderr.read()
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert first.wait(timeout=120) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
     assert len(steps) == 30 and max(steps) == 40  # the first run's log is whole: 20 train rows and 10 val rows

@@ -135,30 +135,94 @@ def test_the_task_reports_answer_one_and_noise_zero_for_a_forced_model(tok, data
     assert result.details["variants"]["question/sentence"]["answer"] == pytest.approx(1, abs=1e-6)
 
 
-# ------------------------------------------------------------------------- an ordinary run
+# ------------------------------------------------------------------------- uniform attention, known by hand
 
 
-def test_a_run_reports_shares_that_sum_to_one_with_json_and_a_plot(tok, data_dir, tmp_path):
-    cfg = EvalConfig(data_dir=data_dir)
-    results = {}
-    for kind in ("diff", "transformer"):
-        task = get_task("attention-noise", depths=(25, 75), samples=1, query_rows="question", answer="number")
-        results[kind] = r = run_task(task, model_of(kind), tok, cfg)
-        m = r.metrics
-        assert sum(m[s] for s in SEGMENTS) == pytest.approx(1)
-        assert m["noise"] == pytest.approx(m["before"] + m["after"])
-        assert m["raw_total"] == pytest.approx(sum(m[f"raw_{s}"] for s in SEGMENTS))
-        assert set(r.details["variants"]) == {"last/sentence", "last/number", "question/sentence", "question/number"}
-        assert r.details["variants"]["question/number"]["answer"] == pytest.approx(m["answer"])
-        assert set(r.details["depths"]) == {"25", "75"} and r.settings["length"] == CONTEXT
-        assert len(r.details["per_layer"]["normalised"]) == 2
-        json.dumps(r.to_dict())
-    assert results["transformer"].metrics["raw_total"] == pytest.approx(1)  # softmax rows sum to 1
-    assert results["diff"].metrics["raw_total"] < 0.9  # A1 - λA2 rows sum to 1 - λ
-    assert task.plot(results["diff"], tmp_path / "noise.png") and (tmp_path / "noise.png").stat().st_size > 10_000
+def uniform(scores, visible):
+    """A score hook giving every key the same logit: each row attends uniformly to the keys it may see."""
+    return torch.zeros_like(scores)
+
+
+def uniform_shares(sample, rows: str, answer: str) -> list[float]:
+    """The normalised shares of uniform causal attention, counted by hand: a row at position t sees the
+    t + 1 keys 0..t, so each segment gets (its keys at or before t) / (t + 1); averaged over the rows."""
+    a, b = sample.segments.answer if answer == "sentence" else sample.segments.number
+    q, S = sample.segments.query[0], len(sample.ids)
+    positions = [S - 1] if rows == "last" else list(range(q, S))
+    edges = (0, 1, a, b, q, S)
+    per_row = [[max(0, min(edges[i + 1], t + 1) - edges[i]) / (t + 1) for i in range(5)] for t in positions]
+    return [sum(r[i] for r in per_row) / len(per_row) for i in range(5)]
+
+
+def row_sums(model, kind: str) -> list[float]:
+    """What each layer's map rows sum to: 1 - λ for DIFF (A1 = A2 here), 1 for softmax attention."""
+    return [1 - lam.value for lam in model.lambdas()] if kind == "diff" else [1.0] * len(model.layers)
+
+
+@pytest.mark.parametrize("kind", ["diff", "transformer"])
+def test_uniform_attention_gives_each_segment_its_share_of_the_visible_keys(tok, data_dir, kind):
+    model = model_of(kind, seed=3)
+    text = haystack_text(EvalConfig(data_dir=data_dir), tok, "t")[0]
+    (sample,) = needle_samples(tok, needles=3, queries=1, depth=40, length=CONTEXT, count=1, seed=4, text=text)
+    plant(model, uniform)
+    try:
+        alloc = attention_allocation(model, sample)
+    finally:
+        plant(model, None)
+    sums = row_sums(model, kind)
+    for rows in ("last", "question"):
+        for answer in ("sentence", "number"):
+            raw, norm = alloc[(rows, answer)]
+            want = uniform_shares(sample, rows, answer)
+            assert 0 < want[2] < 0.2 and want[1] > 0.1  # a real spread: a wrong segment edge would show
+            for layer in range(len(model.layers)):
+                assert norm[layer].tolist() == pytest.approx(want, abs=1e-6)
+                assert raw[layer].tolist() == pytest.approx([w * sums[layer] for w in want], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["diff", "transformer"])
+def test_a_run_reports_the_hand_counted_shares_of_uniform_attention_as_json_and_a_plot(tok, data_dir, tmp_path,
+                                                                                         kind):
+    cfg = EvalConfig(data_dir=data_dir, eval_seed=7)
+    model = model_of(kind)
+    depths = (25, 75)
+    task = get_task("attention-noise", depths=depths, samples=2, query_rows="question", answer="number")
+    plant(model, uniform)
+    try:
+        result = run_task(task, model, tok, cfg)
+    finally:
+        plant(model, None)
+    text = haystack_text(cfg, tok, "t")[0]
+    prompts = {d: needle_samples(tok, needles=1, queries=1, depth=d, length=CONTEXT, count=2, seed=7, text=text,
+                                 context=CONTEXT) for d in depths}
+
+    def expected(rows, answer, depth=None):
+        chosen = [s for d in depths if depth in (None, d) for s in prompts[d]]
+        shares = [uniform_shares(s, rows, answer) for s in chosen]
+        return [sum(x[i] for x in shares) / len(shares) for i in range(5)]
+
+    m, sums = result.metrics, row_sums(model, kind)
+    want = expected("question", "number")
+    assert [m[s] for s in SEGMENTS] == pytest.approx(want, abs=1e-6)
+    assert m["noise"] == pytest.approx(want[1] + want[3], abs=1e-6)
+    assert m["raw_answer"] == pytest.approx(want[2] * sum(sums) / len(sums), abs=1e-6)
+    assert m["raw_total"] == pytest.approx(sum(sums) / len(sums), abs=1e-6)
+    for d in depths:
+        at = expected("question", "number", d)
+        assert m[f"answer@{d}"] == pytest.approx(at[2], abs=1e-6)
+        assert m[f"noise@{d}"] == pytest.approx(at[1] + at[3], abs=1e-6)
+    last = expected("last", "sentence")
+    assert result.details["variants"]["last/sentence"]["answer"] == pytest.approx(last[2], abs=1e-6)
+    assert result.details["variants"]["last/sentence"]["noise"] == pytest.approx(last[1] + last[3], abs=1e-6)
+    assert result.settings["length"] == CONTEXT and len(result.details["per_layer"]["normalised"]) == 2
+    json.dumps(result.to_dict())
+    assert task.plot(result, tmp_path / "noise.png") and (tmp_path / "noise.png").stat().st_size > 10_000
+
+
+def test_length_zero_takes_the_eval_seq_len_before_the_models_context(tok, data_dir):
     shorter = run_task(get_task("attention-noise", depths=(50,), samples=1), model_of("diff"), tok,
                        EvalConfig(data_dir=data_dir, seq_len=380))
-    assert shorter.settings["length"] == 380  # length 0: EvalConfig.seq_len before the model's context
+    assert shorter.settings["length"] == 380
 
 
 def test_bad_inputs_are_one_line_value_errors(tok, data_dir):

@@ -8,7 +8,8 @@ import pytest
 
 from difftransformer.data import PreparedData, Tokenizer
 from difftransformer.eval import EvalConfig, run_task
-from difftransformer.eval.heldout import documents, heldout_split
+from difftransformer.data import iter_eval_batches
+from difftransformer.eval.heldout import documents, heldout_split, input_windows, window_length
 from tests.helpers import UniformLM
 
 
@@ -49,3 +50,24 @@ def test_heldout_loss_scores_re_tokenised_text(data_dir):
     assert result.metrics["loss"] == pytest.approx(np.log(other.vocab_size))
     with pytest.raises(ValueError, match="set EvalConfig.data_dir"):
         heldout_split(EvalConfig(), other, "t")
+
+
+def test_window_length_takes_the_option_then_seq_len_then_the_context_and_refuses_more():
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    assert window_length(model, EvalConfig()) == 64
+    assert window_length(model, EvalConfig(seq_len=32)) == 32
+    assert window_length(model, EvalConfig(seq_len=32), "length", 48) == 48
+    with pytest.raises(ValueError, match=r"^length 65 is beyond the model's context of 64 tokens .*use length <= 64$"):
+        window_length(model, EvalConfig(), "length", 65)
+
+
+def test_input_windows_are_the_inputs_of_the_trainers_validation_windows():
+    tokens = np.arange(23)
+    got = input_windows(tokens, 5, budget=12, cap=None)  # 12 tokens round up to 3 windows of 5
+    assert got.dtype == np.int64 and got.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    assert input_windows(tokens, 5, budget=10 ** 6, cap=None).shape == (4, 5)  # the split runs out: 23 // 5
+    assert input_windows(tokens, 5, budget=10 ** 6, cap=2).shape == (2, 5)
+    inputs = next(iter_eval_batches(tokens, 3, 5))[0]
+    assert got.tolist() == inputs.tolist()

@@ -15,7 +15,7 @@ import torch
 
 from difftransformer.data import Tokenizer
 from difftransformer.eval import continuation_logprob, encode_prompt, generate_text, new_token_budget, token_nll
-from difftransformer.eval.lm import split_continuation
+from difftransformer.eval.lm import continuation_token_logprobs, split_continuation, until_eos
 from difftransformer.model import DiffTransformerLM
 from tests.helpers import tiny
 
@@ -129,3 +129,23 @@ def test_real_model_generate_text_equals_model_generate():
 class _Decoded(CharTokenizer):
     def decode(self, ids):
         return ",".join(map(str, ids))
+
+
+def test_batched_continuation_token_logprobs_are_known_by_hand_whatever_the_padding():
+    """StubLM(p) scores a correct next token log p and a wrong one log((1 - p) / (V - 1)); rows of other
+    lengths share a batch, padded with an id or with each row's own last token, and never change."""
+    p = 0.6
+    right, wrong = math.log(p), math.log((1 - p) / (V - 1))
+    rows = [([0, 1], [2, 3]), ([4], [5, 6, 3]), ([1, 2, 3, 4], [2])]
+    want = [[right, right], [right, right, wrong], [wrong]]
+    for pad_id in (None, 6, 0):
+        for batch_size in (1, 2, 3):
+            got = continuation_token_logprobs(StubLM(p), rows, batch_size=batch_size, pad_id=pad_id)
+            assert [g.tolist() for g in got] == [pytest.approx(w, abs=1e-6) for w in want]
+            assert all(g.dtype == torch.float32 for g in got)
+
+
+def test_until_eos_keeps_what_comes_before_the_first_eos():
+    assert until_eos([3, 4, 6, 5, 6], 6) == [3, 4]
+    assert until_eos([6, 1], 6) == []
+    assert until_eos([1, 2], 6) == [1, 2]

@@ -17,6 +17,20 @@ def test_absmax_quantisation_by_hand():
     assert fake_quantize(x, None, 2, "tensor").flatten().tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 7.0]
 
 
+def test_eight_bit_rounding_by_hand_halves_to_even():
+    # 8 bits: absmax 127 / (2^7 - 1) = a step of exactly 1.0; torch.round sends halves to the even level
+    x = torch.tensor([0.0, 0.5, 1.5, 2.5, 1.27, 63.49, 63.51, -126.5, -127.0]).view(1, 1, 1, 1, 9)
+    assert fake_quantize(x, None, 8, "tensor").flatten().tolist() == [0.0, 0.0, 2.0, 2.0, 1.0, 63.0, 64.0, -126.0,
+                                                                      -127.0]
+    # per row: row 1's absmax 12.7 gives a step of 0.1 there, while row 0 keeps a step of 1.0
+    rows = torch.tensor([[127.0, 3.4, 0.6], [12.7, 0.34, -0.06]]).view(1, 1, 1, 2, 3)
+    got = fake_quantize(rows, None, 8, "row")[0, 0, 0]
+    assert got[0].tolist() == [127.0, 3.0, 1.0]
+    assert got[1].tolist() == pytest.approx([12.7, 0.3, -0.1], abs=1e-6)
+    # per tensor the larger row sets the step for both: 0.34 and -0.06 round to 0
+    assert fake_quantize(rows, None, 8, "tensor")[0, 0, 0, 1].tolist() == [13.0, 0.0, 0.0]
+
+
 def test_masked_entries_do_not_set_the_scale_and_rows_are_separate():
     x = torch.tensor([[1.0, 100.0], [2.0, 4.0]]).view(1, 1, 1, 2, 2)
     visible = torch.tensor([[True, False], [True, True]]).view(1, 1, 1, 2, 2)
@@ -38,7 +52,7 @@ def test_tensor_scale_is_per_sequence_and_map():
     assert err[0, :, 1].max() <= x[0, :, 1].abs().amax() / 127 / 2 + 1e-6
 
 
-@pytest.mark.parametrize("bits", [16, 8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4, 3])
 def test_error_is_at_most_half_a_step_and_grows_as_bits_shrink(bits):
     torch.manual_seed(bits)
     x = torch.randn(2, 2, 2, 5, 5) * 10
@@ -86,19 +100,53 @@ def test_two_bits_change_the_model_far_more_than_eight(kind):
     assert two > 1e-3 and eight < two / 20
 
 
-def test_the_task_reference_is_exactly_unquantised(data_dir):
+def quantised_nll_by_hand(model, windows: torch.Tensor, bits: int) -> float:
+    """Mean NLL of the windows (each seq_len + 1 tokens) with every layer's logits quantised per
+    (sequence, map) by a quantiser written out here: step = max over heads, queries and visible keys
+    of |x|, over 2^(bits-1) - 1."""
+    from difftransformer.eval.probes import inspect_attention
+
+    def quantise(scores, visible):
+        out = torch.empty_like(scores)
+        for b in range(scores.shape[0]):
+            for m in range(scores.shape[2]):
+                x = scores[b, :, m]
+                seen = x if visible is None else x[visible.expand_as(scores)[b, :, m]]
+                step = seen.abs().max() / (2 ** (bits - 1) - 1)
+                out[b, :, m] = torch.round(x / step) * step
+        return out
+
+    with inspect_attention(model, lambda i: quantise), torch.no_grad():
+        logits = model(windows[:, :-1]).logits.float()
+    return float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:]).double())
+
+
+def test_the_task_at_eight_bits_equals_a_quantiser_written_by_hand(data_dir):
     from difftransformer.data import PreparedData
     from difftransformer.eval import EvalConfig, get_task, run_task
 
     model = _peaked_model("diff")
-    tok = PreparedData.load(data_dir).tokenizer()
+    data = PreparedData.load(data_dir)
+    tok = data.tokenizer()
     cfg = EvalConfig(data_dir=data_dir, seq_len=32)
-    result = run_task(get_task("logit-quant", bits=(16, 2), windows=3, needle_samples=0), model, tok, cfg)
+    result = run_task(get_task("logit-quant", bits=(16, 8), granularity=("tensor",), windows=3, needle_samples=0),
+                      model, tok, cfg)
     plain = run_task("heldout-loss", model, tok, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=3))
+    tokens = torch.from_numpy(data.dataset("test").tokens[:3 * 32 + 1].astype("int64"))
+    windows = torch.stack([tokens[i * 32:(i + 1) * 32 + 1] for i in range(3)])  # the trainer's validation windows
     # the probe runs eager attention, the plain model its fused kernel: equal to fp32 rounding
     assert result.metrics["loss@tensor/16"] == pytest.approx(plain.metrics["loss"], rel=1e-6)
-    assert result.metrics["loss@tensor/16"] == result.metrics["loss@row/16"]
-    assert result.metrics["loss_increase@tensor/16"] == 0.0
-    assert result.metrics["loss@tensor/2"] != plain.metrics["loss"]
+    want = quantised_nll_by_hand(model, windows, 8)
+    assert result.metrics["loss@tensor/8"] == pytest.approx(want, rel=1e-6)
+    change = want - plain.metrics["loss"]  # about -1.1e-4 here: 8 bits move the loss of peaked logits
+    assert abs(change) > 5e-5
+    assert result.metrics["loss_increase@tensor/8"] == pytest.approx(change, abs=2e-6)  # eager vs fused: ~3e-7
+
+
+def test_a_foreign_model_is_refused(data_dir):
+    from difftransformer.data import PreparedData
+    from difftransformer.eval import EvalConfig, get_task, run_task
+
+    tok = PreparedData.load(data_dir).tokenizer()
     with pytest.raises(ValueError, match="needs one of this package's models"):
-        run_task(get_task("logit-quant"), torch.nn.Linear(2, 2), tok, cfg)
+        run_task(get_task("logit-quant"), torch.nn.Linear(2, 2), tok, EvalConfig(data_dir=data_dir, seq_len=32))

@@ -15,6 +15,7 @@ from difftransformer.eval.synthetic import (
     cue_slack,
     min_prompt_length,
     needle_prompt,
+    template_ids,
 )
 
 NEEDLE_RE = r" The special magic (.+?) number is: (\d+)\."
@@ -165,3 +166,33 @@ def test_bad_inputs_are_one_line_value_errors(corpus):
     bad("haystack must be one of", haystack="noise")
     bad("distinct numbers of 1 digits do not exist", digits=1, needles=12, length=2000)
     bad("has only", length=len(text.tokens) + 500)  # the split is too short for the haystack
+
+
+class CountingTokenizer:
+    """The corpus tokenizer, counting how often each text is encoded."""
+
+    def __init__(self, inner):
+        self.inner, self.eos_id, self.calls = inner, inner.eos_id, {}
+
+    def encode(self, text):
+        self.calls[text] = self.calls.get(text, 0) + 1
+        return self.inner.encode(text)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+
+def test_prompts_encode_the_fixed_templates_once_per_tokenizer_and_stay_the_same(corpus):
+    tok, text, _ = corpus
+    counting = CountingTokenizer(tok)
+    made = [needle_prompt(counting, random.Random(seed), length=420, depth=50, needles=4, queries=2, text=text)
+            for seed in range(6)]
+    plain = [needle_prompt(tok, random.Random(seed), length=420, depth=50, needles=4, queries=2, text=text)
+             for seed in range(6)]
+    assert made == plain  # memoised encodings give the prompts a fresh encode gives
+    head = " The special magic Paris number is:"
+    assert counting.calls[head] == 1  # min_prompt_length encodes every city; later prompts reuse it
+    assert counting.calls["."] == 1
+    ids = template_ids(counting, head)
+    ids.append(-1)  # the caller's list is its own: the memo is not changed through it
+    assert template_ids(counting, head) == tok.encode(head) and counting.calls[head] == 1

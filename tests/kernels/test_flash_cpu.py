@@ -10,9 +10,7 @@ import torch
 
 from difftransformer import differential_attention
 from difftransformer.attention import multihead_attention
-from difftransformer.kernels import flash_cpu
 from tests.helpers import (
-    CPP_KERNEL_DISABLED,
     check_forward_and_grads,
     lambda_grad_error,
     padding_mask,
@@ -22,13 +20,7 @@ from tests.helpers import (
 from tests.reference import diff_attention_reference, mha_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built_extension():
-    if CPP_KERNEL_DISABLED:
-        pytest.skip("DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1")
-    if not flash_cpu.is_available():
-        pytest.fail(f"the C++ kernel did not build: {flash_cpu.build_error()}; "
-                    "set DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1 on a machine without a C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpp_extension")
 
 
 def check_against_reference(B, h, h_kv, T, S, d, causal, lam, padded=False, seed=0):

@@ -15,32 +15,16 @@ from difftransformer import DiffTransformerLM, differential_attention
 from difftransformer.attention import multihead_attention
 from difftransformer.attention.layers import MultiheadDiffAttention
 from difftransformer.kernels import flash_cpu
-from tests.helpers import CPP_KERNEL_DISABLED, padding_mask, random_inputs, rel_err, tiny
+from tests.helpers import count_op_calls, padding_mask, random_inputs, rel_err, shape_id, tiny
 from tests.reference import diff_attention_reference, mha_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built_extension():
-    if CPP_KERNEL_DISABLED:
-        pytest.skip("DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1")
-    if not flash_cpu.is_available():
-        pytest.fail(f"the C++ kernel did not build: {flash_cpu.build_error()}")
+pytestmark = pytest.mark.usefixtures("cpp_extension")
 
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Counts the calls of the decode ops, so a test knows the path it meant to test ran."""
-    calls = {"diff": 0, "ordinary": 0}
-    ns = torch.ops.difftransformer_cpu
-    for name, key in (("diff_flash_decode", "diff"), ("flash_decode", "ordinary")):
-        op = getattr(ns, name)
-
-        def counted(*args, _op=op, _key=key):
-            calls[_key] += 1
-            return _op(*args)
-
-        monkeypatch.setattr(ns, name, counted)
-    return calls
+    return count_op_calls(monkeypatch, diff="diff_flash_decode", ordinary="flash_decode")
 
 
 # (B, h, h_kv, T, S): S of one partial split, exactly one and two splits, and splits plus a rest;
@@ -49,13 +33,9 @@ SHAPES = [(1, 2, 2, 1, 5), (3, 4, 2, 2, 128), (1, 4, 1, 4, 256), (3, 2, 1, 3, 30
           (3, 4, 4, 1, 513)]
 
 
-def _ids(c):
-    return "B{}h{}kv{}T{}S{}".format(*c)
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_diff_decode_matches_reference(shape, causal, padded, decode_calls):
     B, h, h_kv, T, S = shape
     q, k, v = random_inputs(B, h, h_kv, T, S, 16, seed=S + T)
@@ -69,7 +49,7 @@ def test_diff_decode_matches_reference(shape, causal, padded, decode_calls):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_ordinary_decode_matches_reference(shape, causal, padded, decode_calls):
     B, h, h_kv, T, S = shape
     g = torch.Generator().manual_seed(S * 7 + T)

@@ -13,31 +13,16 @@ import torch
 
 from difftransformer import DiffTransformerLM, differential_attention
 from difftransformer.kernels import flash_cpu
-from tests.helpers import CPP_KERNEL_DISABLED, padding_mask, random_inputs, rel_err, tiny
+from tests.helpers import count_op_calls, padding_mask, random_inputs, rel_err, shape_id, tiny
 from tests.reference import diff_attention_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built_extension():
-    if CPP_KERNEL_DISABLED:
-        pytest.skip("DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1")
-    if not flash_cpu.is_available():
-        pytest.fail(f"the C++ kernel did not build: {flash_cpu.build_error()}")
+pytestmark = pytest.mark.usefixtures("cpp_extension")
 
 
 @pytest.fixture
 def infer_calls(monkeypatch):
-    """Counts the inference op's calls, so a test knows the path it meant to test ran."""
-    calls = {"n": 0}
-    ns = torch.ops.difftransformer_cpu
-    op = ns.diff_flash_infer
-
-    def counted(*args):
-        calls["n"] += 1
-        return op(*args)
-
-    monkeypatch.setattr(ns, "diff_flash_infer", counted)
-    return calls
+    return count_op_calls(monkeypatch, n="diff_flash_infer")
 
 
 # (B, h, h_kv, T, S): one block plus one row; several blocks with a causal offset (S > T); GQA n_rep 2
@@ -47,13 +32,9 @@ SHAPES = [(1, 2, 2, 65, 65), (2, 4, 2, 100, 300), (1, 2, 1, 130, 130), (1, 4, 1,
           (1, 2, 2, 70, 513)]
 
 
-def _ids(c):
-    return "B{}h{}kv{}T{}S{}".format(*c)
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_infer_matches_reference(shape, causal, padded, infer_calls):
     B, h, h_kv, T, S = shape
     q, k, v = random_inputs(B, h, h_kv, T, S, 16, seed=S * 3 + T)

@@ -51,6 +51,10 @@ def test_config_round_trip_and_unknown_keys(tmp_path):
     data = cfg.to_dict() | {"num_heads": 3}
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_heads'\]"):
         DiffTransformerConfig.from_dict(data)
+    for not_an_object in ("[]", "3", '"diff"', "null"):
+        (tmp_path / "odd.json").write_text(not_an_object)
+        with pytest.raises(ValueError, match="a model config is a JSON object of settings"):
+            DiffTransformerConfig.load(tmp_path / "odd.json")
 
 
 def test_config_errors():

@@ -68,3 +68,22 @@ def test_cache_length_limit():
     model(torch.zeros(1, 250, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match="sequence length 257 exceeds max_position_embeddings 256"):
         model(torch.zeros(1, 7, dtype=torch.long), kv_cache=cache)
+
+
+@pytest.mark.parametrize("kind", ["diff", "transformer"])
+def test_logits_to_keep_gives_the_last_positions_logits(kind):
+    model = DiffTransformerLM(tiny(attention=kind)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        full = model(ids).logits
+        for n in (1, 3, 11):
+            kept = model(ids, logits_to_keep=n).logits
+            assert kept.shape == (2, n, model.config.vocab_size)
+            torch.testing.assert_close(kept, full[:, -n:], rtol=1e-5, atol=1e-6)
+        assert torch.equal(model(ids, logits_to_keep=0).logits, full)
+        picked = model(ids, logits_to_keep=torch.tensor([0, 5])).logits
+        torch.testing.assert_close(picked, full[:, [0, 5]], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="targets need every position's"):
+        model(ids, ids, logits_to_keep=1)
+    with pytest.raises(ValueError, match="logits_to_keep must be >= 0"):
+        model(ids, logits_to_keep=-1)

@@ -154,3 +154,43 @@ def test_a_fresh_start_never_deletes_what_it_has_not_replaced(data_dir, tmp_path
     monkeypatch.undo()
     train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2), resume=False)
     assert not run.replaced.exists() and latest_dir(tmp_path).name == "step_00000002"
+
+
+def test_the_same_state_is_written_as_the_same_bytes(tmp_path):
+    """safetensors writes its metadata map in the order of a randomly seeded Rust HashMap, so equal
+    states gave files that differed in their header (and in their checksums); canonical_safetensors
+    sorts the metadata keys in place, keeps the tensors and metadata readable, and touches no data."""
+    import random
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from difftransformer._io import canonical_safetensors
+
+    rng = random.Random()
+    meta = {f"k{rng.randrange(10**6)}é": f"v{i}\n\"ü" for i in range(4)} | {"format": "pt"}
+    tensors = {"wé": torch.randn(3, 5), "b": torch.randn(7).half()}
+    seen, path = set(), tmp_path / "t.safetensors"
+    for _ in range(12):
+        save_file(tensors, str(path), metadata=meta)
+        canonical_safetensors(path)
+        seen.add(path.read_bytes())
+    assert len(seen) == 1
+    assert all(torch.equal(load_file(str(path))[k], tensors[k]) for k in tensors)
+    with safe_open(str(path), "pt") as fh:
+        assert fh.metadata() == meta
+
+    from difftransformer.train.distributed import full_optimizer_state_by_name
+    from difftransformer.train.optim import build_optimizer
+
+    cfg = make_cfg(str(tmp_path / "data"), tmp_path)
+    model = DiffTransformerLM(tiny())
+    optim = build_optimizer(model, cfg)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    optim.step()
+    dirs = [ckpt_mod.save_checkpoint(tmp_path / f"root{i}", 2, model.state_dict(),
+                                     full_optimizer_state_by_name(model, optim, False), {}, tiny(), cfg, 1)
+            for i in range(6)]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert len({(d / name).read_bytes() for d in dirs}) == 1, name

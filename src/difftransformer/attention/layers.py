@@ -81,7 +81,8 @@ class _SelfAttention(nn.Module):
             raise TypeError(f"input dtype {x.dtype} does not match the layer's parameters ({w.dtype}); "
                             f"cast one of them (layer.to({x.dtype})) or run under torch.autocast")
 
-    def _positions(self, x: torch.Tensor, position_ids, kv_cache: KVCache | None) -> torch.Tensor:
+    def _positions(self, x: torch.Tensor, position_ids, kv_cache: KVCache | None) -> tuple[torch.Tensor, int | None]:
+        """The positions of x's tokens, and their start when they are the default past .. past + T - 1."""
         past = 0 if kv_cache is None else kv_cache.length(self.depth)
         T = x.shape[1]
         if self.max_seq_len is not None and past + T > self.max_seq_len:
@@ -90,14 +91,14 @@ class _SelfAttention(nn.Module):
         if position_ids is not None:
             if position_ids.shape[-1] != T:
                 raise ValueError(f"position_ids must end in seq_len={T}; got {tuple(position_ids.shape)}")
-            return position_ids.to(x.device)
-        return torch.arange(past, past + T, device=x.device)
+            return position_ids.to(x.device), None
+        return torch.arange(past, past + T, device=x.device), past
 
     def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
         """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE, v (B, kv_v_heads, S, v_dim)."""
         B, T, _ = x.shape
-        positions = self._positions(x, position_ids, kv_cache)
-        rotation = self.rotary.rotation(positions, compute_dtype(x))  # shared by q and k
+        positions, start = self._positions(x, position_ids, kv_cache)
+        rotation = self.rotary.rotation(positions, compute_dtype(x), start=start)  # shared by q and k
         q = self.rotary.rotate(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), rotation)
         k = self.rotary.rotate(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)

@@ -12,9 +12,11 @@ under `torchrun` (train, compare). A user mistake is one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
+from pathlib import Path
 
 from safetensors import SafetensorError
 
@@ -33,6 +35,41 @@ COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, g
 # one line that names the file. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ConfigError, CorpusError, CheckpointError, TrainingDivergedError, FolderInUseError, ValueError,
                OSError, SafetensorError)
+
+
+def _file_in_path(path: Path) -> Path | None:
+    """The first part of `path` that exists and is not a folder (what makes 'Not a directory')."""
+    for part in reversed([path, *path.parents]):
+        if part.exists() and not part.is_dir():
+            return part
+    return None
+
+
+def os_error_message(e: OSError) -> str:
+    """The machine refusing, as one line that names the path and what to do: Python's own text
+    ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix."""
+    if e.filename is None:
+        return str(e)  # raised by the package with its own message
+    path = Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename))
+    if e.errno == errno.EEXIST and not path.is_dir():
+        what = "a link to a missing path" if path.is_symlink() and not path.exists() else "a file"
+        return f"{path} is {what}, not a folder; remove it or choose another path"
+    if e.errno == errno.ENOTDIR:
+        blocker = _file_in_path(path)
+        if blocker is not None:
+            return f"{blocker} is a file, not a folder, so {path} cannot be used; choose another path"
+    if e.errno == errno.EISDIR:
+        return f"{path} is a folder where a file is expected; move it away or choose another path"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to use {path}; choose a folder you can write, or change its permissions"
+    if e.errno == errno.EROFS:
+        return f"{path} is on a read-only file system; choose a folder on a writable one"
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return (f"no space left on the device while writing {path}; free some space and run the same command "
+                f"again (a training run continues from its last checkpoint, which is intact)")
+    if e.errno == errno.ENOENT:
+        return f"{path}: no such file or folder; check the path"
+    return f"{path}: {e.strerror or e}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        print(f"difftransformer {args.command}: error: {e}", file=sys.stderr)
+        message = os_error_message(e) if isinstance(e, OSError) else str(e)
+        print(f"difftransformer {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted; re-run the same command to continue from the last checkpoint", file=sys.stderr)
         return 130
 
 
-__all__ = ["COMMANDS", "SECTIONS", "build_parser", "main"]
+__all__ = ["COMMANDS", "SECTIONS", "build_parser", "main", "os_error_message"]

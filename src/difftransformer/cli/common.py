@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 from pathlib import Path
+
+import torch
 
 from difftransformer.data import Tokenizer
 from difftransformer.experiments import StudyDir
@@ -62,6 +65,15 @@ def out_dir(args: argparse.Namespace) -> str | None:
     if args.out_dir is not None and not args.out_dir.strip():
         raise ValueError("--out-dir is empty; name the folder to write into")
     return args.out_dir
+
+
+def check_device(device: str) -> None:
+    """--device of generate and eval: cpu, cuda or cuda:N, and CUDA only where there is a GPU (torch's own
+    error for 'tpu' is a traceback listing twenty device types)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
 
 
 def print_section(markdown: Path, heading: str) -> None:

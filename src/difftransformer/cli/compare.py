@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "the size spec's own attention kind (default diff); the arms are derived from it",
                     "[model], [train], [data], [compare]")
     p.add_argument("--arms", metavar="ARMS", help="comma-separated arms: attention kinds or named ablations "
-                   "(diff_lambda_0.8, transformer_diff_heads, transformer_gated, ...; see docs/results.md) "
+                   "(diff_lambda_0.8, transformer_diff_heads, transformer_gated, ...; see docs/studies.md) "
                    "(default: [compare].arms, else diff,transformer); the first is the paired-init reference")
     p.add_argument("--seeds", metavar="LIST", help="comma-separated training seeds, e.g. 0,1,2 (default: "
                    "[compare].seeds, else [train].seed)")

@@ -18,9 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from difftransformer.cli.common import Formatter, epilog, load_trained, model_tokenizer
+from difftransformer.cli.common import Formatter, check_device, epilog, load_trained, model_tokenizer
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.compare import compare_table
 from difftransformer.eval.results import ResultsDir, evaluate_cached
@@ -210,8 +208,7 @@ def _run_of(path: Path) -> RunDir | None:
 def _check_shared(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    check_device(args.device)
     if not 0 <= args.eval_seed < 2**63:
         raise ConfigError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
 

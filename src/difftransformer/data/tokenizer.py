@@ -43,6 +43,9 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN) -> Tokenizer:
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"tokenizer file {path} is a folder; give the tokenizer.json file (e.g. in a final/ "
+                             f"folder or a prepared-data folder)")
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist")
         try:

@@ -3,6 +3,8 @@
     split = heldout_split(cfg, tokenizer, "long-context")
     split.tokens      # documents of cfg.split, each followed by split.eos_id, in the MODEL's tokenizer
     split.settings()  # what identifies them in a result (corpus, tokenizer, split, re-tokenised or not)
+    seq_len = window_length(model, cfg, "seq_len")              # cfg.seq_len or the context, checked
+    windows = input_windows(split.tokens, seq_len, budget, cap)  # (n, seq_len) windows, in order
 
 A prepared-data folder stores its splits as token ids of its own tokenizer. When the model was
 trained with that tokenizer (the hashes agree) the stored ids are used as they are. When it was not
@@ -56,6 +58,27 @@ def heldout_split(cfg: EvalConfig, tokenizer, task: str) -> HeldOutSplit:
     for text in texts:
         ids += [*tokenizer.encode(text), eos]
     return HeldOutSplit(np.asarray(ids, dtype=np.int64), eos, data, cfg.split, True)
+
+
+def window_length(model, cfg: EvalConfig, name: str = "seq_len", length: int = 0) -> int:
+    """The window a task reads: `length` if set, else cfg.seq_len, else the model's context
+    (max_position_embeddings). Beyond the context it is a ValueError naming `name`: a model is never
+    asked for positions it cannot represent."""
+    context = model.config.max_position_embeddings
+    length = length or cfg.seq_len or context
+    if length > context:
+        raise ValueError(f"{name} {length} is beyond the model's context of {context} tokens "
+                         f"(max_position_embeddings); use {name} <= {context}")
+    return length
+
+
+def input_windows(tokens: np.ndarray, seq_len: int, budget: int, cap: int | None) -> np.ndarray:
+    """(n, seq_len) int64 non-overlapping windows from the start of the split: window i is
+    tokens[i * seq_len:(i + 1) * seq_len], the inputs of the trainer's validation window i
+    (data.iter_eval_batches), for tasks that need no next-token target. n = ceil(budget / seq_len),
+    fewer when the split (or `cap`) runs out."""
+    n = min(-(-budget // seq_len), len(tokens) // seq_len, cap or len(tokens))
+    return np.asarray(tokens[:n * seq_len], dtype=np.int64).reshape(n, seq_len)
 
 
 def documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:

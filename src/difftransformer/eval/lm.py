@@ -7,6 +7,7 @@ training, where EOS separates documents.
     gen = generate_text(model, tokenizer, "The state of the Union is", 48, temperature=0.0)
     nll = token_nll(model, ids)                                       # (1, T - 1) nats per token
     score = continuation_logprob(model, tokenizer, "The capital of France is", " Paris")
+    per_token = continuation_token_logprobs(model, [(context_ids, cont_ids), ...], batch_size=8, pad_id=eos)
 
 `model` is any module with `config.max_position_embeddings`, `generate(ids, n, ...)` and a forward
 returning `.logits` (DiffTransformerLM); `tokenizer` has `encode`, `decode` and `eos_id`
@@ -15,6 +16,7 @@ returning `.logits` (DiffTransformerLM); `tokenizer` has `encode`, `decode` and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +57,14 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, tempera
     n = new_token_budget(model, ids, max_new_tokens)
     out = model.generate(ids, n, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_id,
                          generator=generator)[0, ids.shape[1]:].tolist()
-    if tokenizer.eos_id in out:
-        out = out[:out.index(tokenizer.eos_id)]
+    out = until_eos(out, tokenizer.eos_id)
     return Generation(prompt, tokenizer.decode(out), out, n)
+
+
+def until_eos(tokens: list[int], eos_id: int) -> list[int]:
+    """The generated tokens before the first EOS (all of them when there is none): the answer a
+    generation gives, since EOS ends the document it writes."""
+    return tokens[:tokens.index(eos_id)] if eos_id in tokens else tokens
 
 
 @torch.no_grad()
@@ -93,6 +100,31 @@ def split_continuation(tokenizer, context: str, continuation: str) -> tuple[list
     if whole[:len(context_ids)] != context_ids:  # a merge across the boundary: score the pieces apart
         return context_ids, tokenizer.encode(continuation)
     return context_ids, whole[len(context_ids):]
+
+
+@torch.no_grad()
+def continuation_token_logprobs(model, rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 8,
+                                pad_id: int | None = None, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """For each (context ids, continuation ids) row: the log-probs of the continuation's tokens, each
+    given every id before it, as a 1-D tensor computed from fp32 (or wider) logits.
+
+    Rows go through the model `batch_size` at a time in the given order, each batch right-padded to
+    its longest row with `pad_id` (None: each row repeats its own last token). The model is causal,
+    so padding after a row never reaches its scores; the caller owns any EOS at the front and sums
+    the tensors at the precision it documents. Callers that keep prompts of one length together
+    (needle) pass those rows as one call, so batches are what they always were."""
+    out: list[torch.Tensor] = []
+    for i in range(0, len(rows), batch_size):
+        batch = [(list(ctx), list(cont)) for ctx, cont in rows[i:i + batch_size]]
+        width = max(len(ctx) + len(cont) for ctx, cont in batch)
+        ids = torch.tensor([ctx + cont + [cont[-1] if pad_id is None else pad_id] * (width - len(ctx) - len(cont))
+                            for ctx, cont in batch], device=device)
+        logits = model(ids).logits
+        for r, (ctx, cont) in enumerate(batch):
+            scored = logits[r, len(ctx) - 1:len(ctx) - 1 + len(cont)]
+            lp = torch.log_softmax(scored.to(torch.promote_types(scored.dtype, torch.float32)), dim=-1)
+            out.append(lp[torch.arange(len(cont), device=lp.device), torch.tensor(cont, device=lp.device)])
+    return out
 
 
 @torch.no_grad()

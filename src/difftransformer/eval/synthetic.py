@@ -41,7 +41,8 @@ prompts differ only by their city's tokens in the cue (`cue_slack` bounds the di
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,15 +130,16 @@ class HeldoutText:
 
     @classmethod
     def from_prepared(cls, data_dir: str | Path, split: str = "test") -> tuple["HeldoutText", object]:
-        """(haystack source, PreparedData) for a held-out split of a prepared-data folder; never train."""
-        from difftransformer.data import PreparedData
+        """(haystack source, PreparedData) for a held-out split of a prepared-data folder, in the data's own
+        tokens, read by eval/heldout.py (the one reader of held-out text); never train."""
+        from difftransformer.eval.heldout import heldout_split
+        from difftransformer.eval.task import EvalConfig
 
         if split == "train":
             raise ValueError("a haystack from the train split would be text the model was trained on; "
                              "use split 'test' or 'val'")
-        data = PreparedData.load(data_dir)
-        ds = data.dataset(split)
-        return cls(ds.tokens, ds.eos_id, f"the {split} split of {data_dir}"), data
+        held = heldout_split(EvalConfig(data_dir=str(data_dir), split=split), None, "needle")
+        return cls(held.tokens, held.eos_id, f"the {split} split of {data_dir}"), held.data
 
     def window(self, rng: random.Random, n: int) -> tuple[int, list[int]]:
         """(offset, n contiguous tokens) at a random offset; a ValueError when the split is too short."""
@@ -150,17 +152,39 @@ class HeldoutText:
 
 # ------------------------------------------------------------------------------------------- pieces
 
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {key: value}, dropped with it
+
+
+def _memo(tokenizer, key: tuple, compute: Callable[[], object]):
+    """compute(), once per tokenizer and key: for what depends only on the tokenizer and the fixed
+    templates (a template's tokens for one city, the length bounds), which every prompt would
+    otherwise encode again (min_prompt_length alone encodes every city). Encoding is deterministic,
+    so the ids are the ones a fresh encode gives. A tokenizer that cannot be weakly referenced is
+    simply not memoised."""
+    try:
+        memo = _MEMO.setdefault(tokenizer, {})
+    except TypeError:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def template_ids(tokenizer, text: str) -> list[int]:
+    """tokenizer.encode(text) for a fixed template string (memoised per tokenizer; a fresh list)."""
+    return list(_memo(tokenizer, ("encode", text), lambda: tuple(tokenizer.encode(text))))
+
 
 def needle_tokens(tokenizer, city: str, number: str) -> tuple[list[int], int, int]:
     """(tokens of the needle sentence, number start, number end) with the number span exact."""
-    head = tokenizer.encode(NEEDLE_HEAD.format(city=city))
+    head = template_ids(tokenizer, NEEDLE_HEAD.format(city=city))
     num = tokenizer.encode(" " + number)
-    return head + num + tokenizer.encode(NEEDLE_TAIL), len(head), len(head) + len(num)
+    return head + num + template_ids(tokenizer, NEEDLE_TAIL), len(head), len(head) + len(num)
 
 
 def cue_slack(tokenizer) -> int:
     """How many more tokens one city's R > 1 cue can take than another's (a bound over CITIES)."""
-    lengths = [len(tokenizer.encode(CUE.format(city=c))) for c in CITIES]
+    lengths = [len(template_ids(tokenizer, CUE.format(city=c))) for c in CITIES]
     return max(lengths) - min(lengths)
 
 
@@ -169,8 +193,13 @@ def min_prompt_length(tokenizer, needles: int, queries: int, digits: int, typica
     from the cities shortest in tokens and one-token numbers (a bound: shorter never fits). With
     `typical`: from median cities and the median number, plus haystack as long as the longest
     needle, so that most draws fit at every depth (when the haystack is at least one needle long,
-    the other needles can always be split around the answer at its exact offset)."""
-    by_length = sorted(CITIES, key=lambda c: (len(tokenizer.encode(NEEDLE_HEAD.format(city=c))), c))
+    the other needles can always be split around the answer at its exact offset). Memoised per tokenizer."""
+    return _memo(tokenizer, ("min_prompt_length", needles, queries, digits, typical),
+                 lambda: _min_prompt_length(tokenizer, needles, queries, digits, typical))
+
+
+def _min_prompt_length(tokenizer, needles: int, queries: int, digits: int, typical: bool) -> int:
+    by_length = sorted(CITIES, key=lambda c: (len(template_ids(tokenizer, NEEDLE_HEAD.format(city=c))), c))
     if typical:
         mid = len(by_length) // 2
         cities = by_length[mid - needles // 2:][:needles]
@@ -180,20 +209,20 @@ def min_prompt_length(tokenizer, needles: int, queries: int, digits: int, typica
         number = sizes[len(sizes) // 2]
     else:
         cities, number = by_length[:needles], 1
-    heads = sum(len(tokenizer.encode(NEEDLE_HEAD.format(city=c))) for c in cities)
-    needle = heads + needles * (number + len(tokenizer.encode(NEEDLE_TAIL)))
+    heads = sum(len(template_ids(tokenizer, NEEDLE_HEAD.format(city=c))) for c in cities)
+    needle = heads + needles * (number + len(template_ids(tokenizer, NEEDLE_TAIL)))
     asked = cities[:queries]
     question = len(tokenizer.encode(question_text(asked)))
     if queries > 1:
-        question += len(tokenizer.encode(CUE.format(city=asked[0])))
+        question += len(template_ids(tokenizer, CUE.format(city=asked[0])))
     slack = longest_needle(tokenizer, digits) if typical else 0
-    return 1 + len(tokenizer.encode(INSTRUCTION)) + question + needle + slack
+    return 1 + len(template_ids(tokenizer, INSTRUCTION)) + question + needle + slack
 
 
 def longest_needle(tokenizer, digits: int) -> int:
     """A bound on one needle's tokens: the longest city and digits + 1 number tokens."""
-    head = max(len(tokenizer.encode(NEEDLE_HEAD.format(city=c))) for c in CITIES)
-    return head + digits + 1 + len(tokenizer.encode(NEEDLE_TAIL))
+    head = max(len(template_ids(tokenizer, NEEDLE_HEAD.format(city=c))) for c in CITIES)
+    return head + digits + 1 + len(template_ids(tokenizer, NEEDLE_TAIL))
 
 
 # ------------------------------------------------------------------------------------------- layout
@@ -244,7 +273,7 @@ def _interleave(rng: random.Random, units: list[list[int]], items: list) -> list
 def _filler_units(rng, tokenizer, budget: int, digits: int, numbers: set[str], used: set[str]) -> list[tuple]:
     """Whole filler needles (as ("filler", city, number, tokens, a, b)) plus single PAD tokens that
     fill exactly `budget` tokens, with cities not in `used` (added to it) and numbers not in `numbers`."""
-    pad = tokenizer.encode(PAD)
+    pad = template_ids(tokenizer, PAD)
     if len(pad) != 1:
         raise ValueError(f"the tokenizer encodes {PAD!r} as {len(pad)} tokens; needles-only haystacks pad with one")
     units: list = []
@@ -332,13 +361,13 @@ def _build(tokenizer, rng, length, depth, n_needles, n_queries, haystack, text, 
     shown = list(queried)
     rng.shuffle(shown)
     if n_queries == 1:
-        question = tokenizer.encode(question_text(queried))
+        question = template_ids(tokenizer, question_text(queried))
         cues = [question]
     else:
         head = tokenizer.encode(question_text(shown))
-        cues = [head + tokenizer.encode(CUE.format(city=c)) for c in queried]
+        cues = [head + template_ids(tokenizer, CUE.format(city=c)) for c in queried]
         question = cues[0]
-    instruction = tokenizer.encode(INSTRUCTION)
+    instruction = template_ids(tokenizer, INSTRUCTION)
     made = [needle_tokens(tokenizer, c, x) for c, x in zip(cities, nums)]
     C = length - 1 - len(instruction) - len(question)
     total = sum(len(m[0]) for m in made)

@@ -94,7 +94,7 @@ def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = N
     folder = StudyDir(out_dir)
     if not dist.is_main():
         return _run_compare(study, folder, arms, seeds, resume, command, report)
-    with folder_lock(folder.path, purpose="compare into another --out-dir"):
+    with folder_lock(folder.path, purpose="compare into another --out-dir", kind="a study"):
         return _run_compare(study, folder, arms, seeds, resume, command, report)
 
 

@@ -18,11 +18,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from difftransformer._io import Folder, folder_entry
+from difftransformer._io import Folder, folder_entry, register_folder_kind
 from difftransformer.experiments.units import MANIFEST_COPY, Unit
 from difftransformer.train import RunDir
 
 MANIFEST_FILE = MANIFEST_COPY
+register_folder_kind("a study", MANIFEST_FILE)
 RESULTS_DIR = "results"
 REPORT_FILE = "report.md"
 HTML_FILE = "report.html"

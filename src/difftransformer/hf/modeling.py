@@ -46,7 +46,7 @@ from transformers.utils import logging
 
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.model import DiffTransformerLM
-from difftransformer.model.modeling import check_input_ids
+from difftransformer.model.modeling import check_input_ids, keep_last_positions
 from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
@@ -248,14 +248,14 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         past = 0 if past_key_values is None else past_key_values.get_seq_length()
         self._check_length(past + T)
         mask = _key_mask(attention_mask, B, past + T)
+        if mask is not None and bool(mask.all()):
+            mask = None  # no padding: the backends' fast paths, and the default positions past .. past + T - 1
         if position_ids is None and mask is not None:
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-        if mask is not None and bool(mask.all()):
-            mask = None  # no padding: let the backends take their fast paths
         cache = None if past_key_values is None else _CacheAdapter(past_key_values)
         with self._maps_backend(output_attentions):
             x, hidden, maps = self._blocks(x, mask, position_ids, cache, output_attentions, output_hidden_states)
-        logits = self.lm_head(_keep(x, logits_to_keep))
+        logits = self.lm_head(keep_last_positions(x, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
@@ -367,10 +367,3 @@ def _key_mask(attention_mask: torch.Tensor | None, B: int, S: int) -> torch.Tens
                          f"1 for tokens and 0 for padding; got shape {tuple(attention_mask.shape)}. 4-D masks "
                          f"(custom attention patterns) are not supported: attention here is causal with key padding")
     return attention_mask.bool()
-
-
-def _keep(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The positions whose logits are computed: all (0), the last n (int n), or the given indices (tensor)."""
-    if isinstance(logits_to_keep, int):
-        return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
-    return x[:, logits_to_keep]

@@ -109,9 +109,11 @@ class DiffTransformerConfig:
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a positive number, got {getattr(self, name)}")
-        if self.lambda_init is not None and not math.isfinite(self.lambda_init):
-            raise ValueError(f"model.lambda_init must be a finite number or null (the depth schedule), "
-                             f"got {self.lambda_init}")
+        if self.lambda_init is not None and not 0.0 <= self.lambda_init < 1.0:
+            # the head norm's output is scaled by 1 - λ_init: at 1 or above it is zeroed or flipped
+            raise ValueError(f"model.lambda_init must lie in [0, 1) (the head-norm output is scaled by 1 - "
+                             f"lambda_init), or be null for the depth schedule 0.8 - 0.6 exp(-0.3 layer); got "
+                             f"{self.lambda_init}")
 
     def backend_on(self, device: torch.device) -> str:
         """The backend this model's attention uses on `device` (the one rule of attention/backends.py);
@@ -160,6 +162,9 @@ class DiffTransformerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiffTransformerConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config is a JSON object of settings, got a {type(data).__name__}; "
+                             f"the file is not a difftransformer config.json")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known - {"model_type", "format_version"} - TRANSFORMERS_KEYS)
         if unknown:

@@ -66,7 +66,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
         step_ids, step_pos = input_ids, positions
         for _ in range(max_new_tokens):
             logits = model(step_ids, attention_mask=None if mask is None else mask.bool(), position_ids=step_pos,
-                           kv_cache=cache).logits[:, -1]
+                           kv_cache=cache, logits_to_keep=1).logits[:, -1]
             if out is input_ids and not bool(torch.isfinite(logits).all()):  # checked once, on the prompt
                 raise ValueError("the model produced non-finite logits (NaN or inf) for the prompt: its weights are "
                                  "diverged or corrupt; generate from an earlier checkpoint")

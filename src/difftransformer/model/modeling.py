@@ -93,6 +93,16 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
                              f"was the input encoded with this model's tokenizer?")
 
 
+def keep_last_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of x (B, T, ...) whose logits are computed: all (0), the last n (int n), or the
+    given position indices (a tensor, transformers' other form)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x[:, logits_to_keep]
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0 (0 keeps every position), got {logits_to_keep}")
+    return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+
+
 class LayerLambda(NamedTuple):
     """One layer's scalar λ now, and the λ_init it started from (and that scales its head-norm output)."""
 
@@ -175,11 +185,18 @@ class DiffTransformerLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, return_attention: bool = False) -> CausalLMOutput:
+                kv_cache: KVCache | None = None, return_attention: bool = False,
+                logits_to_keep: int | torch.Tensor = 0) -> CausalLMOutput:
         """input_ids (B, T). targets (B, T) are the next tokens (already shifted; -100 ignored).
 
         attention_mask (B, S): 1 for real tokens, 0 for padding, over cached + new tokens.
+        logits_to_keep: 0 for the logits of every position, n > 0 for the last n only (B, n, V), or a
+        tensor of position indices, as transformers names and takes it: a prompt's prefill in `generate` needs only the last position's, and
+        the LM head is a large share of a small model's FLOPs. Not with targets (the loss needs all).
         """
+        if targets is not None and (isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0):
+            raise ValueError("logits_to_keep keeps only the last positions' logits, but targets need every "
+                             "position's for the loss; pass one of them")
         self._check_ids(input_ids, 0 if kv_cache is None else kv_cache.length(0))
         x = self.embed_tokens(input_ids)
         maps = [] if return_attention else None
@@ -191,7 +208,7 @@ class DiffTransformerLM(nn.Module):
                 maps.append(m)
             else:
                 x = res
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(keep_last_positions(x, logits_to_keep)))
         loss = None
         if targets is not None:
             if targets.shape != input_ids.shape:

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from difftransformer._io import atomic_path, default_permissions
+from difftransformer._io import atomic_path, canonical_safetensors, default_permissions
 from difftransformer.model.config import DiffTransformerConfig
 
 CONFIG_NAME = "config.json"
@@ -33,6 +33,7 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
     model.config.save(directory / CONFIG_NAME)
     with atomic_path(directory / WEIGHTS_NAME) as tmp:  # a crash never leaves a torn weights file
         save_model(model, str(tmp), metadata={"format": "pt", "model_type": "difftransformer"})
+        canonical_safetensors(tmp)  # equal weights give equal bytes (safetensors orders metadata at random)
         default_permissions(tmp)
     return directory
 

@@ -32,7 +32,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from difftransformer._io import atomic_write_text, default_permissions, fsync_dir, fsync_file
+from difftransformer._io import (
+    atomic_write_text,
+    canonical_safetensors,
+    default_permissions,
+    fsync_dir,
+    fsync_file,
+)
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.train.config import TrainConfig
@@ -225,6 +231,7 @@ def save_checkpoint(
     optim_tensors, optim_meta = flatten_optimizer_state(optimizer_state)
     save_file(optim_tensors, str(tmp / OPTIM_FILE), metadata={"format": "pt", "step": str(step)})
     for name in (MODEL_FILE, OPTIM_FILE):
+        canonical_safetensors(tmp / name)  # the same state gives the same bytes (and checksums)
         default_permissions(tmp / name)
     model_config.save(tmp / MODEL_CONFIG_FILE)
     train_config.save(tmp / TRAIN_CONFIG_FILE)

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from difftransformer._config import check_field_types
+from difftransformer._io import atomic_write_text
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
 TRAINABLE = ("all", "attention")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: rates above it overflow in the optimizer
 
 # Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
 # resumed with the same values (the rest, e.g. lr after a divergence, may change with a warning).
@@ -82,8 +83,8 @@ class TrainConfig:
         for name in ("warmup_steps", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr <= FLOAT32_MAX:  # the optimizer holds it in float32 tensors: inf/1e300 overflow
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"TrainConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         for name in ("beta1", "beta2"):
@@ -92,7 +93,9 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "max_weight_growth"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.adam_eps < math.inf:
+        if not self.weight_decay <= FLOAT32_MAX:
+            raise ValueError(f"TrainConfig.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 < self.adam_eps <= FLOAT32_MAX:
             raise ValueError(f"TrainConfig.adam_eps must be a positive number, got {self.adam_eps}")
         if not self.out_dir.strip():
             raise ValueError("TrainConfig.out_dir is empty; name the folder to train into (--out-dir DIR)")
@@ -128,7 +131,7 @@ class TrainConfig:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")  # never torn
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:

@@ -32,19 +32,30 @@ def _parse(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
+def _lines(path: str | Path) -> list[str]:
+    """The lines of a metrics file; bytes that are not UTF-8 (a torn or edited line) become U+FFFD, so
+    that line fails to parse and is skipped instead of making the whole log unreadable."""
+    return Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+
+
+def _step_at_most(row: dict[str, Any], last: int) -> bool:
+    step = row.get("step")
+    return isinstance(step, (int, float)) and not isinstance(step, bool) and step <= last
+
+
 def truncate_metrics(path: Path, keep_through_step: int) -> None:
-    """Keep the lines whose step <= keep_through_step (and drop a torn last line)."""
+    """Keep the rows whose step <= keep_through_step; drop a torn line and rows without a numeric step."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if (row := _parse(line)) is not None and row.get("step", math.inf) <= keep_through_step]
+    kept = [line for line in _lines(path)
+            if (row := _parse(line)) is not None and _step_at_most(row, keep_through_step)]
     atomic_write_text(path, "".join(line + "\n" for line in kept), fsync=True)  # a crash here keeps the old file
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl in file order (optionally only "train" or "val"); a torn line is skipped,
     so a run that is still writing, or was killed mid-line, can be read."""
-    rows = (_parse(line) for line in Path(path).read_text(encoding="utf-8").splitlines())
+    rows = (_parse(line) for line in _lines(path))
     return [r for r in rows if r is not None and (kind is None or r.get("kind") == kind)]
 
 

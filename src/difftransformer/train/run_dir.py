@@ -29,12 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from difftransformer._io import Folder, atomic_write_text, folder_entry
+from difftransformer._io import Folder, atomic_write_text, folder_entry, register_folder_kind
 from difftransformer.data import PreparedData
 from difftransformer.data.tokenizer import TOKENIZER_FILE
 from difftransformer.model import DiffTransformerLM
-from difftransformer.model.serialization import WEIGHTS_NAME, is_pretrained_dir
-from difftransformer.train.checkpoint import CHECKPOINTS_DIR, MODEL_CONFIG_FILE, TRAIN_CONFIG_FILE, load_checkpoint
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, is_pretrained_dir
+from difftransformer.train.checkpoint import (
+    CHECKPOINTS_DIR,
+    LATEST,
+    MODEL_CONFIG_FILE,
+    STATE_FILE,
+    TRAIN_CONFIG_FILE,
+    load_checkpoint,
+)
 from difftransformer.train.metrics import METRICS_FILE, MetricSeries, read_metric_series
 
 log = logging.getLogger("difftransformer.train")
@@ -45,6 +52,9 @@ DONE_FILE = "done.json"
 SAMPLES_FILE = "samples.json"
 REPLACED_DIR = "replaced"
 EVAL_DIR = "eval"
+
+
+register_folder_kind("a training run", TRAIN_CONFIG_FILE, METRICS_FILE)
 
 
 class RunDir(Folder):
@@ -74,6 +84,22 @@ class RunDir(Folder):
 
     def has_final(self) -> bool:
         return is_pretrained_dir(self.final)
+
+    def check_layout(self) -> None:
+        """ValueError naming the entry when something in the folder has the wrong kind (a file where the run
+        keeps a folder, or the reverse): found now, not when training reaches its first checkpoint."""
+        for entry in (self.checkpoints, self.final, self.tensorboard, self.replaced, self.evals):
+            if (entry.exists() or entry.is_symlink()) and not entry.is_dir():
+                raise ValueError(f"{entry} is not a folder, but a run keeps its {entry.name}/ there; move it away, "
+                                 f"or train into another out_dir")
+        for entry in (self.metrics, self.done, self.model_config, self.train_config, self.checkpoints / LATEST):
+            if entry.is_dir():
+                raise ValueError(f"{entry} is a folder, but a run keeps a file there; move it away, or train into "
+                                 f"another out_dir")
+
+    def unreadable_json(self, which: Path) -> bool:
+        """Whether `which` exists but does not hold a JSON object (edited, or torn by a crash)."""
+        return which.exists() and not self.read_json(which)
 
     def read_json(self, which: Path) -> dict[str, Any]:
         """One of this run's JSON files as a dict; {} when it is missing or unreadable (a run still starting)."""
@@ -149,6 +175,10 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     checkpoints/ folder or one checkpoint step folder; with the tokenizer it was trained with."""
     path = Path(path)
     for final in (path, RunDir(path).final):
+        lone_weights = (final / WEIGHTS_NAME).is_file() and not (final / STATE_FILE).is_file()  # not a checkpoint
+        if lone_weights and not (final / CONFIG_NAME).is_file():
+            raise ValueError(f"{final} holds {WEIGHTS_NAME} but no {CONFIG_NAME}, which describes the model; restore it "
+                             f"(it is written beside the weights), or load the run's checkpoint folder instead")
         if is_pretrained_dir(final):
             tok = final / TOKENIZER_FILE
             return LoadedModel(DiffTransformerLM.from_pretrained(final, device=device),

@@ -114,8 +114,15 @@ def evaluate(model: nn.Module, dataset: TokenDataset, cfg: TrainConfig, micro: i
 def _check_same_run(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig) -> None:
     """A folder that holds a run of another model or batch recipe (its checkpoints deleted, say) is not
     overwritten by resume=True: that needs --no-resume (which sets the old run aside) or another out_dir."""
+    if not (run.has_metrics() or run.has_final()):
+        return
+    for which in (run.model_config, run.train_config):
+        if run.unreadable_json(which):
+            raise CheckpointError(f"{run.path} holds a run but its {which.name} is unreadable, so it cannot be told "
+                                  f"apart from this one; use another out_dir, or --no-resume (resume=False) to "
+                                  f"replace it (the old run is kept aside until the new one saves a checkpoint)")
     saved_model, saved_train = run.read_json(run.model_config), run.read_json(run.train_config)
-    if not saved_model or not (run.has_metrics() or run.has_final()):
+    if not saved_model:
         return
     wanted = model_identity(model_config.to_dict())
     # the saved file also carries bookkeeping (model_type, format_version): only the fields are compared
@@ -177,7 +184,9 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     model_config.backend_on(env.device)  # a backend that cannot run on this device fails before any write
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
-    with folder_lock(run.path, purpose="train into another out_dir") if env.is_main else contextlib.nullcontext():
+    lock = folder_lock(run.path, purpose="train into another out_dir", kind="a training run")
+    with lock if env.is_main else contextlib.nullcontext():
+        run.check_layout()
         return _train(run, model_config, cfg, env, init_state, resume)
 
 

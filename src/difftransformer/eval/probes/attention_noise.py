@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.eval.heldout import window_length
 from difftransformer.eval.probes.hooks import inspect_attention, require_own_model
 from difftransformer.eval.synthetic import NeedleSample, check_needle_args
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
@@ -171,7 +172,7 @@ class AttentionNoise(Task):
         require_own_model(model, self.name)
         o = self.options
         context = model.config.max_position_embeddings
-        length = o.length or cfg.seq_len or context
+        length = window_length(model, cfg, "attention-noise length", o.length)
         check_needle_args(length=length, depth=0, needles=o.needles, queries=1, haystack=o.haystack, digits=o.digits,
                           context=context)
         if tokenizer is None:

@@ -13,9 +13,9 @@ Choices where the paper is silent, all recorded in the result:
   key: the harshest), "row" = one scale per query row of each head and map. Both by default.
 - The max is over the entries a query may see: causally masked logits are never computed by a real
   kernel, so they neither set the scale nor matter after the softmax.
-- The metrics are the held-out loss (the `heldout-loss` windows of the test split) and, as a task
-  accuracy, forced-choice multi-needle retrieval (the `needle` task's scoring) at each bit width;
-  the paper used zero-shot HellaSwag, which does not exist offline.
+- The metrics are the held-out loss (the `heldout-loss` windows of the test split, read once for
+  every cell) and, as a task accuracy, forced-choice multi-needle retrieval (the `needle` task's
+  scoring) at each bit width; the paper used zero-shot HellaSwag, which does not exist offline.
 
 The quantiser is applied through the layers' explicit score hook (eval/probes/hooks.py); nothing is
 patched, and the model is restored afterwards.
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from difftransformer.eval.heldout import heldout_split, window_length
 from difftransformer.eval.probes.hooks import inspect_attention, require_own_model
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
-from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+from difftransformer.eval.tasks.heldout_loss import loss_windows, windowed_nll
 
 UNQUANTISED_BITS = 16
 GRANULARITIES = ("tensor", "row")
@@ -89,15 +90,17 @@ class LogitQuant(Task):
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         require_own_model(model, self.name)
         o = self.options
-        loss_cfg = EvalConfig(data_dir=cfg.data_dir, split=cfg.split, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                              max_windows=o.windows, eval_seed=cfg.eval_seed, device=cfg.device)
+        held = heldout_split(cfg, tokenizer, self.name)  # read (and re-tokenised) once for every cell
+        seq_len = window_length(model, cfg)
+        windows = loss_windows(held, seq_len, o.windows)
+        text = (held.tokens, seq_len, windows)
         samples = self._needle_samples(model, tokenizer, cfg) if o.needle_samples else None
         cells: dict[str, dict[str, float]] = {}
-        reference = self._measure(model, tokenizer, loss_cfg, samples, None, "tensor")
+        reference = self._measure(model, cfg, text, samples, None, "tensor")
         for granularity in o.granularity:
             for bits in sorted(set(o.bits), reverse=True):
                 measured = reference if bits == UNQUANTISED_BITS else self._measure(
-                    model, tokenizer, loss_cfg, samples, bits, granularity)
+                    model, cfg, text, samples, bits, granularity)
                 cells[f"{granularity}/{bits}"] = measured
         metrics = {}
         for key, m in cells.items():
@@ -120,19 +123,22 @@ class LogitQuant(Task):
 
         return needle.forced_choice_samples(model, tokenizer, cfg, self.options.needle_samples, self._length(model))
 
-    def _measure(self, model, tokenizer, loss_cfg: EvalConfig, samples, bits: int | None,
+    def _measure(self, model, cfg: EvalConfig, text: tuple, samples, bits: int | None,
                  granularity: str) -> dict[str, float]:
+        """The held-out loss over `text` (tokens, seq_len, windows) and the needle accuracy, with the
+        attention logits quantised to `bits` (None: as they are)."""
         def make_hook(_layer: int):
             if bits is None:
                 return None
             return lambda scores, visible: fake_quantize(scores, visible, bits, granularity)
 
         with inspect_attention(model, make_hook):
-            out = {"loss": HeldOutLoss().run(model, tokenizer, loss_cfg).metrics["loss"]}
+            total, count = windowed_nll(model, *text, cfg.batch_size, cfg.device)
+            out = {"loss": total / count}
             if samples is not None:
                 from difftransformer.eval.tasks import needle
 
-                out["needle_accuracy"] = needle.forced_choice_accuracy(model, samples, loss_cfg)
+                out["needle_accuracy"] = needle.forced_choice_accuracy(model, samples, cfg)
         return out
 
     def plot(self, result: TaskResult, path) -> bool:

@@ -39,12 +39,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from difftransformer.eval.probes.hooks import (attention_layers, capture_layer_outputs, inspect_attention,
                                                require_own_model)
-from difftransformer.eval.heldout import HeldOutSplit, heldout_split
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, input_windows, window_length
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 TOP_KS = (1, 2, 3, 10, 100)
@@ -168,13 +167,6 @@ class OutlierState:
         return sum(s.nbytes() for stats in self.layers.values() for s in stats)
 
 
-def _windows(tokens: np.ndarray, seq_len: int, budget: int, cap: int | None) -> np.ndarray:
-    """(n, seq_len) non-overlapping windows from the start: ceil(budget / seq_len) of them, fewer if the split
-    (or cap) runs out."""
-    n = min(-(-budget // seq_len), len(tokens) // seq_len, cap or len(tokens))
-    return np.asarray(tokens[:n * seq_len], dtype=np.int64).reshape(n, seq_len)
-
-
 @register_task
 class Outliers(Task):
     name = "outliers"
@@ -189,13 +181,9 @@ class Outliers(Task):
     @torch.no_grad()
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         model = require_own_model(model, "outliers")
-        context = model.config.max_position_embeddings
-        seq_len = cfg.seq_len or context
-        if seq_len > context:
-            raise ValueError(f"seq_len {seq_len} is beyond the model's context of {context} tokens "
-                             f"(max_position_embeddings); use seq_len <= {context}")
+        seq_len = window_length(model, cfg)
         held = heldout_split(cfg, tokenizer, self.name)
-        windows = _windows(held.tokens, seq_len, self.options.tokens, cfg.max_windows)
+        windows = input_windows(held.tokens, seq_len, self.options.tokens, cfg.max_windows)
         if len(windows) == 0:
             raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has fewer than seq_len = {seq_len} tokens; "
                              f"lower seq_len")

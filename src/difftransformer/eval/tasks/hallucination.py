@@ -91,7 +91,8 @@ from difftransformer.eval.judge import (
     normalize,
     occurs,
 )
-from difftransformer.eval.lm import generate_text, split_continuation
+from difftransformer.eval.lm import continuation_token_logprobs, generate_text, split_continuation
+from difftransformer.eval.heldout import heldout_split
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 SUBTASKS = ("qa", "counterfactual", "summary")
@@ -265,24 +266,14 @@ def score_continuations(model, tokenizer, prompt: str, continuations: list[str],
         context_ids, cont_ids = split_continuation(tokenizer, prompt, c)
         if not cont_ids:
             raise ValueError(f"the continuation {c!r} encodes to no tokens; nothing to score")
-        rows.append(([tokenizer.eos_id, *context_ids, *cont_ids], len(cont_ids)))
+        rows.append(([tokenizer.eos_id, *context_ids], cont_ids))
     limit = model.config.max_position_embeddings
-    longest = max(len(ids) for ids, _ in rows)
+    longest = max(len(ctx) + len(cont) for ctx, cont in rows)
     if longest > limit:
         raise ValueError(f"a forced-choice sequence is {longest} tokens; the model's context is {limit}. "
                          f"Lower context_length")
-    scores = []
-    for i in range(0, len(rows), batch_size):
-        batch = rows[i:i + batch_size]
-        width = max(len(ids) for ids, _ in batch)
-        x = torch.tensor([ids + [tokenizer.eos_id] * (width - len(ids)) for ids, _ in batch], device=device)
-        logits = model(x).logits
-        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        for row, (ids, n) in enumerate(batch):
-            pos = torch.arange(len(ids) - n - 1, len(ids) - 1, device=device)
-            target = torch.tensor(ids[-n:], device=device)
-            scores.append(float(logp[row, pos, target].sum()))
-    return scores
+    picked = continuation_token_logprobs(model, rows, batch_size=batch_size, pad_id=tokenizer.eos_id, device=device)
+    return [float(lp.sum()) for lp in picked]  # fp32 sums, as lm.continuation_logprob
 
 
 def _excerpt(sample: Sample) -> str:
@@ -378,15 +369,11 @@ class Hallucination(Task):
 
     def make_samples(self, model, tokenizer, cfg: EvalConfig) -> tuple[dict[str, list[Sample]], PreparedData, int]:
         """The prompts of every sub-task asked for (deterministic given cfg.eval_seed), the data and the length."""
-        if cfg.data_dir is None:
-            raise ValueError("hallucination inserts its facts into held-out text: set EvalConfig.data_dir "
-                             "(--data-dir) to a prepared-data folder (e.g. cache/data/sotu-8192)")
+        held = heldout_split(cfg, None, self.name)  # the data's own tokens: windows are decoded with its tokenizer
         length = self.prompt_length(model)
-        data = PreparedData.load(cfg.data_dir)
-        split = data.dataset(cfg.split)
+        data, tokens = held.data, held.tokens
         text_tokenizer = data.tokenizer()
         tokenizer = tokenizer or text_tokenizer
-        tokens = np.asarray(split.tokens)
         if len(tokens) < 4 * MIN_HELD_OUT_TOKENS:
             raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has only {len(tokens)} tokens; "
                              f"the facts need held-out text around them")
@@ -394,7 +381,7 @@ class Hallucination(Task):
         for sub in self.options.subtasks:
             rng = random.Random(f"hallucination:{sub}:{cfg.eval_seed}")
             out[sub] = build_samples(sub, self.options.samples, tokens, length, rng, text_tokenizer, tokenizer,
-                                     split.eos_id, self.options.choices, model.config.max_position_embeddings)
+                                     held.eos_id, self.options.choices, model.config.max_position_embeddings)
         return out, data, length
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:

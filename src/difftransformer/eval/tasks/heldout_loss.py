@@ -13,9 +13,36 @@ import math
 import torch
 
 from difftransformer.data import iter_eval_batches, num_eval_windows
-from difftransformer.eval.heldout import heldout_split
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, window_length
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+
+
+def loss_windows(held: HeldOutSplit, seq_len: int, cap: int | None) -> int:
+    """How many of the split's validation windows of seq_len + 1 tokens are scored (at most `cap`);
+    none is a ValueError naming the split and the fix."""
+    windows = num_eval_windows(held.tokens, seq_len)
+    if cap is not None:
+        windows = min(windows, cap)
+    if windows == 0:
+        raise ValueError(f"the {held.split} split of {held.data.out_dir} has fewer than seq_len + 1 = {seq_len + 1} "
+                         f"tokens; lower seq_len")
+    return windows
+
+
+def windowed_nll(model, tokens, seq_len: int, windows: int, batch_size: int, device) -> tuple[float, int]:
+    """(summed NLL in nats, tokens scored) over the first `windows` validation windows of `tokens`, the
+    trainer's windows (data.iter_eval_batches), summed in float64. The one home of the held-out loss:
+    `heldout-loss` reports it, `logit-quant` measures it under each quantiser on a split read once."""
+    total, count = 0.0, 0
+    max_batches = -(-windows // batch_size)
+    for inputs, targets in iter_eval_batches(tokens, batch_size, seq_len, max_batches):
+        keep = min(inputs.shape[0], windows - count // seq_len)
+        ids = torch.cat((inputs[:keep], targets[:keep, -1:]), dim=1).to(device)
+        nll = token_nll(model, ids)
+        total += float(nll.double().sum())
+        count += nll.numel()
+    return total, count
 
 
 @register_task
@@ -25,25 +52,9 @@ class HeldOutLoss(Task):
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         held = heldout_split(cfg, tokenizer, self.name)
-        split = held.tokens
-        seq_len = cfg.seq_len or model.config.max_position_embeddings
-        if seq_len > model.config.max_position_embeddings:
-            raise ValueError(f"seq_len {seq_len} is beyond the model's context of {model.config.max_position_embeddings} "
-                             f"tokens; use seq_len <= {model.config.max_position_embeddings}")
-        windows = num_eval_windows(split, seq_len)
-        if cfg.max_windows is not None:
-            windows = min(windows, cfg.max_windows)
-        if windows == 0:
-            raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has fewer than seq_len + 1 = {seq_len + 1} "
-                             f"tokens; lower seq_len")
-        total, count = 0.0, 0
-        max_batches = -(-windows // cfg.batch_size)
-        for inputs, targets in iter_eval_batches(split, cfg.batch_size, seq_len, max_batches):
-            keep = min(inputs.shape[0], windows - count // seq_len)
-            ids = torch.cat((inputs[:keep], targets[:keep, -1:]), dim=1).to(cfg.device)
-            nll = token_nll(model, ids)
-            total += float(nll.double().sum())
-            count += nll.numel()
+        seq_len = window_length(model, cfg)
+        windows = loss_windows(held, seq_len, cfg.max_windows)
+        total, count = windowed_nll(model, held.tokens, seq_len, windows, cfg.batch_size, cfg.device)
         loss = total / count
         return TaskResult(
             task=self.name,

@@ -221,12 +221,17 @@ class _Plan:
     query_alone: int  # tokens of the longest test query on its own (k = 0)
     depth: int  # the most label tokens decoded
 
-    def needed(self, demos: Sequence[Item]) -> int:
-        """Tokens the longest prompt with these demonstrations takes, EOS and all label steps but the last."""
-        if not demos:
+    def tokens(self, demo_lengths: Sequence[int]) -> int:
+        """Tokens the longest prompt takes with demonstrations of these token lengths: EOS, the
+        demonstrations and separators, the longest query, and all label steps but the last. The one
+        home of the fit rule: draws, the automatic k_max and the shot checks all count with it."""
+        if not demo_lengths:
             return 1 + self.query_alone + self.depth - 1
-        return 1 + sum(self.demo_len[d] for d in demos) + (len(demos) - 1) * self.sep_len + self.query_len \
-            + self.depth - 1
+        return 1 + sum(demo_lengths) + (len(demo_lengths) - 1) * self.sep_len + self.query_len + self.depth - 1
+
+    def needed(self, demos: Sequence[Item]) -> int:
+        """`tokens` of these demonstrations."""
+        return self.tokens([self.demo_len[d] for d in demos])
 
     def fits(self, demos: Sequence[Item]) -> bool:
         return self.needed(demos) <= self.context
@@ -250,8 +255,7 @@ def automatic_max_shots(plan: _Plan, pool: Sequence[Item], rng: random.Random) -
     def share(k: int) -> float:
         fit = 0
         for _ in range(FIT_SIMULATIONS):
-            total = sum(rng.sample(lengths, k))
-            fit += 1 + total + (k - 1) * plan.sep_len + plan.query_len + plan.depth - 1 <= plan.context
+            fit += plan.tokens(rng.sample(lengths, k)) <= plan.context
         return fit / FIT_SIMULATIONS
 
     lo, hi = 0, len(pool)  # share(lo) is enough (k = 0 is checked apart); find the largest such k
@@ -355,7 +359,7 @@ class ICL(Task):
             if k > len(pool):
                 raise ValueError(f"icl.shots {k} is more than the {len(pool)} demonstrations left beside the test "
                                  f"set of {data.name}; lower shots or test_size")
-            least = 1 + sum(shortest[:k]) + max(k - 1, 0) * plan.sep_len + plan.query_len + plan.depth - 1
+            least = plan.tokens(shortest[:k])
             if k and least > plan.context:
                 raise ValueError(f"icl.shots {k} does not fit: even the {k} shortest demonstrations of {data.name} "
                                  f"with the longest test item take {least} tokens; the model's context is "

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.eval.heldout import HeldOutSplit, heldout_split
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, window_length
 from difftransformer.eval.heldout import documents as split_documents
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
@@ -122,17 +122,9 @@ class LongContext(Task):
             if value < 0:
                 raise ValueError(f"long-context option {key} must be >= 0 (0 = automatic), got {value}")
 
-    def _length(self, model, cfg: EvalConfig) -> int:
-        context = model.config.max_position_embeddings
-        length = self.options.length or cfg.seq_len or context
-        if length > context:
-            raise ValueError(f"length {length} is beyond the model's context of {context} tokens "
-                             f"(max_position_embeddings); use length <= {context}")
-        return length
-
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         split = heldout_split(cfg, tokenizer, self.name)
-        length = self._length(model, cfg)
+        length = window_length(model, cfg, "length", self.options.length)
         tokens = split.tokens
         docs = split_documents(tokens, split.eos_id)
         chosen = [i for i, d in enumerate(docs) if len(d) >= length]

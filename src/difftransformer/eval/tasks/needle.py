@@ -61,7 +61,8 @@ from difftransformer.eval.synthetic import (
     min_prompt_length,
     needle_prompt,
 )
-from difftransformer.eval.heldout import heldout_split
+from difftransformer.eval.heldout import heldout_split, window_length
+from difftransformer.eval.lm import continuation_token_logprobs, until_eos
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 DEPTHS = (0, 25, 50, 75, 100)
@@ -115,9 +116,7 @@ def forced_choice_samples(model, tokenizer, cfg: EvalConfig, count: int, length:
     """`count` prompts (depths cycling over 0..100) whose prompt plus the longest possible answer
     (digits + 1 tokens) fits in `length` tokens, for `forced_choice_accuracy`."""
     context = model.config.max_position_embeddings
-    if length > context:
-        raise ValueError(f"needle length {length} is beyond the model's context of {context} tokens; "
-                         f"use a length <= {context}")
+    window_length(model, cfg, "needle length", length)
     text = haystack_text(cfg, tokenizer, "needle")[0] if haystack == "text" else None
     prompt_length = length - (digits + 1)
     out: list[NeedleSample] = []
@@ -146,25 +145,17 @@ def forced_choice_scores(model, samples: list[NeedleSample], cfg: EvalConfig) ->
     when it ties with k - 1 others for first, else 0 (see the module doc)."""
     jobs = [(si, qi, p) for si, s in enumerate(samples) for qi, p in enumerate(s.prompts)]
     scores: list[list[float]] = [[0.0] * len(s.prompts) for s in samples]
-    per_batch = max(1, cfg.batch_size)
     rows = [(job, ci) for job in jobs for ci in range(len(samples[job[0]].candidate_ids))]
     # rows of one prompt length share a batch; each row is prompt + one candidate
     grouped: dict[int, list] = defaultdict(list)
     for row in rows:
         grouped[len(row[0][2])].append(row)
     logprob: dict[tuple[int, int, int], float] = {}
-    for P, group in sorted(grouped.items()):
-        for i in range(0, len(group), per_batch):
-            chunk = group[i:i + per_batch]
-            conts = [samples[job[0]].candidate_ids[ci] for job, ci in chunk]
-            width = max(len(c) for c in conts)
-            rows_ids = [list(job[2]) + list(c) + [c[-1]] * (width - len(c)) for (job, _), c in zip(chunk, conts)]
-            ids = torch.tensor(rows_ids, device=cfg.device)
-            logits = model(ids).logits[:, P - 1:P - 1 + width]
-            lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            for r, ((job, ci), c) in enumerate(zip(chunk, conts)):
-                picked = lp[r, torch.arange(len(c), device=lp.device), torch.tensor(c, device=lp.device)]
-                logprob[(job[0], job[1], ci)] = float(picked.double().sum())
+    for _, group in sorted(grouped.items()):
+        picked = continuation_token_logprobs(model, [(job[2], samples[job[0]].candidate_ids[ci]) for job, ci in group],
+                                             batch_size=max(1, cfg.batch_size), device=cfg.device)
+        for (job, ci), lp in zip(group, picked):
+            logprob[(job[0], job[1], ci)] = float(lp.double().sum())
     for si, qi, _ in jobs:
         sample = samples[si]
         values = [logprob[(si, qi, ci)] for ci in range(len(sample.candidate_ids))]
@@ -199,9 +190,7 @@ def greedy_outputs(model, tokenizer, samples: list[NeedleSample], max_new_tokens
         ids = torch.tensor([list(job[2]) for job in batch], device=cfg.device)
         gen = model.generate(ids, n, temperature=0.0, eos_token_id=tokenizer.eos_id)[:, P:].tolist()
         for (si, qi, _), toks in zip(batch, gen):
-            if tokenizer.eos_id in toks:
-                toks = toks[:toks.index(tokenizer.eos_id)]
-            out[si][qi] = tokenizer.decode(toks)
+            out[si][qi] = tokenizer.decode(until_eos(toks, tokenizer.eos_id))
     return out
 
 
