@@ -3,6 +3,7 @@ rebuilt from result files alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -230,3 +231,32 @@ def test_recipe_line_gives_the_steps_of_each_token_budget(tmp_path):
     line = next(ln for ln in text.splitlines() if ln.startswith("Training (identical"))
     assert "2 steps for the 1,000-token budget, 10 steps for the 5,000-token budget" in line
     assert "999" not in line
+
+
+def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplog):
+    """compare.reuse: a unit another study already trained and evaluated with the same identity is copied
+    (its evals cut to this study's tasks), not trained again; a unit of another recipe is not taken."""
+    first = tmp_path / "first"
+    run_compare(_study(data_dir, first, eval_tasks=["heldout-loss", "outliers"]), tmp_path / "a", report=False)
+    second = tmp_path / "second"
+    study = _study(data_dir, second, arms=["diff", "transformer", "diff_v2"], eval_tasks=["heldout-loss"],
+                   reuse=[str(first)])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_compare(study, tmp_path / "b", report=False)
+    assert caplog.text.count("result reused from") == 2 and caplog.text.count("training into") == 1  # diff_v2 only
+    for arm in ("diff", "transformer"):
+        source = json.loads(result_path(first, Unit(None, None, 0, arm), False).read_text())
+        copy = json.loads(result_path(second, Unit(None, None, 0, arm), False).read_text())
+        assert copy["identity"] == source["identity"] and copy["final_val_loss"] == source["final_val_loss"]
+        assert set(copy["evals"]) == {"heldout-loss"} and copy["reused_from"] == str(first)
+    assert "| `diff_v2` |" in write_report(second, samples=False).read_text()  # reused and trained units together
+    # another recipe (one more step): nothing of the first study fits, everything is trained
+    base = _study(data_dir, tmp_path / "third", eval_tasks=["heldout-loss"], reuse=[str(first)])
+    longer = dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=3))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_compare(longer, tmp_path / "c", report=False)
+    assert "result reused" not in caplog.text and caplog.text.count("training into") == 2
+    with pytest.raises(ValueError, match="compare.reuse must be a list"):
+        CompareConfig(reuse="results/paper-cpu")

@@ -32,7 +32,15 @@ from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
 from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.study_dir import RESULTS_DIR, StudyDir
-from difftransformer.experiments.units import MANIFEST_COPY, Unit, check_identity, read_result, result_path, write_result
+from difftransformer.experiments.units import (
+    MANIFEST_COPY,
+    Unit,
+    check_identity,
+    find_results,
+    read_result,
+    result_path,
+    write_result,
+)
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
 from difftransformer.train import RunDir, TrainConfig, train
@@ -167,7 +175,27 @@ class _Cell:
     def _has_result(self, unit: Unit, identity: dict[str, Any]) -> bool:
         path = result_path(self.results, unit, self.multi)
         record = read_result(path)
-        return record is not None and check_identity(path, record, identity)
+        if record is not None:
+            return check_identity(path, record, identity)
+        return self._reuse(unit, identity, path)
+
+    def _reuse(self, unit: Unit, identity: dict[str, Any], path: Path) -> bool:
+        """Copy another study's result for this very unit (compare.reuse) into `path`: same unit, same
+        identity (model, recipe with max_steps, data) and every task of this study evaluated. Its evals are
+        cut to this study's tasks, so the report covers every arm alike; `reused_from` names the source folder."""
+        tasks = set(self.study.compare.eval_tasks)
+        for folder in self.study.compare.reuse:
+            record = find_results(folder).get(unit)
+            if (record is None or record.get("identity") != identity
+                    or not tasks <= set(record.get("evals") or {})):
+                continue
+            if dist.is_main():
+                copy = {**record, "evals": {t: v for t, v in record["evals"].items() if t in tasks},
+                        "reused_from": str(folder)}
+                write_result(path, copy)
+            log.info("%s: result reused from %s", unit.label(), folder)
+            return True
+        return False
 
     def _train(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir, state,
                resume: bool, n: int, total: int) -> None:

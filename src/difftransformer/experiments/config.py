@@ -125,6 +125,10 @@ class CompareConfig:
     top_k: int | None = 50
     sample_seed: int = 0  # seeds the report's sampled continuations (not training)
     eval_tasks: list[str] = field(default_factory=list)  # evaluation tasks run on every finished arm (defaults)
+    # results folders of other studies whose units may stand in for this study's: a unit with the same
+    # (size, tokens, seed, arm), the same identity (model, recipe, data) and every task of eval_tasks
+    # evaluated is copied instead of trained again (ablations-cpu takes paper-cpu's three shared arms)
+    reuse: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.arms, str):
@@ -175,6 +179,9 @@ class CompareConfig:
         self.tokens = sorted(self.tokens)
         if self.results_dir is not None and (not isinstance(self.results_dir, str) or not self.results_dir):
             raise ValueError(f"compare.results_dir must be a folder path or null, got {self.results_dir!r}")
+        if not isinstance(self.reuse, list) or not all(isinstance(r, str) and r for r in self.reuse):
+            raise ValueError(f"compare.reuse must be a list of other studies' results folders like "
+                             f"[\"results/paper-cpu\"], got {self.reuse!r}")
 
     def _check_eval_tasks(self) -> None:
         if isinstance(self.eval_tasks, str):
