@@ -88,6 +88,13 @@ class Study:
     def results_dir(self, out_dir: Path) -> Path:
         return Path(self.compare.results_dir) if self.compare.results_dir else out_dir / RESULTS_DIR
 
+    def reusable(self, folder: str) -> dict[Unit, dict[str, Any]]:
+        """The result records of another study's folder (compare.reuse), read once per study run."""
+        cache = self.__dict__.setdefault("_reusable", {})
+        if folder not in cache:
+            cache[folder] = find_results(folder)
+        return cache[folder]
+
     def arm(self, name: str) -> Arm:
         """The arm called `name`: the config's, else a named ablation or attention kind (e.g. from --arms)."""
         return next((a for a in self.compare.arms if a.name == name), None) or parse_arm(name)
@@ -185,7 +192,7 @@ class _Cell:
         cut to this study's tasks, so the report covers every arm alike; `reused_from` names the source folder."""
         tasks = set(self.study.compare.eval_tasks)
         for folder in self.study.compare.reuse:
-            record = find_results(folder).get(unit)
+            record = self.study.reusable(folder).get(unit)
             if (record is None or record.get("identity") != identity
                     or not tasks <= set(record.get("evals") or {})):
                 continue
