@@ -34,10 +34,12 @@ import tomllib
 import yaml
 
 from difftransformer.data import DataConfig
+from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.experiments.config import CompareConfig
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.config import MODEL_SECTION_KEYS, model_config_from_section
 from difftransformer.train import TrainConfig
+from difftransformer.train.init import folder_tokenizer, init_model_config
 
 SECTIONS = ("model", "train", "data", "compare")
 # Keys that were renamed: an old config gets the new name instead of a bare "unknown key".
@@ -71,8 +73,14 @@ class RunConfig:
 
     def resolve_vocab(self, data_vocab_size: int) -> None:
         """Size the embedding to the tokenizer actually trained (a small corpus may give fewer tokens than
-        asked for), unless [model] sets vocab_size; then it must hold the tokenizer's vocabulary."""
-        if "vocab_size" not in self.model_section:
+        asked for), unless [model] sets vocab_size or the model comes from train.init_from; then it must
+        hold the tokenizer's vocabulary."""
+        if self.train.init_from is not None:
+            if self.model.vocab_size < data_vocab_size:
+                raise ConfigError(f"the model in init_from {self.train.init_from} has {self.model.vocab_size} token "
+                                  f"embeddings but the data's tokenizer has {data_vocab_size}; prepare the data with "
+                                  f"the model's own tokenizer (data.tokenizer_path)")
+        elif "vocab_size" not in self.model_section:
             self.model = dataclasses.replace(self.model, vocab_size=data_vocab_size)
         elif self.model.vocab_size < data_vocab_size:
             raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the tokenizer's vocabulary "
@@ -237,16 +245,41 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
     if attention is not None:
         sections["model"]["attention"] = attention
     apply_overrides(sections, overrides or [])
-    if not set(sections["model"]) - {"attention"}:
+    init_from = sections["train"].get("init_from")
+    if init_from is None and not set(sections["model"]) - {"attention"}:
         sections["model"]["preset"] = "cpu-small"  # a bare `train --attention X` still does something sensible
     try:
-        built = {name: build_section(name, sections[name]) for name in SECTIONS}
+        built = {name: build_section(name, sections[name]) for name in SECTIONS if name != "model" or not init_from}
+        if init_from:
+            built["model"] = _model_from_folder(built["train"].init_from, sections["model"], built["data"])
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
     _one_data_dir(sections, built["train"], built["data"])
     check_seq_len(built["model"], built["train"])
     return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],
                      model_section=sections["model"], source=str(path) if path else None)
+
+
+def _model_from_folder(folder: str, model_section: dict[str, Any], data: DataConfig) -> DiffTransformerConfig:
+    """train.init_from: the model is the folder's (only MAY_CHANGE settings in [model]), and so is the
+    tokenizer: the data are tokenized with the one saved beside the weights unless [data] names the same."""
+    check_keys("model", model_section)
+    try:
+        model = init_model_config(folder, model_section)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    saved = folder_tokenizer(folder)
+    if saved is not None and data.tokenizer_path is None:
+        data.tokenizer_path = str(saved)
+    elif saved is not None and not _same_tokenizer(saved, data.tokenizer_path):
+        raise ConfigError(f"data.tokenizer_path ({data.tokenizer_path}) is not the tokenizer saved with the model in "
+                          f"{folder} ({saved}); remove data.tokenizer_path to use the model's")
+    return model
+
+
+def _same_tokenizer(a: Path, b: str) -> bool:
+    """Whether tokenizer file b is tokenizer a (compared as tokenizers, not as bytes)."""
+    return Path(b).is_file() and Tokenizer.from_file(b).hash == Tokenizer.from_file(a).hash
 
 
 def _one_data_dir(sections: dict[str, dict[str, Any]], train: TrainConfig, data: DataConfig) -> None:

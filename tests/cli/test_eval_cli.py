@@ -28,6 +28,13 @@ def test_one_task_writes_json_and_png_and_is_reused(compared, capsys):
     assert "wrote" in capsys.readouterr().err
 
 
+def test_seq_len_sets_the_window_of_held_out_text(compared, capsys, tmp_path):
+    run = compared / "diff"
+    assert main(["eval", "outliers", str(run), "--seq-len", "16", "--tokens", "64", "--out-dir", str(tmp_path)]) == 0
+    settings = json.loads((tmp_path / "outliers.json").read_text())["settings"]
+    assert settings["seq_len"] == 16 and settings["windows"] == 4 and settings["eval_config"]["seq_len"] == 16
+
+
 def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):
     out = tmp_path / "cmp.md"
     assert main(["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks",
@@ -54,5 +61,7 @@ def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
     cli_fails(capsys, ["eval", "heldout-loss", str(tmp_path / "nope")], "does not exist")
     cli_fails(capsys, ["eval", "all", run, "--tasks", "neddle,heldout-loss"], "unknown evaluation task 'neddle'")
     cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "0"], "--batch-size must be a positive")
+    cli_fails(capsys, ["eval", "outliers", run, "--seq-len", "0"], "--seq-len must be a positive integer")
+    cli_fails(capsys, ["eval", "outliers", run, "--seq-len", "100000"], "--seq-len 100000 is beyond the context of")
     cli_fails(capsys, ["eval", "all", run, "--tasks", ","], "names no task")
     cli_fails(capsys, ["eval", "heldout-loss", str(compared)], "is a comparison folder")

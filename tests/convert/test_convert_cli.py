@@ -147,3 +147,24 @@ def test_help_lists_the_formats(capsys):
     with pytest.raises(SystemExit) as e:
         main(["convert", "--help"])
     assert e.value.code == 0 and "ours, diffllama, llama, unilm" in capsys.readouterr().out
+
+
+def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
+    """transformers reads special tokens from tokenizer_config.json: without it, the exported tokenizer
+    has no EOS and neither generation nor `eval` can end a document."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from difftransformer.data.tokenizer import EOS_TOKEN
+
+    saved(tmp_path / "ours", gqa=True)
+    vocab = {EOS_TOKEN: 0, **{w: i + 1 for i, w in enumerate(["the", "union", "is", "strong"])}, "[UNK]": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "ours" / TOKENIZER_FILE))
+    assert convert(tmp_path / "ours", tmp_path / "dl", "diffllama") == 0
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "dl")
+    assert loaded.eos_token == EOS_TOKEN and loaded.eos_token_id == 0
+    assert loaded("the union is strong")["input_ids"] == [1, 2, 3, 4]
+    assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0  # and it travels back with the tokenizer
+    assert (tmp_path / "back" / "tokenizer_config.json").is_file()

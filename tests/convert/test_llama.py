@@ -59,9 +59,11 @@ def test_the_rope_permutation_pairs_j_with_j_plus_half():
     ("transformer_headnorm", "head-wise RMSNorm that LlamaForCausalLM lacks"),
     ("diff", "convert it to DiffLlama or the authors' layout"),
     ("diff_v2", "no transformers class holds this kind"),
+    ("diff_retrofit", "head-wise RMSNorm that LlamaForCausalLM lacks"),
 ])
 def test_kinds_llama_cannot_hold_are_refused(attention, message):
-    cfg = config(attention)
+    extra = dict(lambda_init=0.0, attention_head_dim=8, head_norm_ramp_steps=4) if attention == "diff_retrofit" else {}
+    cfg = config(attention, **extra)
     with pytest.raises(ConversionError, match=message) as e:
         ours_to_llama(ours(cfg).state_dict(), cfg)
     assert "\n" not in str(e.value)

@@ -175,3 +175,26 @@ def test_bad_inputs_are_one_line_errors(data_dir, name):
     with pytest.raises(ValueError, match=needle) as info:
         ask(data_dir)
     assert "\n" not in str(info.value)
+
+
+def test_the_batch_shrinks_to_what_memory_holds_and_changes_no_number(data_dir, monkeypatch):
+    """probe_batch: with room for one window of explicit maps only, windows go one at a time (same result);
+    with room for none, a one-line error names the window, the memory and a shorter window that fits."""
+    import difftransformer.eval.probes.hooks as hooks
+
+    model = model_of("diff")
+    full = probe(model, data_dir, tokens=4 * CONTEXT)
+    maps = 2 * model.config.num_attention_heads
+    one_window = 4 * maps * CONTEXT * CONTEXT * hooks._EAGER_COPIES
+    monkeypatch.setattr(hooks, "_free_bytes", lambda device: 2 * one_window + 1)
+    assert hooks.probe_batch(model, CONTEXT, 8, "cpu") == 1
+    seen = []
+    forward = DiffTransformerLM.forward
+    monkeypatch.setattr(DiffTransformerLM, "forward", lambda self, ids, *a, **kw: seen.append(ids.shape[0]) or
+                        forward(self, ids, *a, **kw))
+    alone = probe(model, data_dir, tokens=4 * CONTEXT)
+    assert seen == [1, 1, 1, 1] and alone.metrics == full.metrics
+    monkeypatch.setattr(hooks, "_free_bytes", lambda device: one_window // 3)
+    with pytest.raises(ValueError, match=r"one window of 16 tokens needs ~16.0 KiB of explicit attention maps "
+                                         r"\(4 maps of 16x16 per layer\).*use a shorter window, e.g. --seq-len 4$"):  # 64 T² bytes <= 2,730
+        probe(model, data_dir, tokens=4 * CONTEXT)

@@ -170,6 +170,30 @@ def test_greedy_generate_equals_native_generate(attention):
     assert torch.equal(batched, lm.generate(ids, 8, temperature=0, attention_mask=mask))
 
 
+def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
+    """Without position_ids the forward derives positions itself (RoPE from the shared table when there is
+    no padding); position_ids given to generate() are used, extended by one per step as transformers does."""
+    _, hf = pair("diff")
+    seen = []
+    forward = type(hf).forward
+    monkeypatch.setattr(type(hf), "forward", lambda self, *a, **kw: seen.append(kw.get("position_ids")) or
+                        forward(self, *a, **kw))
+    ids = ids_of(PROMPTS[1])
+    hf.generate(ids, max_new_tokens=4, do_sample=False)
+    assert len(seen) == 4 and all(p is None for p in seen)
+    seen.clear()
+    start = torch.tensor([[0, 2, 4, 6, 8, 10]])  # not a shift of 0..5: RoPE sees other relative positions
+    out = hf.generate(ids, position_ids=start, max_new_tokens=4, do_sample=False)
+    assert all(p is not None for p in seen)
+    seq, pos = ids, start
+    with torch.no_grad():  # the same positions by hand, without a cache: each new token at the last + 1
+        for _ in range(4):
+            nxt = hf(seq, position_ids=pos, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq, pos = torch.cat([seq, nxt], 1), torch.cat([pos, pos[:, -1:] + 1], 1)
+    assert torch.equal(out, seq)
+    assert not torch.equal(out, hf.generate(ids, max_new_tokens=4, do_sample=False))
+
+
 def test_sampling_and_beam_search():
     lm, hf = pair("diff")
     ids = ids_of(PROMPTS[1])

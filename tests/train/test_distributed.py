@@ -31,11 +31,15 @@ def _ddp_worker(rank: int, world_size: int, port: int, cfg_dicts: list[dict], mo
         train(DiffTransformerConfig.from_dict(model_dict), TrainConfig.from_dict(cfg_dict))
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_two_processes_match_one(data_dir, tmp_path, fsdp):
-    """DDP, or FSDP2 trained to step 2 then resumed to 4 (sharded save and load), equals 1 process."""
-    one = train(tiny(), make_cfg(data_dir, tmp_path / "one", max_steps=4, ckpt_interval=4, eval_interval=2))
-    cfg2 = make_cfg(data_dir, tmp_path / "two", max_steps=4, ckpt_interval=2, eval_interval=2, fsdp=fsdp)
+@pytest.mark.parametrize("fsdp, trainable", [(False, "all"), (True, "all"), (False, "attention"), (True, "attention")],
+                         ids=["ddp", "fsdp2", "ddp-attention-only", "fsdp2-attention-only"])
+def test_two_processes_match_one(data_dir, tmp_path, fsdp, trainable):
+    """DDP, or FSDP2 trained to step 2 then resumed to 4 (sharded save and load), equals 1 process; also
+    with only the attention tensors trainable (frozen parameters inside the wrapped model)."""
+    one = train(tiny(), make_cfg(data_dir, tmp_path / "one", max_steps=4, ckpt_interval=4, eval_interval=2,
+                                 trainable=trainable))
+    cfg2 = make_cfg(data_dir, tmp_path / "two", max_steps=4, ckpt_interval=2, eval_interval=2, fsdp=fsdp,
+                    trainable=trainable)
     runs = [cfg2.to_dict()]
     if fsdp:
         runs.insert(0, {**cfg2.to_dict(), "max_steps": 2})  # warmup covers steps 1-2: the same LRs
@@ -49,4 +53,9 @@ def test_two_processes_match_one(data_dir, tmp_path, fsdp):
     two = DiffTransformerLM.from_pretrained(tmp_path / "two" / "final")
     for pa, pb in zip(one.model.parameters(), two.parameters()):
         assert torch.allclose(pa, pb, atol=1e-5)
+    if trainable == "attention":  # the frozen tensors are exactly the initial ones in both
+        torch.manual_seed(0)
+        start = DiffTransformerLM(tiny()).state_dict()
+        frozen = [k for k in start if ".self_attn." not in k]
+        assert frozen and all(torch.equal(start[k], two.state_dict()[k]) for k in frozen)
     assert load_checkpoint(tmp_path / "two")["state"]["world_size"] == 2

@@ -6,22 +6,28 @@ evaluate, convert.
 
 One module per subcommand, each declaring HELP, DESCRIPTION and EXAMPLES and defining
 add_arguments(parser) and run(args). Every subcommand has --help with examples. Works unchanged
-under `torchrun` (train, compare). A user mistake is one line on stderr and exit code 2.
+under `torchrun` (train, compare). A user mistake is one line on stderr and exit code 2. Ctrl-C
+(exit 130) and SIGTERM (exit 143) stop a command through its cleanup: nothing half-written is left,
+and the same command continues (train, compare) or starts over.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from difftransformer import dist
 from difftransformer._io import FolderInUseError
+from difftransformer._version import __version__
 from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
@@ -29,6 +35,8 @@ from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
 DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
+DEBUG_OFF = ("", "0", "false", "no", "off")  # values of DEBUG_ENV that mean "no tracebacks"
+RESUMABLE = ("train", "compare")  # commands that continue from their last checkpoint when run again
 COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd, convert,
                                                                retrofit)}
 # A user mistake, a bad input or the machine refusing (a read-only folder, a full disk): reported in
@@ -45,12 +53,23 @@ def _file_in_path(path: Path) -> Path | None:
     return None
 
 
+def _shown(path: Path) -> Path:
+    """`path` as the user can find it: a relative one (a default such as cache/data/...) is only
+    meaningful beside the folder it was resolved in, so it is shown absolute."""
+    if path.is_absolute():
+        return path
+    try:
+        return Path.cwd() / path
+    except OSError:  # the current folder was deleted
+        return path
+
+
 def os_error_message(e: OSError) -> str:
     """The machine refusing, as one line that names the path and what to do: Python's own text
     ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix."""
     if e.filename is None:
         return str(e)  # raised by the package with its own message
-    path = Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename))
+    path = _shown(Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename)))
     if e.errno == errno.EEXIST and not path.is_dir():
         what = "a link to a missing path" if path.is_symlink() and not path.exists() else "a file"
         return f"{path} is {what}, not a folder; remove it or choose another path"
@@ -90,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
             Run `difftransformer COMMAND --help` for each command's options.
             Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))
+    parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, formatter_class=Formatter, help=module.HELP,
@@ -97,21 +117,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, `kill`, a closed session) turned into an exception, so that cleanup runs as
+    for Ctrl-C: temporary files and folders (a half-written conversion, a result being saved) are
+    removed by their `finally` blocks instead of being left behind by an abrupt exit."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception():
+    """SIGTERM raises Terminated while a command runs (main thread only, and only where nobody else has
+    installed a handler); the previous handler is restored after, so callers embedding main() keep theirs."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def debugging() -> bool:
+    """Whether DIFFTRANSFORMER_DEBUG asks for tracebacks (1, true, yes...; 0/false/no/off/empty do not)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in DEBUG_OFF
+
+
+def _interrupted(command: str, e: KeyboardInterrupt) -> int:
+    again = ("run the same command again to continue from the last checkpoint" if command in RESUMABLE else
+             "nothing half-written was kept; run the same command again")
+    what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+    print(f"\n{what}; {again}", file=sys.stderr)
+    return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if dist.is_main() else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        return COMMANDS[args.command].run(args)
+        with _sigterm_as_exception():
+            return COMMANDS[args.command].run(args)
     except USER_ERRORS as e:
-        if os.environ.get(DEBUG_ENV):
+        if debugging():
             raise
         message = os_error_message(e) if isinstance(e, OSError) else str(e)
         print(f"difftransformer {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted; re-run the same command to continue from the last checkpoint", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(args.command, e)
 
 
 __all__ = ["COMMANDS", "SECTIONS", "build_parser", "main", "os_error_message"]

@@ -12,6 +12,7 @@ import torch
 from difftransformer.data import Tokenizer
 from difftransformer.experiments import StudyDir
 from difftransformer.model import ATTENTION_KINDS, PRESETS
+from difftransformer.model.serialization import CONFIG_NAME
 from difftransformer.run_config import ConfigError
 from difftransformer.train import LoadedModel, load_model
 
@@ -86,9 +87,33 @@ def print_section(markdown: Path, heading: str) -> None:
 
 
 def load_trained(path: str, device: str) -> LoadedModel:
-    """A trained model from a final/, run or checkpoint folder (a comparison folder is refused by name)."""
+    """A trained model from a final/, run or checkpoint folder (a comparison folder, or a transformers
+    folder such as an exported DiffLlama, is refused by name)."""
     _refuse_study_folder(Path(path))
+    if is_transformers_folder(path):
+        raise ConfigError(f"{path} holds a transformers model ({model_type(path)}), not one of this package's "
+                          f"checkpoints; convert it first (`difftransformer convert {path} OUT --to ours`), or use "
+                          f"`difftransformer eval` (its black-box tasks read transformers folders)")
     return load_model(path, device)
+
+
+def is_transformers_folder(path: str) -> bool:
+    """Whether PATH holds another transformers model (its config.json names a foreign model_type)."""
+    try:
+        from difftransformer.hf.causal_lm import is_transformers_folder as foreign
+    except ImportError:  # without transformers every folder is read as one of ours (and fails as such)
+        return False
+    return foreign(path)
+
+
+def model_type(path: str) -> str:
+    """The model_type a transformers folder's config.json names (for messages)."""
+    import json
+
+    try:
+        return str(json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return "unknown model_type"
 
 
 def _refuse_study_folder(path: Path) -> None:

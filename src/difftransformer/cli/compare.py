@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
+    if cfg.train.init_from is not None:
+        raise ConfigError(f"train.init_from ({cfg.train.init_from}) starts one model from a folder; a study starts "
+                          f"every arm of a seed from one paired random init, so remove it (use `train --init-from`)")
     arms = seeds = None
     try:
         if args.arms is not None:

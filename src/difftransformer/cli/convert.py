@@ -22,12 +22,17 @@ from typing import Any
 
 import torch
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from difftransformer._io import atomic_write_text
 from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
+from difftransformer.data.tokenizer import EOS_TOKEN
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
+
+TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' tokenizer settings (special tokens)
 
 HELP = "convert weights between our format, transformers' DiffLlama/Llama and the authors' layout"
 DESCRIPTION = ("Convert a model folder exactly (the converted model computes the same logits): ours <-> "
@@ -107,9 +112,30 @@ def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, 
         _save_unilm(folder, state, config)
     else:
         _save_transformers(fmt, folder, state, config)
+    _copy_tokenizer(fmt, src, folder, config)
+
+
+def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
+    """The source's tokenizer.json (and tokenizer_config.json, if it has one) go along. A transformers
+    folder gets a tokenizer_config.json naming our EOS token when the source has none: without it
+    transformers loads the tokenizer with no EOS, and generation and evaluation cannot end a document."""
     tokenizer = src / TOKENIZER_FILE
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+    if not tokenizer.is_file():
+        return
+    shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+    if (src / TOKENIZER_CONFIG).is_file():
+        shutil.copyfile(src / TOKENIZER_CONFIG, folder / TOKENIZER_CONFIG)
+    elif fmt in ("diffllama", "llama") and _has_token(tokenizer, EOS_TOKEN):
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
+                    "model_max_length": config.get("max_position_embeddings")}
+        atomic_write_text(folder / TOKENIZER_CONFIG, json.dumps(settings, indent=2) + "\n")
+
+
+def _has_token(tokenizer: Path, token: str) -> bool:
+    try:
+        return HFTokenizer.from_file(str(tokenizer)).token_to_id(token) is not None
+    except Exception:  # not a tokenizers file (the tokenizers library raises its own exception type)
+        return False
 
 
 def _save_ours(folder: Path, state: dict[str, torch.Tensor], config: DiffTransformerConfig) -> None:

@@ -18,7 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from difftransformer.cli.common import Formatter, check_device, epilog, load_trained, model_tokenizer
+from difftransformer.cli.common import (
+    Formatter,
+    check_device,
+    epilog,
+    is_transformers_folder,
+    load_trained,
+    model_tokenizer,
+)
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.compare import compare_table
 from difftransformer.eval.results import ResultsDir, evaluate_cached
@@ -85,6 +92,9 @@ def _add_shared(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-seed", type=int, default=0, metavar="N",
                    help="seeds the task's own randomness: prompts, subsets, orders (default 0)")
     g.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per forward (default 8)")
+    g.add_argument("--seq-len", type=int, metavar="N",
+                   help="window / prompt length in tokens for the tasks that read held-out text in windows "
+                        "(default: the model's context, max_position_embeddings; a task's own length option wins)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json, if not the one saved with the model")
     g.add_argument("--out-dir", metavar="DIR", help="where results go (default: the run's eval/ folder)")
@@ -147,7 +157,7 @@ class _Model:
         if not Path(path).exists():
             raise ConfigError(f"{path} does not exist; give a run folder, final/ folder or checkpoint folder")
         self.step = None
-        self.foreign = _is_transformers_folder(path)
+        self.foreign = is_transformers_folder(path)
         if self.foreign:  # black-box tasks on any transformers causal LM
             if args.tokenizer:
                 raise ConfigError(f"{path} is a transformers folder and brings its own tokenizer; leave --tokenizer out")
@@ -160,8 +170,12 @@ class _Model:
             self.model, self.step = loaded.model, loaded.checkpoint_step
             self.tokenizer = model_tokenizer(path, args.tokenizer, loaded)
             self.run = _run_of(Path(path))
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if args.seq_len is not None and isinstance(context, int) and args.seq_len > context:
+            raise ConfigError(f"--seq-len {args.seq_len} is beyond the context of {path} ({context} tokens, "
+                              f"max_position_embeddings); use --seq-len <= {context}")
         data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
-        self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split,
+        self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split, seq_len=args.seq_len,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
         self.results = ResultsDir(args.out_dir or self._default_results())
         self.hash = weights_hash(self.model)  # once per model, whatever number of tasks
@@ -171,6 +185,21 @@ class _Model:
         if self.run is not None:
             return self.run.evals if step is None else self.run.evals / f"step_{step:08d}"
         return Path(self.path) / EVAL_DIR
+
+    def stored(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """The stored results of `names` that belong to these weights (--no-run); a result left by other
+        weights (an earlier final/, another model sharing the folder) is named and left out, never shown
+        as this model's."""
+        out = {}
+        for name, record in self.results.all().items():
+            if name not in names:
+                continue
+            if record.get("provenance", {}).get("weights_sha256") != self.hash:
+                print(f"{name}: {self.results.json_path(name)} was computed from other weights than {self.path}'s; "
+                      f"left out (run without --no-run to evaluate this model)", file=sys.stderr)
+                continue
+            out[name] = record
+        return out
 
     def task(self, name: str, options: dict[str, Any]) -> Task:
         return task_for_run(name, self.run, options)
@@ -187,15 +216,6 @@ class _Model:
         return record
 
 
-def _is_transformers_folder(path: str) -> bool:
-    """Whether PATH holds another transformers model (its config.json names a foreign model_type)."""
-    try:
-        from difftransformer.hf.causal_lm import is_transformers_folder
-    except ImportError:  # without transformers every folder is read as one of ours (and fails as such)
-        return False
-    return is_transformers_folder(path)
-
-
 def _run_of(path: Path) -> RunDir | None:
     """The run folder a model path belongs to (the folder itself, the parent of final/, or the run
     that holds a checkpoint), if any."""
@@ -208,9 +228,19 @@ def _run_of(path: Path) -> RunDir | None:
 def _check_shared(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be a positive integer, got {args.seq_len}")
     check_device(args.device)
     if not 0 <= args.eval_seed < 2**63:
         raise ConfigError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
+
+
+def _check_own_results_folders(a: _Model, b: _Model) -> None:
+    """Two models with different weights cannot keep their results in one folder: each `<task>.json`
+    would replace the other model's, and a later --no-run would show one model's numbers in both columns."""
+    if a.results.path.resolve() == b.results.path.resolve() and a.hash != b.hash:
+        raise ConfigError(f"--out-dir {a.results.path} would hold the results of both models, each replacing the "
+                          f"other's; leave --out-dir out (each model keeps its results in its own eval/ folder)")
 
 
 def _print_metrics(name: str, record: dict[str, Any]) -> None:
@@ -235,10 +265,10 @@ def run(args: argparse.Namespace) -> int:
     _check_shared(args)
     if args.task == COMPARE:
         a, b = _Model(args.model, args), _Model(args.model_b, args)
+        _check_own_results_folders(a, b)
         names = _task_names(args)
         if args.no_run:
-            ra = {k: v for k, v in a.results.all().items() if k in names}
-            rb = {k: v for k, v in b.results.all().items() if k in names}
+            ra, rb = a.stored(names), b.stored(names)
         else:
             ra, rb = _evaluate_all(a, names, args.force), _evaluate_all(b, names, args.force)
         table = compare_table(ra, rb, (args.model, args.model_b),

@@ -49,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("corpus", "vocab_size", "val_fraction", "test_fraction", "split_seed"):
         if getattr(args, name) is not None:
             section[name] = getattr(args, name)
-    if args.out_dir:
+    if args.out_dir is not None:
+        if not args.out_dir.strip():  # '' is a mistake (an unset variable), not a request for the default
+            raise ConfigError("--out-dir is empty; name the folder to prepare into, or leave the option out for "
+                              "the default cache/data/<corpus>-<vocab size>")
         section["data_dir"] = args.out_dir
     if args.tokenizer:
         section["tokenizer_path"] = args.tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from difftransformer import dist
 from difftransformer.cli.common import add_config_args, out_dir
@@ -22,6 +23,7 @@ EXAMPLES = """
       difftransformer train --config configs/cpu-small.toml --set train.lr=6e-4 --set train.max_steps=2000
       difftransformer train --preset tiny --set train.max_steps=50 --set train.seq_len=64
       torchrun --nproc_per_node 8 -m difftransformer train --config configs/gpu-350m.toml
+      difftransformer train --init-from retrofitted/smollm2 --set train.trainable=attention --out-dir runs/rf
 
     config sections: [model] (preset + attention + overrides, or every DiffTransformerConfig field),
     [train] (TrainConfig fields; train.seed is the training seed), [data] (corpus, vocab_size,
@@ -30,10 +32,19 @@ EXAMPLES = """
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "attention kind: " + ", ".join(ATTENTION_KINDS), "[model], [train], [data]")
+    p.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="start from the weights of this model folder (a run's final/, a `retrofit` or `convert --to "
+                        "ours` output) instead of a random init: the model and its tokenizer are the folder's, so "
+                        "leave out --preset/--attention and [model] size settings (same as train.init_from)")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
+    overrides = list(args.overrides)
+    if args.init_from is not None:
+        if args.preset or args.attention:
+            raise ValueError(f"--init-from takes the model from {args.init_from}; drop --preset/--attention")
+        overrides.append(f"train.init_from={json.dumps(args.init_from)}")
+    cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=overrides)
     if out_dir(args) is not None:
         cfg.train.out_dir = args.out_dir
     data = ensure_data(cfg.data)

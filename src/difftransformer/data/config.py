@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +150,7 @@ class DataConfig:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.corpus.split("#")[0]).strip("._") or "corpus"
         split = (self.val_fraction, self.test_fraction, self.split_seed)
         tag = "" if split == _DEFAULT_SPLIT else "-val{:g}-test{:g}-splitseed{}".format(*split)
-        vocab = Path(self.tokenizer_path).stem if self.tokenizer_path else str(self.vocab_size)
+        vocab = _tokenizer_tag(self.tokenizer_path) if self.tokenizer_path else str(self.vocab_size)
         mix = self.mixture.tag() if self.mixture.active else ""
         return f"cache/data/{name}-{vocab}{tag}{mix}"
 
@@ -159,3 +160,12 @@ class DataConfig:
         if not self.mixture.active:
             del out["mixture"]
         return out
+
+
+def _tokenizer_tag(path: str) -> str:
+    """The data folder's name part for a tokenizer file: its stem, and for the generic name every model folder
+    uses (tokenizer.json) also a hash of its content, so two models' tokenizers never share one data folder."""
+    file = Path(path)
+    if file.stem != "tokenizer" or not file.is_file():
+        return file.stem
+    return f"tokenizer-{hashlib.sha256(file.read_bytes()).hexdigest()[:8]}"

@@ -60,6 +60,20 @@ def heldout_split(cfg: EvalConfig, tokenizer, task: str) -> HeldOutSplit:
     return HeldOutSplit(np.asarray(ids, dtype=np.int64), eos, data, cfg.split, True)
 
 
+def split_too_short(split: str, data_dir: Any, have: int, need: str) -> ValueError:
+    """The error for a held-out split with too little text for a task: it names the split, what it has
+    and what the task needs, and a fix the command line offers (an empty split was prepared with a
+    fraction of 0: the other split, or preparing again, is the way out; lowering a length is not)."""
+    other = "val" if split == "test" else "test"
+    if have == 0:
+        fix = (f"the data was prepared without a {split} split ({split}_fraction 0); evaluate the {other} split "
+               f"(--split {other}) or prepare the data again with {split}_fraction > 0")
+    else:
+        fix = (f"evaluate the {other} split (--split {other}), prepare more held-out text, or (in Python) lower "
+               f"EvalConfig.seq_len")
+    return ValueError(f"the {split} split of {data_dir} has {have:,} tokens, fewer than {need}; {fix}")
+
+
 def window_length(model, cfg: EvalConfig, name: str = "seq_len", length: int = 0) -> int:
     """The window a task reads: `length` if set, else cfg.seq_len, else the model's context
     (max_position_embeddings). Beyond the context it is a ValueError naming `name`: a model is never

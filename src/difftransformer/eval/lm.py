@@ -34,9 +34,11 @@ def new_token_budget(model, prompt_ids: torch.Tensor, wanted: int) -> int:
     A prompt that leaves no room is a ValueError naming both lengths."""
     context = model.config.max_position_embeddings
     room = context - prompt_ids.shape[-1]
-    if room <= 0:
-        raise ValueError(f"the prompt is {prompt_ids.shape[-1] - 1} tokens; the model's context is {context}. "
-                         f"Shorten the prompt")
+    if room < 0 or (room == 0 and wanted > 0):
+        n = prompt_ids.shape[-1] - 1
+        raise ValueError(f"the prompt is {n} tokens; the model's context is {context}, and with the "
+                         f"start-of-document token ({n + 1} in all) no room is left for a new token; shorten the "
+                         f"prompt to at most {context - 2} tokens")
     return min(wanted, room)
 
 

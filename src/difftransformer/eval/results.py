@@ -5,9 +5,11 @@
     results.save(result, png_writer)                                # atomic; the PNG when the task has a figure
     record, reused = evaluate_cached(task, model, tokenizer, cfg, results)   # both in one call
 
-A stored result is reused only when it belongs to the same weights (sha256 of every tensor) and the
-same settings (the task's options and the EvalConfig fields that change numbers). Anything else,
-or a file that cannot be read, means the task runs again; nothing is ever merged or guessed.
+A stored result is reused only when it belongs to the same weights (sha256 of every tensor), the
+same settings (the task's options and the EvalConfig fields that change numbers) and the same
+prepared data (eval.task.data_identity: not just the same folder name). Anything else, or a file
+that cannot be read or does not have a result's shape (a hand edit, a foreign JSON), means the task
+runs again; nothing is ever merged or guessed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,22 @@ UNSCORED = ("device", "batch_size")
 def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """The part of a result's settings that decides its numbers (the run's own bookkeeping left out)."""
     cfg = {k: v for k, v in settings.get("eval_config", {}).items() if k not in UNSCORED}
-    return {"eval_config": cfg, "options": settings.get("options", {})}
+    return {"eval_config": cfg, "options": settings.get("options", {}), "data": settings.get("data")}
+
+
+def is_result_record(data: Any, task: str) -> bool:
+    """Whether `data` has the shape of `task`'s stored result (what reusing and printing it read): a
+    dict whose metrics map names to numbers and whose settings and provenance are dicts."""
+    if not isinstance(data, dict) or data.get("task") != task:
+        return False
+    metrics, settings = data.get("metrics"), data.get("settings", {})
+    return (isinstance(metrics, dict) and all(isinstance(k, str) and _number(v) for k, v in metrics.items())
+            and isinstance(settings, dict) and isinstance(data.get("provenance", {}), dict)
+            and all(isinstance(settings.get(k, {}), dict) for k in ("eval_config", "options")))
+
+
+def _number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 class ResultsDir:
@@ -46,12 +63,13 @@ class ResultsDir:
         return self.path / f"{task}.png"
 
     def load(self, task: str) -> dict[str, Any] | None:
-        """The stored result of `task` as a dict; None when there is none or it cannot be read."""
+        """The stored result of `task` as a dict; None when there is none, it cannot be read, or it does
+        not have a result's shape (`is_result_record`)."""
         try:
             data = json.loads(self.json_path(task).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        return data if isinstance(data, dict) and data.get("task") == task else None
+        return data if is_result_record(data, task) else None
 
     def all(self) -> dict[str, dict[str, Any]]:
         """Every readable result in the folder, by task name."""

@@ -22,6 +22,8 @@ import dataclasses
 import datetime as dt
 import difflib
 import hashlib
+import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,10 @@ class EvalConfig:
         if self.split not in ("val", "test"):
             raise ValueError(f"EvalConfig.split must be 'val' or 'test' (the held-out splits of a prepared corpus), "
                              f"got {self.split!r}")
+        if not 0 <= self.eval_seed < 2**63:  # what the command line's --eval-seed allows
+            raise ValueError(f"EvalConfig.eval_seed must be in [0, 2**63), got {self.eval_seed}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):  # torch's own error lists twenty device types
+            raise ValueError(f"EvalConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 @dataclass
@@ -185,11 +191,28 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def task_settings(task: Task, cfg: EvalConfig) -> dict[str, Any]:
-    """The settings every result records besides the task's own: the EvalConfig and the task's options."""
+    """The settings every result records besides the task's own: the EvalConfig, the task's options, and
+    which prepared data cfg.data_dir held (`data_identity`: a folder prepared again with other text under
+    the same name gives other numbers, so a stored result is not reused for it)."""
     settings: dict[str, Any] = {"eval_config": dataclasses.asdict(cfg)}
     if task.Options is not NoOptions:
         settings["options"] = task.options_dict()
+    if cfg.data_dir is not None:
+        settings["data"] = data_identity(cfg.data_dir)
     return settings
+
+
+def data_identity(data_dir: str | Path) -> dict[str, Any] | None:
+    """What decides the held-out tokens of a prepared-data folder (its manifest's corpus and tokenizer
+    hashes, split settings and token counts, not its path); None when it has no readable manifest (the
+    task that reads it then fails, naming the folder)."""
+    from difftransformer.data.prepare import PREPARED_FILE
+
+    try:
+        manifest = json.loads((Path(data_dir) / PREPARED_FILE).read_text(encoding="utf-8"))
+        return {k: manifest[k] for k in ("corpus_hash", "tokenizer_hash", "split_config", "num_tokens")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig | None = None, *,
@@ -199,6 +222,8 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
     weights_sha256: the model's `weights_hash`, when the caller has it already (hashing a large
     model's tensors takes seconds)."""
     task = get_task(task) if isinstance(task, str) else task
+    if not isinstance(task, Task):
+        raise TypeError(f"run_task takes a task name or a Task, got {task!r} ({type(task).__name__})")
     cfg = cfg or EvalConfig()
     was_training = model.training
     model.eval()

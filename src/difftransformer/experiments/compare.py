@@ -34,9 +34,11 @@ from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.study_dir import RESULTS_DIR, StudyDir
 from difftransformer.experiments.units import (
     MANIFEST_COPY,
+    ResultFileError,
     Unit,
     check_identity,
     find_results,
+    identity_differences,
     read_result,
     result_path,
     write_result,
@@ -107,10 +109,27 @@ def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = N
 
     One study at a time per folder: a second one refuses at once (FolderInUseError)."""
     folder = StudyDir(out_dir)
+    _check_folders(study, folder.path)
     if not dist.is_main():
         return _run_compare(study, folder, arms, seeds, resume, command, report)
     with folder_lock(folder.path, purpose="compare into another --out-dir", kind="a study"):
         return _run_compare(study, folder, arms, seeds, resume, command, report)
+
+
+def _check_folders(study: Study, out_dir: Path) -> None:
+    """Before anything trains: every compare.reuse folder exists (a mistyped one would be skipped without a
+    word, and every unit trained again: hours), and compare.results_dir does not hold the study folder
+    (the JSON files of its run folders would be read as result files)."""
+    for folder in study.compare.reuse:
+        if not Path(folder).is_dir():
+            raise ValueError(f"compare.reuse: {Path(folder).absolute()} is not a folder; fix the path (relative "
+                             f"paths start at the current folder), or remove it from compare.reuse")
+    if study.compare.results_dir:
+        results, out = Path(study.compare.results_dir).absolute(), out_dir.absolute()
+        if results == out or results in out.parents:
+            raise ValueError(f"compare.results_dir {results} holds the study folder {out}, so its run folders' JSON "
+                             f"files would be read as result files; give the result files a folder of their own "
+                             f"(e.g. results/<study>), or leave results_dir out for {out / RESULTS_DIR}")
 
 
 def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
@@ -126,7 +145,9 @@ def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: 
     if dist.is_main():
         folder.path.mkdir(parents=True, exist_ok=True)
         _save_manifest(folder, results, manifest)
-    multi = len(seeds) > 1
+    # the layout follows the study's seeds, not this invocation's: `--seeds 5` on a one-seed study is its
+    # second seed (seed5/<arm>), never a claim on <arm>/ and <arm>.json, which hold seed 0's run and result
+    multi = len(manifest["seeds"]) > 1
     for size, tokens in study.cells():
         for seed in seeds:
             cell = _Cell(study, folder, manifest, results, data, size, tokens, seed, multi)
@@ -179,12 +200,28 @@ class _Cell:
             for i in range(len(arms)):
                 self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
 
-    def _has_result(self, unit: Unit, identity: dict[str, Any]) -> bool:
+    def _result_file(self, unit: Unit) -> Path:
+        """Where this unit's result file is: in this invocation's layout, else in the other one (a study
+        run with one seed and continued with several keeps <arm>.json for seed 0, and the reverse), so
+        that a finished unit is never trained again because the number of seeds changed."""
         path = result_path(self.results, unit, self.multi)
+        if path.is_file():
+            record = read_result(path)
+            if record is not None and Unit.from_dict(record["unit"]) != unit:
+                raise ResultFileError(f"{path} holds the result of {Unit.from_dict(record['unit']).label()}, not of "
+                                      f"{unit.label()}; move it back where it belongs, or delete it to have the unit "
+                                      f"trained and evaluated again")
+            return path
+        other = result_path(self.results, unit, not self.multi)
+        record = read_result(other)  # <arm>.json of a one-seed study is its seed's only: check it is this one
+        return other if record is not None and Unit.from_dict(record["unit"]) == unit else path
+
+    def _has_result(self, unit: Unit, identity: dict[str, Any]) -> bool:
+        path = self._result_file(unit)
         record = read_result(path)
         if record is not None:
             return check_identity(path, record, identity)
-        return self._reuse(unit, identity, path)
+        return self._reuse(unit, identity, result_path(self.results, unit, self.multi))
 
     def _reuse(self, unit: Unit, identity: dict[str, Any], path: Path) -> bool:
         """Copy another study's result for this very unit (compare.reuse) into `path`: same unit, same
@@ -193,7 +230,7 @@ class _Cell:
         tasks = set(self.study.compare.eval_tasks)
         for folder in self.study.compare.reuse:
             record = self.study.reusable(folder).get(unit)
-            if (record is None or record.get("identity") != identity
+            if (record is None or identity_differences(record.get("identity") or {}, identity)
                     or not tasks <= set(record.get("evals") or {})):
                 continue
             if dist.is_main():
@@ -219,7 +256,7 @@ class _Cell:
     def _finish(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir,
                 identity: dict[str, Any], done: bool) -> None:
         """Evaluate the finished run (cached by weights hash) and write the unit's result file."""
-        path = result_path(self.results, unit, self.multi)
+        path = self._result_file(unit) if done else result_path(self.results, unit, self.multi)
         tasks = self.study.compare.eval_tasks
         if done:
             missing = sorted(set(tasks) - set((read_result(path) or {}).get("evals", {})))

@@ -100,8 +100,18 @@ def parse_size(entry: Any) -> Size:
             if v is not None and (not _natural(v) or v == 0):
                 raise ValueError(f"compare.sizes: size {entry['name']!r} has {k} = {v!r}; it must be a positive "
                                  f"integer")
-        return Size(str(entry["name"]), **fields)
+        return Size(_folder_name(entry["name"]), **fields)
     raise ValueError(f"compare.sizes: a size is a preset name or a table, got {entry!r}")
+
+
+def _folder_name(name: Any) -> str:
+    """A size's name, which names its folder under the study (and under results_dir): one plain folder
+    name, so that no unit is written outside the study or into another unit's place."""
+    text = str(name)
+    if isinstance(name, bool) or not text.strip() or "/" in text or "\\" in text or text.startswith("."):
+        raise ValueError(f"compare.sizes: size name {name!r} must be a non-empty folder name (no '/' or '\\', not "
+                         f"starting with '.'), e.g. 'w192'")
+    return text
 
 
 def _from_preset(name: str, p: Preset) -> Size:
@@ -146,6 +156,9 @@ class CompareConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"compare.arms lists an arm twice: {names}")
         if self.seeds is not None:
+            if self.seeds == []:  # not "no seeds given": that is leaving the key out
+                raise ValueError("compare.seeds is empty; give training seeds like [0, 1, 2], or leave seeds out "
+                                 "to train with the single seed train.seed")
             if not isinstance(self.seeds, list) or not all(_natural(s) and s < 2**32 for s in self.seeds):
                 raise ValueError(f"compare.seeds must be a list of integers in [0, 2**32) like [0, 1, 2], "
                                  f"got {self.seeds!r}")

@@ -91,10 +91,74 @@ def read_result(path: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ResultFileError(f"{path} is not a readable result file ({e}); restore it from git, or delete it to "
                               f"have the unit trained and evaluated again") from None
-    if not isinstance(record, dict) or record.get("format") != UNIT_FORMAT or "unit" not in record:
+    if not isinstance(record, dict) or record.get("format") != UNIT_FORMAT or not _is_unit(record.get("unit")):
         raise ResultFileError(f"{path} is not a {UNIT_FORMAT} result file; move it away, or delete it to have the "
                               f"unit trained and evaluated again")
+    problem = _shape_problem(record)
+    if problem:
+        raise ResultFileError(f"{path} is not a valid result file ({problem}: edited by hand?); restore it from git, "
+                              f"or delete it to have the unit trained and evaluated again")
     return record
+
+
+def _number(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _rows(rows: Any, numeric: tuple[str, ...]) -> bool:
+    return isinstance(rows, list) and all(isinstance(r, dict) and all(_number(r.get(k)) for k in numeric)
+                                          for r in rows)
+
+
+def _shape_problem(record: dict[str, Any]) -> str | None:
+    """What in a result record has the wrong type for the report and the runner that read it (None: all
+    fine). A field the report reads is never reinterpreted: "no" is not read as finished, "x" not as a loss."""
+    checks = [
+        ("identity", isinstance(record.get("identity", {}), dict), "a table"),
+        ("model", isinstance(record.get("model", {}), dict), "a table of model settings"),
+        ("finished", isinstance(record.get("finished", False), bool), "true or false"),
+        ("last_step", _number(record.get("last_step")) and not isinstance(record.get("last_step"), float),
+         "an integer"),
+        ("max_steps", _number(record.get("max_steps")) and not isinstance(record.get("max_steps"), float),
+         "an integer or null"),
+        ("parameters", _number(record.get("parameters")), "a number or null"),
+        ("final_val_loss", _number(record.get("final_val_loss")), "a number or null"),
+        ("val", _rows(record.get("val", []), ("step", "loss", "tokens")), "a list of {step, loss, tokens} rows"),
+        ("train", _rows(record.get("train", []), ("step", "loss", "tokens", "lr", "grad_norm", "tokens_per_s")),
+         "a list of {step, loss, tokens, ...} rows"),
+        ("evals", isinstance(record.get("evals", {}), dict) and all(
+            isinstance(v, dict) and isinstance(v.get("metrics"), dict) and all(map(_number, v["metrics"].values()))
+            for v in (record.get("evals") or {}).values()), "a table of task results with their metrics"),
+        ("samples", record.get("samples") is None or isinstance(record["samples"], list), "a list or null"),
+    ]
+    bad = [f"{name} is not {what}" for name, ok, what in checks if not ok]
+    return "; ".join(bad) or None
+
+
+def _is_unit(d: Any) -> bool:
+    """Whether `d` is a unit's record: {size, tokens, seed, arm} with an integer seed and a named arm."""
+    return (isinstance(d, dict) and isinstance(d.get("seed"), int) and not isinstance(d.get("seed"), bool)
+            and isinstance(d.get("arm"), str) and d["arm"] != "" and isinstance(d.get("size"), (str, type(None)))
+            and (d.get("tokens") is None or (isinstance(d["tokens"], int) and not isinstance(d["tokens"], bool))))
+
+
+def identity_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The parts (model, train, data) in which a recorded identity differs from `new`. A recipe recorded
+    before a training setting existed is read with that setting at its default (a new field's default
+    is what the code did before it: adding `init_from` must not make every committed result "another
+    experiment", retrained or refused)."""
+    old_train, new_train = old.get("train"), new.get("train")
+    if isinstance(old_train, dict) and isinstance(new_train, dict):
+        defaults = _train_defaults()
+        old = {**old, "train": {**{k: defaults[k] for k in new_train if k not in old_train and k in defaults},
+                                **old_train}}
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def _train_defaults() -> dict[str, Any]:
+    from difftransformer.train import TrainConfig
+
+    return TrainConfig().to_dict()
 
 
 def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any]) -> bool:
@@ -103,10 +167,10 @@ def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any])
     one for another model, recipe or data is a ResultFileError: reusing it would report another
     experiment's numbers."""
     old = record.get("identity") or {}
-    differ = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+    differ = identity_differences(old, identity)
     if differ == ["train"]:
-        steps = lambda d: {k: v for k, v in (d.get("train") or {}).items() if k != "max_steps"}
-        if steps(old) == steps(identity):
+        steps = lambda d: {**d, "train": {k: v for k, v in (d.get("train") or {}).items() if k != "max_steps"}}
+        if not identity_differences(steps(old), steps(identity)):
             return False
     if differ:
         raise ResultFileError(f"{path} holds the result of another experiment ({', '.join(differ)} differ); use "
@@ -130,5 +194,16 @@ def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
             continue
         record = read_result(path)
         if record is not None:
-            out[Unit.from_dict(record["unit"])] = record
+            unit = Unit.from_dict(record["unit"])
+            _check_place(root, path, unit)
+            out[unit] = record
     return out
+
+
+def _check_place(root: Path, path: Path, unit: Unit) -> None:
+    """A result file lies where its unit's result goes: one moved, copied or edited into another unit's
+    place would report one arm's numbers under another's name (or hide one of two arms)."""
+    if path not in (result_path(root, unit, True), result_path(root, unit, False)):
+        raise ResultFileError(f"{path} holds the result of {unit.label()}, which belongs at "
+                              f"{result_path(root, unit, False)} (one seed) or {result_path(root, unit, True)} "
+                              f"(several); move it there, or delete it to have the unit trained and evaluated again")

@@ -72,6 +72,10 @@ class TrainConfig:
     # projections, λ vectors, head norm; embeddings, MLPs and the other norms frozen), e.g. to
     # continue training a retrofitted model (docs/interop.md, "Retrofit").
     trainable: str = "all"
+    # A model folder (config.json + model.safetensors in our format: a run's final/, the output of
+    # `retrofit` or `convert --to ours`) whose weights start the run instead of a random init; the run's
+    # model config must be the folder's (run configs take it from there). Ignored when resuming.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "TrainConfig")
@@ -107,6 +111,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"TrainConfig.trainable must be one of {TRAINABLE}, got {self.trainable!r}")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("TrainConfig.init_from is empty; name a model folder (config.json + model.safetensors) "
+                             "or leave it out to start from a random init")
         if not _DEVICE_RE.match(self.device):
             raise ValueError(f"TrainConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.batch_size % self.grad_accum_steps:

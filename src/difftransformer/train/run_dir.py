@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,8 @@ class LoadedModel:
 def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     """A trained model from a final/ folder, a run folder (its final/, else its newest checkpoint), a
     checkpoints/ folder or one checkpoint step folder; with the tokenizer it was trained with."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")  # torch's lists 20 types
     path = Path(path)
     for final in (path, RunDir(path).final):
         lone_weights = (final / WEIGHTS_NAME).is_file() and not (final / STATE_FILE).is_file()  # not a checkpoint

@@ -52,6 +52,7 @@ from difftransformer.train.distributed import (
     remove_activation_checkpointing,
     wrap_model,
 )
+from difftransformer.train.init import check_init_config, check_init_tokenizer, load_init_weights
 from difftransformer.train.metrics import MetricsWriter
 from difftransformer.train.optim import apply_trainable, build_optimizer, lr_at, set_lr
 from difftransformer.train.run_dir import RunDir
@@ -175,8 +176,13 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     """Train `model_config` per `cfg` (resuming from out_dir/checkpoints/latest when resume=True).
 
     init_state: initial weights (e.g. from experiments.paired_init); ignored when resuming from a checkpoint.
+    cfg.init_from names a model folder to start from instead (train/init.py); the two exclude each other.
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files.
     """
+    if init_state is not None and cfg.init_from is not None:
+        raise ValueError(f"give either init_state or TrainConfig.init_from ({cfg.init_from}), not both")
+    if cfg.init_from is not None:
+        check_init_config(cfg.init_from, model_config)  # before any folder is locked or written
     if cfg.seq_len > model_config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
@@ -258,6 +264,8 @@ class _TrainData:
         if data.vocab_size > model_config.vocab_size:
             raise ValueError(f"the tokenizer in {cfg.data_dir} has {data.vocab_size} tokens but the model's "
                              f"vocab_size is {model_config.vocab_size}; set vocab_size >= {data.vocab_size}")
+        if cfg.init_from is not None:
+            check_init_tokenizer(cfg.init_from, data)
         micro = micro_batch_size(cfg, env.world_size)
         sampler = BatchSampler(data.dataset("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         val: TokenDataset | None = data.dataset("val")
@@ -279,8 +287,9 @@ def _resume_point(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainCo
         return None
     ckpt = load_checkpoint(latest)
     _check_resume(ckpt, model_config, cfg, data, warn=env.is_main)
-    if init_state is not None:
-        log.info("resuming from %s; init_state is ignored", latest)
+    if init_state is not None or cfg.init_from is not None:
+        log.info("resuming from %s; %s is ignored", latest,
+                 "init_state" if init_state is not None else f"init_from {cfg.init_from}")
     return ckpt
 
 
@@ -304,6 +313,9 @@ def _build(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv, 
         model.load_state_dict(ckpt["model"], strict=True)
     elif init_state is not None:
         model.load_state_dict(init_state, strict=True)
+    elif cfg.init_from is not None:
+        load_init_weights(model, cfg.init_from)
+        log.info("starting from the weights in %s", cfg.init_from)
     model.to(env.device)
     apply_trainable(model, cfg)
     if cfg.activation_checkpointing:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.eval.heldout import window_length
-from difftransformer.eval.probes.hooks import inspect_attention, require_own_model
+from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model
 from difftransformer.eval.synthetic import NeedleSample, check_needle_args
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 from difftransformer.eval.tasks.needle import DEPTHS, haystack_text, needle_samples
@@ -173,6 +173,7 @@ class AttentionNoise(Task):
         o = self.options
         context = model.config.max_position_embeddings
         length = window_length(model, cfg, "attention-noise length", o.length)
+        probe_batch(model, length, 1, cfg.device, maps_kept=model.config.num_hidden_layers)  # one prompt must fit
         check_needle_args(length=length, depth=0, needles=o.needles, queries=1, haystack=o.haystack, digits=o.digits,
                           context=context)
         if tokenizer is None:

@@ -86,3 +86,56 @@ def capture_layer_outputs(model: nn.Module, fn: Callable[[int, torch.Tensor], No
     finally:
         for h in handles:
             h.remove()
+
+
+# Live (maps, T, T) float32 tensors of one layer on the eager path: scores, their softmax, the hook's
+# working copy and the map it returns (measured peak: about 3.5 on CPU; rounded up).
+_EAGER_COPIES = 4
+
+
+def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | torch.device,
+                maps_kept: int = 0) -> int:
+    """How many windows of `seq_len` tokens one eager forward may take (at most batch_size) so that the
+    explicit attention maps fit in half of the free memory; the batch size changes no number.
+
+    maps_kept: layers whose maps the forward returns and keeps (return_attention), besides the working
+    copies of the layer being computed. A single window that does not fit is a one-line ValueError naming
+    the window length and a shorter one that fits (a 135 M model with an 8,192-token context asks for
+    ~38 GB of scores per batch of 8 windows: without this, the process is killed for memory)."""
+    cfg = model.config
+    maps = 2 * cfg.num_attention_heads  # DIFF: two maps per head; ordinary attention: at most as many heads
+    per_window = 4 * maps * seq_len * seq_len * (_EAGER_COPIES + maps_kept)
+    free = _free_bytes(device)
+    fits = int(0.5 * free // per_window)
+    if fits >= 1:
+        return min(batch_size, fits)
+    shorter = seq_len
+    while shorter > 1 and 4 * maps * shorter * shorter * (_EAGER_COPIES + maps_kept) > 0.5 * free:
+        shorter //= 2
+    raise ValueError(f"one window of {seq_len} tokens needs ~{_size(per_window)} of explicit attention maps "
+                     f"({maps} maps of {seq_len}x{seq_len} per layer), more than half of the {_size(free)} free; "
+                     f"use a shorter window, e.g. --seq-len {shorter}")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _free_bytes(device: str | torch.device) -> int:
+    """Free memory of `device`: the GPU's free bytes, or the host's available memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

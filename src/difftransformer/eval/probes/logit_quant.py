@@ -23,12 +23,13 @@ patched, and the model is restored afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from difftransformer.eval.heldout import heldout_split, window_length
-from difftransformer.eval.probes.hooks import inspect_attention, require_own_model
+from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 from difftransformer.eval.tasks.heldout_loss import loss_windows, windowed_nll
 
@@ -121,7 +122,13 @@ class LogitQuant(Task):
     def _needle_samples(self, model, tokenizer, cfg: EvalConfig):
         from difftransformer.eval.tasks import needle
 
-        return needle.forced_choice_samples(model, tokenizer, cfg, self.options.needle_samples, self._length(model))
+        try:
+            return needle.forced_choice_samples(model, tokenizer, cfg, self.options.needle_samples,
+                                                self._length(model))
+        except ValueError as e:  # its advice (fewer needles...) names options of `needle`, not of this task
+            raise ValueError(f"logit-quant's forced-choice needle prompts cannot be built for this model "
+                             f"({str(e).split('; ')[0]}); "
+                             f"measure the loss alone with --needle-samples 0 (needle_samples=0)") from None
 
     def _measure(self, model, cfg: EvalConfig, text: tuple, samples, bits: int | None,
                  granularity: str) -> dict[str, float]:
@@ -133,12 +140,15 @@ class LogitQuant(Task):
             return lambda scores, visible: fake_quantize(scores, visible, bits, granularity)
 
         with inspect_attention(model, make_hook):
-            total, count = windowed_nll(model, *text, cfg.batch_size, cfg.device)
+            total, count = windowed_nll(model, *text, probe_batch(model, text[1], cfg.batch_size, cfg.device),
+                                        cfg.device)
             out = {"loss": total / count}
             if samples is not None:
                 from difftransformer.eval.tasks import needle
 
-                out["needle_accuracy"] = needle.forced_choice_accuracy(model, samples, cfg)
+                length = max(len(s.ids) for s in samples) + 16  # + the longest candidate
+                fitting = dataclasses.replace(cfg, batch_size=probe_batch(model, length, cfg.batch_size, cfg.device))
+                out["needle_accuracy"] = needle.forced_choice_accuracy(model, samples, fitting)
         return out
 
     def plot(self, result: TaskResult, path) -> bool:

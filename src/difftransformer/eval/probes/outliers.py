@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from difftransformer.eval.probes.hooks import (attention_layers, capture_layer_outputs, inspect_attention,
-                                               require_own_model)
-from difftransformer.eval.heldout import HeldOutSplit, heldout_split, input_windows, window_length
+                                               probe_batch, require_own_model)
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, input_windows, split_too_short, window_length
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 TOP_KS = (1, 2, 3, 10, 100)
@@ -185,12 +185,12 @@ class Outliers(Task):
         held = heldout_split(cfg, tokenizer, self.name)
         windows = input_windows(held.tokens, seq_len, self.options.tokens, cfg.max_windows)
         if len(windows) == 0:
-            raise ValueError(f"the {cfg.split} split of {cfg.data_dir} has fewer than seq_len = {seq_len} tokens; "
-                             f"lower seq_len")
+            raise split_too_short(cfg.split, cfg.data_dir, len(held.tokens), f"the {seq_len} of one window (seq_len)")
         state = OutlierState(len(attention_layers(model)), cfg.device)
+        batch = probe_batch(model, seq_len, cfg.batch_size, cfg.device)
         with inspect_attention(model, state.score_hook), capture_layer_outputs(model, state.hidden):
-            for i in range(0, len(windows), cfg.batch_size):
-                model(torch.from_numpy(windows[i:i + cfg.batch_size]).to(cfg.device))
+            for i in range(0, len(windows), batch):
+                model(torch.from_numpy(windows[i:i + batch]).to(cfg.device))
         return self._result(state, windows.shape, held, cfg, model.config.attention)
 
     def _result(self, state: OutlierState, shape: tuple[int, int], held: HeldOutSplit, cfg: EvalConfig,

@@ -13,7 +13,7 @@ import math
 import torch
 
 from difftransformer.data import iter_eval_batches, num_eval_windows
-from difftransformer.eval.heldout import HeldOutSplit, heldout_split, window_length
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, split_too_short, window_length
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
@@ -25,8 +25,8 @@ def loss_windows(held: HeldOutSplit, seq_len: int, cap: int | None) -> int:
     if cap is not None:
         windows = min(windows, cap)
     if windows == 0:
-        raise ValueError(f"the {held.split} split of {held.data.out_dir} has fewer than seq_len + 1 = {seq_len + 1} "
-                         f"tokens; lower seq_len")
+        raise split_too_short(held.split, held.data.out_dir, len(held.tokens), f"the {seq_len + 1} of one window "
+                              f"(seq_len + 1)")
     return windows
 
 

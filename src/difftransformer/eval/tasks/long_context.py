@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.eval.heldout import HeldOutSplit, heldout_split, window_length
+from difftransformer.eval.heldout import HeldOutSplit, heldout_split, split_too_short, window_length
 from difftransformer.eval.heldout import documents as split_documents
 from difftransformer.eval.lm import token_nll
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
@@ -130,8 +130,11 @@ class LongContext(Task):
         chosen = [i for i, d in enumerate(docs) if len(d) >= length]
         if not chosen:
             longest = max((len(d) for d in docs), default=0)
+            if longest == 0:
+                raise split_too_short(cfg.split, cfg.data_dir, len(tokens), f"one document of {length} tokens")
             raise ValueError(f"no document in the {cfg.split} split of {cfg.data_dir} has {length} tokens or more "
-                             f"(the longest has {longest}; shorter documents are skipped); use length <= {longest}")
+                             f"(the longest has {longest}; shorter documents are skipped); use --length {longest} "
+                             f"or less")
         cap = min(self.options.documents or len(chosen), cfg.max_windows or len(chosen))
         chosen = chosen[:cap]
         totals = _Totals(torch.zeros(length, dtype=torch.float64))
