@@ -235,6 +235,18 @@ def _check_shared(args: argparse.Namespace) -> None:
         raise ConfigError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
 
 
+def _reads_seq_len(name: str, seq_len: int | None, alone: bool) -> bool:
+    """Whether a --seq-len given to task `name` is read by it. Run alone, a task that sizes its own
+    prompts (needle, icl, hallucination) refuses the flag, naming its own options, rather than ignore it;
+    in `all` / `compare` the caller notes it and runs the task."""
+    if seq_len is None or TASKS[name].reads_seq_len:
+        return True
+    if alone:
+        raise ConfigError(f"{name} does not read --seq-len ({seq_len}): it sizes its own prompts from its options "
+                          f"and the model's context (see `difftransformer eval {name} --help`); drop --seq-len")
+    return False
+
+
 def _check_own_results_folders(a: _Model, b: _Model) -> None:
     """Two models with different weights cannot keep their results in one folder: each `<task>.json`
     would replace the other model's, and a later --no-run would show one model's numbers in both columns."""
@@ -254,6 +266,8 @@ def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dic
     and skipped, so that the others still run."""
     out = {}
     for name in names:
+        if not _reads_seq_len(name, model.cfg.seq_len, alone=False):
+            print(f"{name}: --seq-len is not read by this task (it sizes its own prompts)", file=sys.stderr)
         try:
             out[name] = model.evaluate(model.task(name, {}), force)
         except ValueError as e:
@@ -263,6 +277,8 @@ def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dic
 
 def run(args: argparse.Namespace) -> int:
     _check_shared(args)
+    if args.task in TASKS:
+        _reads_seq_len(args.task, args.seq_len, alone=True)  # before the model is loaded
     if args.task == COMPARE:
         a, b = _Model(args.model, args), _Model(args.model_b, args)
         _check_own_results_folders(a, b)

@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
     _check_destination(src, dst)
     if args.ramp_steps < 0:
         raise ConversionError(f"--ramp-steps must be >= 0 (0: no ramp), got {args.ramp_steps}")
+    if args.check < 0:
+        raise ConversionError(f"--check must be >= 0 (random tokens to compare; 0: no check), got {args.check}")
+    if args.calibrate_tokens < 1:
+        raise ConversionError(f"--calibrate-tokens must be a positive number of tokens, got {args.calibrate_tokens}")
     source, tokenizer = None, None
     t0 = time.perf_counter()
     if src.suffix == ".gguf":  # transformers dequantises it; there is no file to read the tensors from
@@ -74,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter() - t0
     ours, cfg = retrofit_llama(state, config, second_map=args.second_map, head_norm_ramp_steps=args.ramp_steps,
                                seed=args.seed)
+    if args.check > cfg.max_position_embeddings:
+        raise ConversionError(f"--check {args.check} is longer than the model's context ({cfg.max_position_embeddings} "
+                              f"tokens, max_position_embeddings); use --check <= {cfg.max_position_embeddings}")
     model = DiffTransformerLM(cfg)
     model.load_state_dict(ours, strict=True)
     del ours
@@ -111,6 +118,9 @@ def _calibration_ids(path: Path, tokenizer: str | None, tokens: int, window: int
                               "the vocabulary a .gguf file carries); this source has none")
     if not path.is_file():
         raise ConversionError(f"--calibrate {path}: no such text file")
+    if tokens < window:
+        raise ConversionError(f"--calibrate-tokens {tokens} is less than one calibration window of {window} tokens; "
+                              f"use --calibrate-tokens >= {window}")
     ids = Tokenizer.from_str(tokenizer).encode(path.read_text(errors="replace")).ids[:tokens]
     n = len(ids) // window * window
     if n == 0:

@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from is not None:
         if args.preset or args.attention:
             raise ValueError(f"--init-from takes the model from {args.init_from}; drop --preset/--attention")
+        named = [o for o in overrides if o.replace(" ", "").startswith("train.init_from=")]
+        if named:
+            raise ValueError(f"--init-from {args.init_from} and --set {named[-1]} both name the model folder; "
+                             f"give it once")
         overrides.append(f"train.init_from={json.dumps(args.init_from)}")
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=overrides)
     if out_dir(args) is not None:

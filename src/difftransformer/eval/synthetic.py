@@ -313,8 +313,9 @@ def needle_prompt(tokenizer, rng: random.Random, *, length: int, depth: float, n
                          "pass text=... or use haystack 'needles'")
     shortest = min_prompt_length(tokenizer, needles, queries, digits)
     if length < shortest:
-        raise ValueError(f"{needles} needles with the instruction and question do not fit in a {length}-token prompt "
-                         f"(the shortest possible is {shortest}); use a longer length or fewer needles")
+        fewer = " or fewer needles" if needles > 1 else ""
+        raise ValueError(f"{needles} needle(s) with the instruction and question do not fit in a {length}-token prompt "
+                         f"(the shortest possible is {shortest}); use a length of at least {shortest} tokens{fewer}")
     reason = ""
     for _ in range(50):
         try:

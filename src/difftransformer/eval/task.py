@@ -117,12 +117,16 @@ class Task(abc.ABC):
     """One measurement of one model. Subclasses set `name`, `description` and implement `run`.
 
     white_box: the task looks inside attention (eval/probes/) and runs only on this package's models;
-    black-box tasks see logits only and run on any causal LM with the `eval/lm.py` interface."""
+    black-box tasks see logits only and run on any causal LM with the `eval/lm.py` interface.
+    reads_seq_len: the task's window or prompt length follows EvalConfig.seq_len (`eval --seq-len`); tasks
+    that size their prompts themselves say False, so a --seq-len given to them is refused or noted, not
+    silently ignored."""
 
     name: ClassVar[str]
     description: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     white_box: ClassVar[bool] = False
+    reads_seq_len: ClassVar[bool] = True
 
     def __init__(self, options: Any = None, **overrides: Any):
         """`options`: an instance of `Options` (default: its defaults); `overrides`: fields to change."""

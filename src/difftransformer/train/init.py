@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from difftransformer.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.config import RUNTIME_FIELDS
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, load_weights
+from difftransformer.train.run_dir import RunDir
+
+log = logging.getLogger("difftransformer.train")
 
 # Model fields a run started from a folder may set differently from the folder's config.json.
 MAY_CHANGE = (*RUNTIME_FIELDS, "head_norm_ramp_steps", "max_position_embeddings")
@@ -88,11 +92,29 @@ def check_init_config(folder: str | Path, model_config: DiffTransformerConfig) -
 
 def check_init_tokenizer(folder: str | Path, data: PreparedData) -> None:
     """The data must be tokenized with the tokenizer saved beside the weights (when the folder has one):
-    the same ids would otherwise mean other strings, and training would silently relearn the embedding."""
+    the same ids would otherwise mean other strings, and training would silently relearn the embedding.
+    A folder without one cannot be checked: that is said, not passed over."""
     saved = folder_tokenizer(folder)
+    if saved is None:
+        log.warning("init_from %s has no %s, so the data's tokenizer (%s) cannot be checked against the one the "
+                    "model learned; if it is another, the ids mean other strings: put the model's %s in %s",
+                    folder, TOKENIZER_FILE, data.out_dir, TOKENIZER_FILE, folder)
     if saved is not None and Tokenizer.from_file(saved).hash != data.tokenizer_hash:
         raise ValueError(f"{data.out_dir} was tokenized with another tokenizer than the model's ({saved}); prepare "
                          f"the data with it (data.tokenizer_path = {saved}) or point data.data_dir elsewhere")
+
+
+def check_init_outside_run(folder: str | Path, run: RunDir) -> None:
+    """The run must not write where its starting model lies: its final/ is replaced by the trained
+    weights, and its checkpoints/ and replaced/ are pruned, so the model a run starts from (a retrofit or a
+    conversion, maybe hours of work) would be lost the first time the run saves."""
+    source = Path(folder).resolve()
+    for owned, inside in ((run.final, False), (run.checkpoints, True), (run.replaced, True)):
+        owned = owned.resolve()
+        if source == owned or (inside and owned in source.parents):
+            raise ValueError(f"init_from {folder} lies in the run's own {owned.name}/ folder ({owned}), which "
+                             f"training overwrites or prunes: the model it starts from would be lost; choose another "
+                             f"--out-dir (train.out_dir), or copy {folder} elsewhere and start from the copy")
 
 
 def load_init_weights(model: nn.Module, folder: str | Path) -> None:

@@ -52,7 +52,12 @@ from difftransformer.train.distributed import (
     remove_activation_checkpointing,
     wrap_model,
 )
-from difftransformer.train.init import check_init_config, check_init_tokenizer, load_init_weights
+from difftransformer.train.init import (
+    check_init_config,
+    check_init_outside_run,
+    check_init_tokenizer,
+    load_init_weights,
+)
 from difftransformer.train.metrics import MetricsWriter
 from difftransformer.train.optim import apply_trainable, build_optimizer, lr_at, set_lr
 from difftransformer.train.run_dir import RunDir
@@ -146,7 +151,8 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
     diff = {k: (saved[k], wanted[k]) for k in saved if saved[k] != wanted.get(k)}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}" for k, (a, b) in diff.items())
-        raise CheckpointError(f"checkpoint {path} was trained with a different model config ({detail}); {hint}")
+        raise CheckpointError(f"checkpoint {path} was trained with a different model config ({detail}); "
+                              f"{_init_from_hint(ckpt['train_config'], cfg) or hint}")
     tdiff = ckpt["train_config"].differences(cfg)
     strict = {k: v for k, v in tdiff.items() if k in RESUME_MUST_MATCH}
     if strict:
@@ -171,6 +177,16 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
                     *tdiff["max_steps"], cfg.lr_schedule)
 
 
+def _init_from_hint(saved: TrainConfig, cfg: TrainConfig) -> str | None:
+    """When the checkpoint's run started from a model folder and this call names another (or none), that
+    is the likely cause of a model mismatch: the model config comes from init_from, so say to pass it
+    again rather than to start over (which would throw the run's training away)."""
+    if saved.init_from is None or saved.init_from == cfg.init_from:
+        return None
+    return (f"the run started from init_from {saved.init_from}, so its model comes from there: pass "
+            f"--init-from {saved.init_from} (train.init_from) again to continue it")
+
+
 def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
           init_state: dict[str, torch.Tensor] | None = None, resume: bool = True) -> TrainResult:
     """Train `model_config` per `cfg` (resuming from out_dir/checkpoints/latest when resume=True).
@@ -183,6 +199,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         raise ValueError(f"give either init_state or TrainConfig.init_from ({cfg.init_from}), not both")
     if cfg.init_from is not None:
         check_init_config(cfg.init_from, model_config)  # before any folder is locked or written
+        check_init_outside_run(cfg.init_from, RunDir(cfg.out_dir))
     if cfg.seq_len > model_config.max_position_embeddings:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")

@@ -318,6 +318,7 @@ class HallucinationOptions:
 @register_task
 class Hallucination(Task):
     name = "hallucination"
+    reads_seq_len = False  # prompt lengths come from its own options and the model's context
     description = ("contextual hallucination: fraction of greedy answers judged faithful to facts inserted in "
                    "held-out text (QA, counterfactual, summary), plus a forced choice")
     Options = HallucinationOptions

@@ -308,6 +308,7 @@ class ICLOptions:
 @register_task
 class ICL(Task):
     name = "icl"
+    reads_seq_len = False  # prompt lengths come from its own options and the model's context
     description = ("many-shot in-context classification (Bertsch et al. 2024): accuracy vs number of "
                    "demonstrations, constrained decoding, and best-minus-worst accuracy over demonstration orders")
     Options = ICLOptions

@@ -217,6 +217,7 @@ def _example(tokenizer, sample: NeedleSample, outputs: list[str]) -> dict[str, A
 @register_task
 class Needle(Task):
     name = "needle"
+    reads_seq_len = False  # prompt lengths come from its own options and the model's context
     description = ("multi-needle retrieval (city -> magic number): accuracy per (N needles, R queried) by greedy "
                    "decoding and by forced choice, over answer depths and prompt lengths")
     Options = NeedleOptions
