@@ -12,7 +12,7 @@ import torch
 from difftransformer.data import Tokenizer
 from difftransformer.experiments import StudyDir
 from difftransformer.model import ATTENTION_KINDS, PRESETS
-from difftransformer.model.serialization import CONFIG_NAME
+from difftransformer.model.serialization import folder_model_type
 from difftransformer.run_config import ConfigError
 from difftransformer.train import LoadedModel, load_model
 
@@ -108,12 +108,7 @@ def is_transformers_folder(path: str) -> bool:
 
 def model_type(path: str) -> str:
     """The model_type a transformers folder's config.json names (for messages)."""
-    import json
-
-    try:
-        return str(json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type"))
-    except (OSError, ValueError, AttributeError):
-        return "unknown model_type"
+    return folder_model_type(path) or "unknown model_type"
 
 
 def _refuse_study_folder(path: Path) -> None:

@@ -22,12 +22,10 @@ from typing import Any
 
 import torch
 
-from tokenizers import Tokenizer as HFTokenizer
-
 from difftransformer._io import atomic_write_text
 from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
-from difftransformer.data.tokenizer import EOS_TOKEN
+from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
@@ -125,17 +123,19 @@ def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
     shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
     if (src / TOKENIZER_CONFIG).is_file():
         shutil.copyfile(src / TOKENIZER_CONFIG, folder / TOKENIZER_CONFIG)
-    elif fmt in ("diffllama", "llama") and _has_token(tokenizer, EOS_TOKEN):
+    elif fmt in ("diffllama", "llama") and _has_eos(tokenizer):
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
                     "model_max_length": config.get("max_position_embeddings")}
         atomic_write_text(folder / TOKENIZER_CONFIG, json.dumps(settings, indent=2) + "\n")
 
 
-def _has_token(tokenizer: Path, token: str) -> bool:
+def _has_eos(tokenizer: Path) -> bool:
+    """Whether the file is a tokenizer with our EOS token (`Tokenizer` refuses one without it)."""
     try:
-        return HFTokenizer.from_file(str(tokenizer)).token_to_id(token) is not None
-    except Exception:  # not a tokenizers file (the tokenizers library raises its own exception type)
+        Tokenizer.from_file(tokenizer)
+    except (OSError, ValueError):
         return False
+    return True
 
 
 def _save_ours(folder: Path, state: dict[str, torch.Tensor], config: DiffTransformerConfig) -> None:

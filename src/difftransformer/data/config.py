@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._config import check_field_types
+from .tokenizer import Tokenizer
 
 _DEFAULT_SPLIT = (0.05, 0.05, 0)  # (val_fraction, test_fraction, split_seed): no suffix on the folder name
 MIXTURE_KINDS = ("needle", "needles_only", "icl", "qa")  # the generated document kinds (data/mixture.py)
@@ -164,8 +164,12 @@ class DataConfig:
 
 def _tokenizer_tag(path: str) -> str:
     """The data folder's name part for a tokenizer file: its stem, and for the generic name every model folder
-    uses (tokenizer.json) also a hash of its content, so two models' tokenizers never share one data folder."""
+    uses (tokenizer.json) also the start of the tokenizer's hash (`Tokenizer.hash`, the identity every
+    tokenizer check compares), so two models' tokenizers never share one data folder."""
     file = Path(path)
     if file.stem != "tokenizer" or not file.is_file():
         return file.stem
-    return f"tokenizer-{hashlib.sha256(file.read_bytes()).hexdigest()[:8]}"
+    try:
+        return f"tokenizer-{Tokenizer.from_file(file).hash[:8]}"
+    except (OSError, ValueError):  # not one of ours: preparing the data names the file and what is wrong
+        return file.stem

@@ -33,7 +33,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import difftransformer.hf  # noqa: F401  (our own folders load through the auto classes too)
-from difftransformer.model.serialization import CONFIG_NAME
+from difftransformer.model.config import MODEL_TYPE
+from difftransformer.model.serialization import folder_model_type
 
 
 class HFTokenizer:
@@ -110,13 +111,7 @@ def _pad_after_stop(out: torch.Tensor, width: int, prompt: int, stops: list[int]
 
 def is_transformers_folder(path: str | Path) -> bool:
     """A folder with a config.json naming a transformers model_type other than ours."""
-    config = Path(path) / CONFIG_NAME
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("model_type"), str) and \
-        data["model_type"] != difftransformer.hf.MODEL_TYPE
+    return folder_model_type(path) not in (None, MODEL_TYPE)
 
 
 def _context(config) -> int:

@@ -26,8 +26,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from difftransformer.model import DiffTransformerConfig
+from difftransformer.model.config import MODEL_TYPE
 
-MODEL_TYPE = "difftransformer"
 FORMAT_VERSION = 1  # the config.json format our serializer writes (DiffTransformerConfig.save)
 NATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(DiffTransformerConfig))
 

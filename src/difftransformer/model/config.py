@@ -35,6 +35,9 @@ log = logging.getLogger("difftransformer.model")
 # loads under other values of these.
 RUNTIME_FIELDS = ("attn_backend", "attn_deterministic")
 
+# config.json's model_type for our folders (also the key transformers' AutoConfig knows us by).
+MODEL_TYPE = "difftransformer"
+
 
 # Keys that a transformers save_pretrained (difftransformer.hf) writes beside ours: its bookkeeping,
 # not the model, so a folder saved through transformers loads natively too.
@@ -175,7 +178,7 @@ class DiffTransformerConfig:
         return cls(**fields)
 
     def save(self, path: str | Path) -> None:
-        payload = {"model_type": "difftransformer", "format_version": 1, **self.to_dict()}
+        payload = {"model_type": MODEL_TYPE, "format_version": 1, **self.to_dict()}
         atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
     @classmethod

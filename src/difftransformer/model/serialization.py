@@ -7,14 +7,16 @@ this module only reads and writes the files, so it does not depend on the model'
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 from difftransformer._io import atomic_path, canonical_safetensors, default_permissions
-from difftransformer.model.config import DiffTransformerConfig
+from difftransformer.model.config import MODEL_TYPE, DiffTransformerConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -26,13 +28,25 @@ def is_pretrained_dir(directory: str | Path) -> bool:
     return (directory / CONFIG_NAME).is_file() and (directory / WEIGHTS_NAME).is_file()
 
 
+def folder_model_type(directory: str | Path) -> str | None:
+    """The model_type that `directory`'s config.json names (ours is MODEL_TYPE), or None when there is
+    no readable JSON object with a string model_type there: a cheap look before choosing a reader, whose
+    own errors then say what is wrong with the file."""
+    try:
+        data: Any = json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
     """Write config.json and model.safetensors (a tied LM head is stored once)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save(directory / CONFIG_NAME)
     with atomic_path(directory / WEIGHTS_NAME) as tmp:  # a crash never leaves a torn weights file
-        save_model(model, str(tmp), metadata={"format": "pt", "model_type": "difftransformer"})
+        save_model(model, str(tmp), metadata={"format": "pt", "model_type": MODEL_TYPE})
         canonical_safetensors(tmp)  # equal weights give equal bytes (safetensors orders metadata at random)
         default_permissions(tmp)
     return directory

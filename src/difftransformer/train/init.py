@@ -15,7 +15,6 @@ converts them: one reader per format lives in `convert`, which the trainer does 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +25,8 @@ from torch import nn
 from difftransformer.data import PreparedData
 from difftransformer.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from difftransformer.model import DiffTransformerConfig
-from difftransformer.model.config import RUNTIME_FIELDS
-from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, load_weights
+from difftransformer.model.config import MODEL_TYPE, RUNTIME_FIELDS
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, folder_model_type, load_weights
 from difftransformer.train.run_dir import RunDir
 
 log = logging.getLogger("difftransformer.train")
@@ -47,11 +46,8 @@ def init_folder(folder: str | Path) -> Path:
     if not config.is_file():
         raise FileNotFoundError(f"init_from {folder} has no {CONFIG_NAME}; give a model folder (config.json + "
                                 f"{WEIGHTS_NAME}), e.g. a run's final/")
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        model_type = None  # DiffTransformerConfig.load names what is wrong with it
-    if isinstance(model_type, str) and model_type != "difftransformer":
+    model_type = folder_model_type(path)  # None: DiffTransformerConfig.load names what is wrong with the file
+    if model_type not in (None, MODEL_TYPE):
         raise ValueError(f"init_from {folder} holds a {model_type!r} model, not ours; convert it first "
                          f"(`difftransformer convert {folder} OUT --to ours`, or `difftransformer retrofit "
                          f"{folder} OUT` to turn a Llama into DIFF) and start from OUT")
@@ -99,7 +95,7 @@ def check_init_tokenizer(folder: str | Path, data: PreparedData) -> None:
         log.warning("init_from %s has no %s, so the data's tokenizer (%s) cannot be checked against the one the "
                     "model learned; if it is another, the ids mean other strings: put the model's %s in %s",
                     folder, TOKENIZER_FILE, data.out_dir, TOKENIZER_FILE, folder)
-    if saved is not None and Tokenizer.from_file(saved).hash != data.tokenizer_hash:
+    elif Tokenizer.from_file(saved).hash != data.tokenizer_hash:
         raise ValueError(f"{data.out_dir} was tokenized with another tokenizer than the model's ({saved}); prepare "
                          f"the data with it (data.tokenizer_path = {saved}) or point data.data_dir elsewhere")
 

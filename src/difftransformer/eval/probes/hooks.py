@@ -13,6 +13,7 @@ another design) is refused with a one-line error: its attention cannot be opened
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -103,16 +104,16 @@ def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | t
     copies of the layer being computed. A single window that does not fit is a one-line ValueError naming
     the window length and a shorter one that fits (a 135 M model with an 8,192-token context asks for
     ~38 GB of scores per batch of 8 windows: without this, the process is killed for memory)."""
-    cfg = model.config
-    maps = 2 * cfg.num_attention_heads  # DIFF: two maps per head; ordinary attention: at most as many heads
-    per_window = 4 * maps * seq_len * seq_len * (_EAGER_COPIES + maps_kept)
-    free = _free_bytes(device)
-    fits = int(0.5 * free // per_window)
+    maps = 2 * model.config.num_attention_heads  # DIFF: two maps per head; ordinary attention: at most as many
+    window_bytes = lambda T: 4 * maps * T * T * (_EAGER_COPIES + maps_kept)  # noqa: E731  (float32 maps)
+    budget = 0.5 * _free_bytes(device)
+    fits = int(budget // window_bytes(seq_len))
     if fits >= 1:
         return min(batch_size, fits)
     shorter = seq_len
-    while shorter > 1 and 4 * maps * shorter * shorter * (_EAGER_COPIES + maps_kept) > 0.5 * free:
+    while shorter > 1 and window_bytes(shorter) > budget:
         shorter //= 2
+    per_window, free = window_bytes(seq_len), 2 * budget
     raise ValueError(f"one window of {seq_len} tokens needs ~{_size(per_window)} of explicit attention maps "
                      f"({maps} maps of {seq_len}x{seq_len} per layer), more than half of the {_size(free)} free; "
                      f"use a shorter window, e.g. --seq-len {shorter}")
@@ -137,6 +138,4 @@ def _free_bytes(device: str | torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
