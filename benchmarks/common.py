@@ -1,4 +1,5 @@
-"""Measurement helpers shared by the CPU benchmarks: interleaved timing and peak-memory probes."""
+"""Measurement helpers shared by the benchmarks: device choice, interleaved timing (GPU-synchronised
+on CUDA) and peak-memory probes."""
 
 from __future__ import annotations
 
@@ -15,16 +16,46 @@ from collections.abc import Callable
 import torch
 
 
-def interleaved_medians(fns: list[Callable[[], None]], repeats: int, warmup: int = 1) -> list[float]:
-    """Median seconds of each fn, run alternately (a, b, a, b, ...) so machine load hits all alike."""
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device that `--device name` means: 'auto' is CUDA when a GPU is visible, else the CPU.
+
+    A ValueError (one line, for the scripts' `parser.error`) when 'cuda' is asked of a machine without one."""
+    if name not in DEVICES:
+        raise ValueError(f"--device must be one of {DEVICES}; got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock reading covers it (a no-op on the CPU, where
+    calls return when done; on CUDA they return when queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(fns: list[Callable[[], None]], repeats: int, warmup: int = 1,
+                        device: torch.device = torch.device("cpu")) -> list[float]:
+    """Median seconds of each fn, run alternately (a, b, a, b, ...) so machine load hits all alike.
+
+    On CUDA the clock starts and stops on a synchronised device, so each time is the fn's GPU work
+    too, not just the time to queue it."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 
@@ -79,5 +110,22 @@ def peak_memory_mib(make: Callable, args, threads: int) -> float:
     return result
 
 
-def machine() -> str:
+def cuda_step_peak_mib(step: Callable[[], None], device: torch.device) -> float:
+    """Peak tensor memory (MiB) that one call of `step` allocates on a CUDA device above what was
+    allocated before it: the CUDA counterpart of `peak_memory_mib`, measured in this process.
+
+    Tensors that exist before the call (weights, optimizer state, other models) are a constant offset
+    of torch.cuda.max_memory_allocated, so they cancel out; call `step` once before, as a warm-up."""
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def machine(device: torch.device = torch.device("cpu")) -> str:
+    """One line naming what the figures were measured on: the GPU's name on CUDA, the CPU's threads else."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     return f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"

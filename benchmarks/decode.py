@@ -1,29 +1,37 @@
-"""Decoding speed: DIFF LM vs its matched Transformer LM on each attention backend, and transformers' Llama.
+"""Decoding speed: DIFF LM vs its matched Transformer LM on each attention backend, on CPU or CUDA,
+and (on CPU) transformers' Llama.
 
 For each prompt length and batch size, every arm generates greedily from a random prompt with its
 KV cache (`generate(..., temperature=0)`; for Llama, transformers' `generate(do_sample=False,
 use_cache=True)`), once for 1 new token and once for new_tokens. The arms run alternately in one
-process, so machine load hits all alike; figures are medians over repeats. Prefill ms is the
-1-token call (the prompt's forward into a fresh cache: time to first token); decode tokens/s is
-batch * (new_tokens - 1) / (new_tokens call - 1-token call), the rate of the single-token steps.
-Timing whole generate calls of every arm, transformers' included, measures what a user gets, with
-each library's own prefill (both compute only the last position's logits there).
+process, so machine load hits all alike; figures are medians over repeats (on CUDA each timed call
+starts and ends on a synchronised GPU). Prefill ms is the 1-token call (the prompt's forward into a
+fresh cache: time to first token); decode tokens/s is batch * (new_tokens - 1) / (new_tokens call -
+1-token call), the rate of the single-token steps. Timing whole generate calls of every arm,
+transformers' included, measures what a user gets, with each library's own prefill (both compute
+only the last position's logits there).
 
-Arms: the Transformer and DIFF on the fused C++ kernel (`cpp`, what 'auto' picks on CPU) and on
-PyTorch's SDPA (`sdpa`); "best" is an arm's faster backend. `Llama (HF)` is transformers'
-LlamaForCausalLM with the Transformer arm's sizes (hidden, layers, heads, kv heads, FFN, vocab,
-RoPE theta, tied embeddings), random weights, fp32, its default attention; "-" when transformers
+Arms: the Transformer (T) and DIFF on each of `--backends`: by default the fused C++ kernel (`cpp`,
+what 'auto' picks on CPU) and PyTorch's SDPA (`sdpa`) on CPU, and `auto` on CUDA (the fused Triton
+kernel for DIFF in bf16, SDPA's FlashAttention for T; the header says what 'auto' resolved to).
+'triton' exists for DIFF only, so T has no 'triton' arm; columns follow the arms that run. "best"
+is a kind's fastest backend. `Llama (HF)` (CPU only) is transformers' LlamaForCausalLM with the
+Transformer arm's sizes (hidden, layers, heads, kv heads, FFN, vocab, RoPE theta, tied
+embeddings), random weights, in `--precision`, its default attention; left out when transformers
 is not installed. The models are built with a context of the longest prompt plus the new tokens
-(the presets' own max_position_embeddings is shorter than the long prompts).
+(the presets' own max_position_embeddings may be shorter than the long prompts). `--precision
+bf16` builds every model in bf16 (DIFF's λ vectors stay fp32, as the model keeps them).
 
 Ratios: DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
-arm's best backend and on the same backend; prefill DIFF/T is a time ratio (lower is better for
-DIFF); T cpp/sdpa compares our kernel's Transformer decode with SDPA's; ours/Llama is the best of
-our two models' decode over Llama's.
+kind's best backend and on each backend both kinds run; prefill DIFF/T is a time ratio (lower is
+better for DIFF); T cpp/sdpa (when both run) compares our kernel's Transformer decode with SDPA's;
+ours/Llama is the best of our two models' decode over Llama's.
 
-    python benchmarks/decode.py                                          # the full table
+    python benchmarks/decode.py                                          # the full CPU table
     python benchmarks/decode.py --prompts 64 512 --batch 1 --new-tokens 16 --repeats 1   # quick
     python benchmarks/decode.py --threads 1        # one thread: steadier on a shared machine
+    python benchmarks/decode.py --device cuda --preset gpu-small --precision bf16 --prompts 512 2048 \\
+        --new-tokens 128 --backends auto sdpa      # GPU: fused Triton DIFF vs SDPA, both kinds
 """
 
 from __future__ import annotations
@@ -37,10 +45,12 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import interleaved_medians, machine  # noqa: E402
+from common import DEVICES, interleaved_medians, machine, resolve_device  # noqa: E402
 
-BACKENDS = ("cpp", "sdpa")
+BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
+DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
 KINDS = (("transformer", "T"), ("diff", "DIFF"))
+LLAMA = "Llama (HF)"
 
 
 @dataclass
@@ -49,20 +59,32 @@ class Arm:
     generate: Callable[[torch.Tensor, int], object]  # (prompt, n) -> greedy generation of n new tokens
 
 
-def _ours(preset: str, kind: str, backend: str, context: int) -> Arm:
-    from difftransformer import DiffTransformerLM, get_preset
+def _config(preset: str, kind: str, backend: str, context: int):
+    from difftransformer import get_preset
+
+    return get_preset(preset).config(kind, attn_backend=backend, max_position_embeddings=context)
+
+
+def _resolved(cfg, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend the arm's attention runs; a ValueError when `cfg`'s backend cannot run on `device`."""
+    from difftransformer.attention.backends import resolve_backend
+
+    return resolve_backend(cfg.attn_backend, device, dtype=dtype, ordinary=not cfg.kind.fused_kernel)
+
+
+def _ours(cfg, name: str, device: torch.device, dtype: torch.dtype) -> Arm:
+    from difftransformer import DiffTransformerLM
 
     torch.manual_seed(0)
-    model = DiffTransformerLM(get_preset(preset).config(kind, attn_backend=backend,
-                                                        max_position_embeddings=context)).eval()
+    model = DiffTransformerLM(cfg, device=device, dtype=dtype).eval()
 
     def generate(prompt, n):
         return model.generate(prompt, n, temperature=0)
 
-    return Arm(f"{dict(KINDS)[kind]} {backend}", generate)
+    return Arm(name, generate)
 
 
-def _llama(preset: str, context: int) -> Arm | None:
+def _llama(preset: str, context: int, dtype: torch.dtype) -> Arm | None:
     """transformers' LlamaForCausalLM with the Transformer arm's sizes; None without transformers."""
     try:
         import transformers
@@ -79,7 +101,7 @@ def _llama(preset: str, context: int) -> Arm | None:
         rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=False, mlp_bias=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 
     @torch.no_grad()
     def generate(prompt, n):
@@ -87,7 +109,7 @@ def _llama(preset: str, context: int) -> Arm | None:
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
                               min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
 
-    return Arm("Llama (HF)", generate)
+    return Arm(LLAMA, generate)
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -98,71 +120,115 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}"
 
 
-def _row(T: int, B: int, arms: list[Arm], repeats: int, new_tokens: int) -> str:
-    prompt = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(T * 131 + B))
-    pre = dict(zip((a.name for a in arms), interleaved_medians([lambda a=a: a.generate(prompt, 1) for a in arms],
-                                                              repeats)))
-    gen = dict(zip((a.name for a in arms),
-                   interleaved_medians([lambda a=a: a.generate(prompt, new_tokens) for a in arms], repeats)))
+def _best(values: dict[str, float | None], kind: str, backends, pick) -> float | None:
+    return pick((v for b in backends if (v := values.get(f"{kind} {b}")) is not None), default=None)
+
+
+def _columns(names: list[str], backends: list[str]) -> list[tuple[str, Callable[[dict, dict], str]]]:
+    """The table's columns for the arms that run (`names`, Llama last when it runs): (title, cell of
+    (prefill seconds, decode tokens/s) by arm name). One list makes both the header and every row."""
+    both = [b for b in backends if f"T {b}" in names and f"DIFF {b}" in names]
+    cols = [(f"prefill ms {n}", lambda pre, rate, n=n: _fmt(pre[n] * 1e3, ".1f")) for n in names]
+    cols += [("prefill DIFF/T (best)", lambda pre, rate: _ratio(_best(pre, "DIFF", backends, min),
+                                                               _best(pre, "T", backends, min)))]
+    cols += [(f"decode tok/s {n}", lambda pre, rate, n=n: _fmt(rate[n], ",.0f")) for n in names]
+    cols += [("decode DIFF/T (best)", lambda pre, rate: _ratio(_best(rate, "DIFF", backends, max),
+                                                              _best(rate, "T", backends, max)))]
+    cols += [(f"decode DIFF/T {b}", lambda pre, rate, b=b: _ratio(rate[f"DIFF {b}"], rate[f"T {b}"])) for b in both]
+    if "T cpp" in names and "T sdpa" in names:
+        cols += [("decode T cpp/sdpa", lambda pre, rate: _ratio(rate["T cpp"], rate["T sdpa"]))]
+    if LLAMA in names:
+        cols += [("decode ours/Llama", lambda pre, rate: _ratio(
+            max((r for k in ("T", "DIFF") if (r := _best(rate, k, backends, max)) is not None), default=None),
+            rate[LLAMA]))]
+    return cols
+
+
+def _header(cols) -> str:
+    titles = ["prompt", "batch", *(t for t, _ in cols)]
+    return "| " + " | ".join(titles) + " |\n|" + "---|" * len(titles)
+
+
+def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int, device: torch.device) -> str:
+    prompt = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(T * 131 + B)).to(device)
+    names = [a.name for a in arms]
+    pre = dict(zip(names, interleaved_medians([lambda a=a: a.generate(prompt, 1) for a in arms], repeats,
+                                              device=device)))
+    gen = dict(zip(names, interleaved_medians([lambda a=a: a.generate(prompt, new_tokens) for a in arms], repeats,
+                                              device=device)))
     # None when noise made the median generate no slower than the median prefill (nothing to divide)
-    rate = {n: B * (new_tokens - 1) / (gen[n] - pre[n]) if gen[n] > pre[n] else None for n in pre}
-    names = [f"{k} {b}" for _, k in KINDS for b in BACKENDS]
-    best_rate = {k: max((rate[f"{k} {b}"] for b in BACKENDS if rate.get(f"{k} {b}") is not None), default=None)
-                 for _, k in KINDS}
-    best_pre = {k: min((pre[f"{k} {b}"] for b in BACKENDS if f"{k} {b}" in pre), default=None) for _, k in KINDS}
-    llama = "Llama (HF)"
-    ours_best = max((r for r in best_rate.values() if r is not None), default=None)
-    cells = [str(T), str(B)]
-    cells += [_fmt(None if pre.get(n) is None else pre[n] * 1e3, ".1f") for n in names + [llama]]
-    cells += [_ratio(best_pre["DIFF"], best_pre["T"])]
-    cells += [_fmt(rate.get(n), ",.0f") for n in names + [llama]]
-    cells += [_ratio(best_rate["DIFF"], best_rate["T"])]
-    cells += [_ratio(rate.get(f"DIFF {b}"), rate.get(f"T {b}")) for b in BACKENDS]
-    cells += [_ratio(rate.get("T cpp"), rate.get("T sdpa")), _ratio(ours_best, rate.get(llama))]
-    return "| " + " | ".join(cells) + " |"
+    rate = {n: B * (new_tokens - 1) / (gen[n] - pre[n]) if gen[n] > pre[n] else None for n in names}
+    return "| " + " | ".join([str(T), str(B), *(cell(pre, rate) for _, cell in cols)]) + " |"
 
 
-def _header() -> str:
-    names = [f"{k} {b}" for _, k in KINDS for b in BACKENDS] + ["Llama (HF)"]
-    cols = ["prompt", "batch", *(f"prefill ms {n}" for n in names), "prefill DIFF/T (best)",
-            *(f"decode tok/s {n}" for n in names), "decode DIFF/T (best)",
-            *(f"decode DIFF/T {b}" for b in BACKENDS), "decode T cpp/sdpa", "decode ours/Llama"]
-    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+def _parse() -> tuple[argparse.Namespace, torch.device]:
+    from difftransformer.model.config import PRESETS
 
-
-def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when a GPU is visible")
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="model size (default: gpu-small on CUDA, cpu-small on CPU)")
+    p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_CHOICES,
+                   help="attention backends each kind runs on (default: cpp sdpa on CPU, auto on CUDA)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="dtype the models are built in")
     p.add_argument("--prompts", type=int, nargs="+", default=[64, 512, 2048, 4096], help="prompt lengths")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (at least 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (medians); one warm-up run first")
-    p.add_argument("--no-llama", action="store_true", help="leave out transformers' Llama")
+    p.add_argument("--no-llama", action="store_true", help="leave out transformers' Llama (always out on CUDA)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for every arm (default: PyTorch's own choice)")
+                   help="torch.set_num_threads for every arm (default: PyTorch's own choice; CPU work only)")
     args = p.parse_args()
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be positive; got {args.threads}")
-        torch.set_num_threads(args.threads)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be positive; got {args.threads}")
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be at least 2 (one prefill, then decoding steps); got {args.new_tokens}")
     if min(args.prompts) < 1 or min(args.batch) < 1 or args.repeats < 1:
         p.error("--prompts, --batch and --repeats must be positive")
+    args.preset = args.preset or ("gpu-small" if device.type == "cuda" else "cpu-small")
+    args.backends = list(dict.fromkeys(args.backends or DEFAULT_BACKENDS[device.type]))
+    args.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    context = max(args.prompts) + args.new_tokens + 1
+    try:  # every arm's backend must run here: refuse before any model is built
+        args.configs = {f"{k} {b}": _config(args.preset, kind, b, context) for kind, k in KINDS
+                        for b in args.backends if not (b == "triton" and kind == "transformer")}
+        args.resolved = {n: _resolved(c, device, args.dtype) for n, c in args.configs.items()}
+    except ValueError as e:
+        p.error(f"--backends {' '.join(args.backends)} on {device.type} in {args.precision}: {e}")
+    return args, device
+
+
+def main() -> None:
+    args, device = _parse()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from difftransformer.kernels import flash_cpu
 
-    context = max(args.prompts) + args.new_tokens + 1
-    backends = [b for b in BACKENDS if b != "cpp" or flash_cpu.is_available()]
-    arms = [_ours(args.preset, kind, b, context) for kind, _ in KINDS for b in backends]
-    llama = None if args.no_llama else _llama(args.preset, context)
-    arms += [llama] if llama is not None else []
-    print(f"# Greedy decoding, {args.preset}, {args.new_tokens} new tokens, medians of {args.repeats} "
-          f"({machine()}){'' if 'cpp' in backends else '; cpp kernel unavailable: ' + str(flash_cpu.build_error())}"
-          f"\n")
-    print(_header(), flush=True)
+    notes = []
+    configs = dict(args.configs)
+    if "cpp" in args.backends and not flash_cpu.is_available():
+        configs = {n: c for n, c in configs.items() if not n.endswith(" cpp")}
+        notes.append(f"cpp kernel unavailable: {flash_cpu.build_error()}")
+    if "triton" in args.backends:
+        notes.append("T has no triton arm (the fused Triton kernel is DIFF-only)")
+    arms = [_ours(c, n, device, args.dtype) for n, c in configs.items()]
+    if device.type == "cuda":
+        notes.append("Llama (HF) left out on CUDA")
+    elif not args.no_llama and (llama := _llama(args.preset, max(args.prompts) + args.new_tokens + 1, args.dtype)):
+        arms.append(llama)
+    cols = _columns([a.name for a in arms], args.backends)
+    auto = [f"{n}={args.resolved[n]}" for n in configs if n.endswith(" auto")]
+    notes = ([f"auto resolves to {', '.join(auto)}"] if auto else []) + notes
+    print(f"# Greedy decoding, {args.preset}, {args.precision}, {args.new_tokens} new tokens, medians of "
+          f"{args.repeats}, on {device.type} ({machine(device)}){''.join('; ' + n for n in notes)}\n")
+    print(_header(cols), flush=True)
     for T in args.prompts:
         for B in args.batch:
-            print(_row(T, B, arms, args.repeats, args.new_tokens), flush=True)
+            print(_row(T, B, arms, cols, args.repeats, args.new_tokens, device), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """benchmarks/decode.py runs end to end (tiny sizes; its timings mean nothing here and are not checked)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = 18  # prompt, batch, 5 prefill times, 1 ratio, 5 decode rates, 5 ratios
 
 
-def _run(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def _run(*args, **env_overrides):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **env_overrides}
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--preset", "tiny", *args],
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -29,3 +33,55 @@ def test_decode_benchmark_prints_a_row_per_prompt_and_batch():
 def test_decode_benchmark_refuses_too_few_new_tokens():
     run = _run("--prompts", "8", "--new-tokens", "1", "--no-llama")
     assert run.returncode != 0 and "--new-tokens must be at least 2" in run.stderr
+
+
+def _cells(stdout: str) -> dict[str, str]:
+    """The first data row of the table, by column title."""
+    lines = stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("| prompt |"))
+    titles, row = ([c.strip() for c in lines[j].split("|")[1:-1]] for j in (i, i + 2))
+    assert len(titles) == len(row), stdout
+    return dict(zip(titles, row))
+
+
+def test_columns_follow_the_backends_asked_and_ratios_match_the_rates():
+    run = _run("--device", "cpu", "--backends", "auto", "sdpa", "--precision", "bf16", "--prompts", "8",
+               "--batch", "2", "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--no-llama")
+    assert run.returncode == 0, run.stderr
+    assert "tiny, bf16," in run.stdout and "on cpu (" in run.stdout
+    assert re.search(r"auto resolves to T auto=(cpp|sdpa), DIFF auto=(cpp|sdpa)", run.stdout), run.stdout
+    cells = _cells(run.stdout)
+    arms = ["T auto", "T sdpa", "DIFF auto", "DIFF sdpa"]
+    assert list(cells) == ["prompt", "batch", *(f"prefill ms {a}" for a in arms), "prefill DIFF/T (best)",
+                           *(f"decode tok/s {a}" for a in arms), "decode DIFF/T (best)",
+                           "decode DIFF/T auto", "decode DIFF/T sdpa"]
+    for b in ("auto", "sdpa"):
+        t, d = (cells[f"decode tok/s {k} {b}"] for k in ("T", "DIFF"))
+        if "-" in (t, d):  # noise made a median generate no slower than its prefill: nothing to divide
+            continue
+        t, d = float(t.replace(",", "")), float(d.replace(",", ""))
+        assert abs(float(cells[f"decode DIFF/T {b}"]) - d / t) <= 0.005 + (d + t) / t ** 2, cells
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error():
+    run = _run("--device", "cuda", "--prompts", "8", CUDA_VISIBLE_DEVICES="")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1].endswith("no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                                                 "use --device cpu or auto")
+
+
+def test_a_backend_that_cannot_run_is_refused_before_any_model_is_built():
+    run = _run("--device", "cpu", "--backends", "triton", "--prompts", "8", TRITON_INTERPRET=None)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "--backends triton on cpu in fp32: backend 'triton' runs on CUDA" in run.stderr.splitlines()[-1]
+
+
+def test_triton_runs_for_diff_only():
+    pytest.importorskip("triton")
+    run = _run("--device", "cpu", "--backends", "triton", "sdpa", "--prompts", "8", "--batch", "1",
+               "--new-tokens", "2", "--repeats", "1", "--threads", "1", "--no-llama", TRITON_INTERPRET="1")
+    assert run.returncode == 0, run.stderr
+    assert "T has no triton arm" in run.stdout
+    cells = _cells(run.stdout)
+    assert "decode tok/s DIFF triton" in cells and "decode tok/s T triton" not in cells
+    assert "decode DIFF/T sdpa" in cells and "decode DIFF/T triton" not in cells

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def test_reproducible_and_writes_expected_files(data_dir, tmp_path):
     assert len(row["lambdas"]) == 2 and all(isinstance(x, float) for x in row["lambdas"])
     assert row["lambda_inits"] == [0.8 - 0.6 * math.exp(-0.3 * layer) for layer in range(2)]  # logged, per layer
     assert r1.final_step == 6 and r1.final_val_loss == m1[-1]["loss"] and r1.tokens_per_s > 0
+    done = json.loads((r1.out_dir / "done.json").read_text())
+    assert done["peak_memory_mib"] is None and r1.peak_memory_mib is None  # CUDA's counter only
     out = Path(r1.out_dir)
     assert (out / "model_config.json").is_file() and (out / "train_config.json").is_file()
     assert list((out / "tb").iterdir())

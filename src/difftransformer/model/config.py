@@ -285,6 +285,10 @@ PRESETS: dict[str, Preset] = {
                            description="5.2M params, cpu-small with 8 DIFF heads of 2 x 16 (16 baseline heads of 16)"),
     "cpu-medium-h8": Preset(512, 4, 8, vocab_size=8192, max_position_embeddings=512,
                             description="16.8M params, 8 DIFF heads of 2 x 32 (16 baseline heads of 32)"),
+    # One GPU (issue 16's end-to-end pair): GPT-2-small depth at width 1024, with the bundled corpus's
+    # 8k vocabulary, so that the attention and FFN, not the embeddings, hold the parameters.
+    "gpu-small": Preset(1024, 12, 8, vocab_size=8192, max_position_embeddings=4096,
+                        description="159M params, 12 layers of width 1024, 8 DIFF heads of 2 x 64 (16 baseline heads of 64)"),
 }
 
 

@@ -9,7 +9,7 @@
       replaced/           a fresh start's predecessor (its checkpoints, metrics, final/, done.json, tb/),
                           kept until the new run has saved a checkpoint of its own
       final/              config.json, model.safetensors, tokenizer.json: the trained model
-      done.json           written by train() after final/: final step, val loss, tokens/s, wall time
+      done.json           written by train() after final/: final step, val loss, tokens/s, wall time, peak CUDA MiB
       samples.json        the report's cached sample generations (experiments/report)
       eval/               evaluation results of the final model: <task>.json (+ .png), see eval/results.py
 

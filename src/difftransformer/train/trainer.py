@@ -77,6 +77,13 @@ class TrainResult:
     tokens_per_s: float  # mean training throughput of this call (excluding eval and checkpointing)
     metrics_path: Path
     model: DiffTransformerLM  # unwrapped, on the training device
+    peak_memory_mib: float | None = None  # CUDA only: this rank's peak of allocated tensor memory in this call
+
+
+def _peak_memory_mib(device: torch.device) -> float | None:
+    """The caching allocator's peak of allocated bytes on `device` since the last reset (CUDA only:
+    CPU has no such counter). It counts tensors, not the allocator's reserve or the CUDA context."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
@@ -231,6 +238,8 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
                  cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
     t0 = time.perf_counter()
     loop = _Loop(run, model_config, cfg, env, data, parts, ckpt, replaced=aside)
     val_loss, train_time = loop.run(start_step)
@@ -238,10 +247,11 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     trained = cfg.max_steps - start_step
     result = TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
                          tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
-                         metrics_path=run.metrics, model=model)
+                         metrics_path=run.metrics, model=model, peak_memory_mib=_peak_memory_mib(env.device))
     if env.is_main:  # after final/: a run is finished only once its final weights are on disk
         run.write_done({"final_step": result.final_step, "final_val_loss": result.final_val_loss,
-                        "tokens_per_s": result.tokens_per_s, "wall_s": time.perf_counter() - t0})
+                        "tokens_per_s": result.tokens_per_s, "wall_s": time.perf_counter() - t0,
+                        "peak_memory_mib": result.peak_memory_mib})
     return result
 
 

@@ -1,0 +1,62 @@
+"""benchmarks/common.py's CUDA paths, checked on CPU with torch.cuda's calls recorded: the timed calls must
+start and end on a synchronised device, and the step peak must be measured from a reset counter."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location(
+    "benchmarks_common", Path(__file__).resolve().parents[2] / "benchmarks" / "common.py")
+common = importlib.util.module_from_spec(_spec)  # by path: the scripts' folder stays off sys.path
+_spec.loader.exec_module(common)
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def log(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    return events
+
+
+def test_each_timed_call_is_fenced_by_synchronisation_on_cuda(log):
+    fns = [lambda: log.append("a"), lambda: log.append("b")]
+    medians = common.interleaved_medians(fns, repeats=2, warmup=1, device=CUDA)
+    assert len(medians) == 2 and all(m >= 0 for m in medians)
+    assert log == ["a", "b"] + ["sync", "a", "sync", "sync", "b", "sync"] * 2
+
+
+def test_no_synchronisation_on_cpu(log):
+    common.interleaved_medians([lambda: log.append("a")], repeats=3, warmup=0)
+    assert log == ["a"] * 3
+
+
+def test_cuda_step_peak_is_the_steps_own_allocation(log, monkeypatch):
+    state = {"allocated": 300 * 2**20, "peak": 900 * 2**20}  # a stale peak from before: must be reset
+
+    def reset(device=None):
+        log.append("reset")
+        state["peak"] = state["allocated"]
+
+    def step():
+        log.append("step")
+        state["peak"] = max(state["peak"], state["allocated"] + 40 * 2**20)
+        state["allocated"] += 4 * 2**20  # what the step leaves behind counts only through the peak
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    assert common.cuda_step_peak_mib(step, CUDA) == 40
+    assert log == ["sync", "reset", "step", "sync"]
+
+
+def test_resolve_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert common.resolve_device("auto") == torch.device("cpu") == common.resolve_device("cpu")
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        common.resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert common.resolve_device("auto") == CUDA == common.resolve_device("cuda")

@@ -1,0 +1,70 @@
+"""benchmarks/gpu_tile_check.py, run on CPU through the interpreter: its code paths (a GPU session is
+short), that pinning a pass to a tile really changes what runs, and that its reference is right."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_tile_check as gtc  # noqa: E402
+
+from tests.reference import diff_attention_reference  # noqa: E402
+from difftransformer.kernels import diff_flash  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not diff_flash._INTERPRET, reason="the smoke test runs the interpreter")
+
+
+def test_smoke_run_checks_every_pass_and_finds_them_right():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 16 |")]
+    assert len(rows) == 4 + 4  # 2 shapes x 2 backwards, then one row per pass
+    assert [r.split("|")[2].strip() for r in rows[4:]] == list(gtc.OUTPUTS)
+    assert all(r.rstrip().endswith("| yes |") for r in rows), run.stdout
+
+
+def test_without_a_gpu_or_the_interpreter_flag_is_one_line():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no CUDA GPU here" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_pin_runs_the_pinned_tile_and_restores_the_tuner():
+    kernel = gtc.kernels()["fwd"]
+    before = kernel.configs
+    q, k, v, do = gtc.inputs(1, 2, 1, 40, 16, "cpu", torch.float32, seed=3)
+    with gtc.Pin(kernel, (24, 16, 1, 1)):  # not a power of two: only a kernel that runs it can fail
+        with pytest.raises(Exception):
+            gtc.fused(q, k, v, do, 0.7, True, True)
+    assert kernel.configs is before
+    outs = []
+    for tile in ((16, 16, 1, 1), (16, 32, 1, 1)):
+        with gtc.Pin(kernel, tile):
+            outs.append(gtc.fused(q, k, v, do, 0.7, True, True)["out"])
+    assert not torch.equal(outs[0], outs[1])  # another key block: another fp32 rounding, so it did run
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_the_float64_reference(causal):
+    B, h, h_kv, T, d = 2, 4, 2, 13, 8
+    q, k, v, do = gtc.inputs(B, h, h_kv, T, d, "cpu", torch.float64, seed=int(torch.randint(0, 2**31, ())))
+    got = gtc.reference(q, k, v, do, 0.6, causal)
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    lr = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    want = diff_attention_reference(qr, kr, vr, lr, causal=causal)
+    grads = torch.autograd.grad(want, (qr, kr, vr, lr), do)
+    for name, w in zip(("out", "dq", "dk", "dv", "dlam"), (want, *grads)):
+        torch.testing.assert_close(got[name].double(), w.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    assert gtc.error(got["out"] + 0.1, got["out"]) == pytest.approx(0.1 / max(got["out"].abs().max().item(), 1.0))

@@ -1,0 +1,65 @@
+"""benchmarks/train_throughput.py runs end to end on CPU (tiny sizes; its timings mean nothing here and
+are not checked, only that the table and its ratios agree), and refuses impossible devices and
+backends in one line. The CUDA path runs in a GPU session; these tests keep its options honest."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ("--preset", "tiny", "--seq-len", "16", "--batch", "2", "--repeats", "2", "--threads", "1")
+
+
+def _run(*args, **env_overrides):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **env_overrides}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _table(stdout: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for line in stdout.splitlines() if line.startswith("| ")
+            for cells in [[c.strip() for c in line.split("|")[1:-1]]] if cells[0] in ("Transformer", "DIFF")}
+
+
+def test_cpu_run_prints_both_arms_and_consistent_ratios():
+    run = _run("--device", "cpu", *TINY, "--no-deterministic")
+    assert run.returncode == 0, run.stderr
+    assert "on cpu (" in run.stdout and "deterministic False" in run.stdout and "threads)" in run.stdout
+    rows = _table(run.stdout)
+    assert set(rows) == {"Transformer", "DIFF"} and all(len(r) == 5 for r in rows.values()), run.stdout
+    ms = {k: float(r[1]) for k, r in rows.items()}
+    tput = float(re.search(r"throughput ([\d.]+)x", run.stdout).group(1))
+    # step ms is printed to 0.1 ms: the ratio agrees with the printed times within that rounding
+    lo = (ms["Transformer"] - 0.05) / (ms["DIFF"] + 0.05)
+    hi = (ms["Transformer"] + 0.05) / (ms["DIFF"] - 0.05)
+    assert lo - 1e-3 <= tput <= hi + 1e-3, run.stdout
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values()), run.stdout  # peak, resident MiB
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error():
+    run = _run("--device", "cuda", *TINY, CUDA_VISIBLE_DEVICES="")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines()[-1].endswith("no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                                                 "use --device cpu or auto")
+
+
+def test_a_backend_that_cannot_run_on_the_device_is_a_one_line_error():
+    run = _run("--device", "cpu", "--backend", "triton", *TINY, TRITON_INTERPRET=None)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "--backend triton on cpu: backend 'triton' runs on CUDA" in run.stderr.splitlines()[-1]
+
+
+def test_triton_backend_gives_the_transformer_arm_its_auto_backend():
+    """'triton' is DIFF-only: the Transformer arm runs 'auto' (here the C++ kernel, or SDPA if it does not
+    build), DIFF the Triton kernel (through the interpreter on CPU)."""
+    pytest.importorskip("triton")
+    run = _run("--device", "cpu", "--backend", "triton", "--preset", "tiny", "--seq-len", "8", "--batch", "1",
+               "--repeats", "1", "--threads", "1", TRITON_INTERPRET="1")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"backend triton \(Transformer (cpp|sdpa), DIFF triton\)", run.stdout), run.stdout
+    assert set(_table(run.stdout)) == {"Transformer", "DIFF"}
