@@ -12,8 +12,15 @@ Error = max |got - ref| / max(max |ref|, 1), the measure of tests/kernels/test_d
 test (limit 3e-2 there). Each tile runs twice on the same inputs; a deterministic pass whose two
 results differ has a race. First, all passes autotuned together (what the layer runs), per output.
 
+With --time B,h,h_kv,T,d it then times each pass on each of its tiles at that shape (bf16, causal):
+the forward alone, or the backward alone (after one forward) with the pass pinned, medians of
+triton.testing.do_bench. The autotuner picks from a few timed calls; this table shows what each
+tile costs and whether its pick was the best. The default shape 16,8,8,2048,64 is one training step
+of one layer of preset gpu-small (configs/gpu-small.toml).
+
     python benchmarks/gpu_tile_check.py                     # d = 128 then 64, three shapes
     python benchmarks/gpu_tile_check.py --head-dims 128 --time-limit 200
+    python benchmarks/gpu_tile_check.py --head-dims 64 --time 16,8,8,2048,64    # + each tile's time
     TRITON_INTERPRET=1 python benchmarks/gpu_tile_check.py --cpu-smoke-test   # the code paths, on CPU
 """
 
@@ -102,34 +109,67 @@ class Pin:
         self.kernel.cache.clear()
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """'B,h,h_kv,T,d' as five positive ints (argparse type)."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1 or shape[1] % shape[2]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give B,h,h_kv,T,d as five positive integers with h a "
+                                         "multiple of h_kv, e.g. 16,8,8,2048,64")
+    return shape
+
+
+def median_ms(fn) -> float:
+    """do_bench's median on CUDA (events, L2 flushed between calls); one wall-clock call in the smoke test."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
+    """Each pass on each of its tiles at `shape`: the forward alone, or the backward alone."""
+    from difftransformer.kernels.diff_flash import diff_flash_attention
+
+    B, h, h_kv, T, d = shape
+    q, k, v, do = inputs(B, h, h_kv, T, d, device, dtype, seed=300)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    lam = torch.tensor(0.7, device=device, requires_grad=True)
+    print(f"\n## Time of each tile, B {B}, h {h}, h_kv {h_kv}, T {T}, d {d}, causal, {str(dtype)[6:]}\n")
+    print("| pass | BLOCK_M | BLOCK_N | warps | stages | ms | / best |")
+    print("|---|---|---|---|---|---|---|")
+    for pname, kernel in ks.items():
+        det = pname != "bwd_dkdvq"
+        times = {}
+        for tile in tiles_of(pname):
+            try:
+                with Pin(kernel, tile):
+                    if pname == "fwd":
+                        with torch.no_grad():
+                            times[tile] = median_ms(lambda: diff_flash_attention(q, k, v, lam, causal=True))
+                    else:
+                        out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=det)
+                        times[tile] = median_ms(lambda: torch.autograd.grad(out, (q, k, v, lam), do,
+                                                                            retain_graph=True))
+            except Exception as e:  # a tile that cannot run here is a row, not the end
+                times[tile] = f"error: {type(e).__name__}"
+        best = min((t for t in times.values() if isinstance(t, float)), default=float("nan"))
+        for tile, t in times.items():
+            cells = f"{t:.3f} | {t / best:.2f}x" if isinstance(t, float) else f"{t} | -"
+            print(f"| {pname} | " + " | ".join(map(str, tile)) + f" | {cells} |", flush=True)
+
+
 def fmt(x):
     return "nan" if x != x else f"{x:.1e}"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", default="128,64")
-    p.add_argument("--time-limit", type=float, default=300.0, help="no new (d, pass) group starts after this many s")
-    p.add_argument("--cpu-smoke-test", action="store_true",
-                   help="tiny shapes on CPU under TRITON_INTERPRET=1 (the interpreter's one tile), for CI")
-    args = p.parse_args()
-    from difftransformer.kernels.diff_flash import TILES, tiles_for
-
-    smoke = args.cpu_smoke_test
-    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--cpu-smoke-test needs TRITON_INTERPRET=1 in the environment")
-    if not smoke and not torch.cuda.is_available():
-        p.error("no CUDA GPU here; use --cpu-smoke-test with TRITON_INTERPRET=1 to check the script on CPU")
-    device = "cpu" if smoke else "cuda"
-    dtype = torch.float32 if smoke else torch.bfloat16
-    shapes = [(1, 2, 1, 19, True), (1, 2, 2, 16, False)] if smoke else SHAPES
-    dims = [16] if smoke else [int(x) for x in args.head_dims.split(",")]
-    lam = 0.7
-    t0 = time.perf_counter()
-    name = "CPU interpreter" if smoke else torch.cuda.get_device_name()
-    print(f"# Fused kernel, tile by tile, on {name} (torch {torch.__version__}); error = max|got-ref| / "
-          f"max(max|ref|, 1) against fp32 explicit maps; limit {LIMIT:.0e}; λ = {lam}\n")
-
+def check_autotuned(dims, shapes, device, dtype, lam) -> None:
+    """Every pass autotuned together (what the layer runs), each output against the reference."""
     print("## All passes autotuned (what the layer runs)\n")
     print("| d | B | h | h_kv | T | causal | backward | out | dq | dk | dv | dλ | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -146,6 +186,11 @@ def main() -> None:
                       + " | ".join(fmt(errs[n]) for n in ("out", "dq", "dk", "dv", "dlam")) + f" | {'yes' if ok else 'NO'} |",
                       flush=True)
 
+
+def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> None:
+    """One pass pinned to each tile of its class in turn (the others autotuned)."""
+    from difftransformer.kernels.diff_flash import TILES, tiles_for
+
     print("\n## One pass pinned to one tile (the others autotuned)\n")
     print("| d | pass | BLOCK_M | BLOCK_N | warps | stages | " + " | ".join(f"shape {i + 1}" for i in range(len(shapes)))
           + " | repeat equal | ok |")
@@ -157,7 +202,7 @@ def main() -> None:
             q, k, v, do = inputs(B, h, h_kv, T, d, device, dtype, seed=200 + i)
             cases.append(((q, k, v, do, causal), reference(q, k, v, do, lam, causal)))
         for pname, kernel in ks.items():
-            if time.perf_counter() - t0 > args.time_limit:
+            if time.perf_counter() - t0 > time_limit:
                 print(f"| {d} | {pname} | time limit reached: not checked |" + " |" * (len(shapes) + 5))
                 continue
             tiles = [(16, 16, 1, 1)] if smoke else tiles_for(TILES[pname], d)
@@ -179,6 +224,41 @@ def main() -> None:
                     ok = False
                 print(f"| {d} | {pname} | " + " | ".join(map(str, tile)) + " | " + " | ".join(cells)
                       + f" | {('yes' if same else 'NO') if det else '-'} | {'yes' if ok else 'NO'} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", default="128,64")
+    p.add_argument("--time-limit", type=float, default=300.0, help="no new (d, pass) group starts after this many s")
+    p.add_argument("--time", type=parse_shape, metavar="B,h,h_kv,T,d",
+                   help="then time every tile of every pass at this shape (e.g. 16,8,8,2048,64)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness tables (with --time: timing only)")
+    p.add_argument("--cpu-smoke-test", action="store_true",
+                   help="tiny shapes on CPU under TRITON_INTERPRET=1 (the interpreter's one tile), for CI")
+    args = p.parse_args()
+    from difftransformer.kernels.diff_flash import TILES, tiles_for
+
+    smoke = args.cpu_smoke_test
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--cpu-smoke-test needs TRITON_INTERPRET=1 in the environment")
+    if not smoke and not torch.cuda.is_available():
+        p.error("no CUDA GPU here; use --cpu-smoke-test with TRITON_INTERPRET=1 to check the script on CPU")
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = [(1, 2, 1, 19, True), (1, 2, 2, 16, False)] if smoke else SHAPES
+    dims = [16] if smoke else [int(x) for x in args.head_dims.split(",")]
+    lam = 0.7
+    t0 = time.perf_counter()
+    name = "CPU interpreter" if smoke else torch.cuda.get_device_name()
+    print(f"# Fused kernel, tile by tile, on {name} (torch {torch.__version__}); error = max|got-ref| / "
+          f"max(max|ref|, 1) against fp32 explicit maps; limit {LIMIT:.0e}; λ = {lam}\n")
+
+    if not args.no_check:
+        check_autotuned(dims, shapes, device, dtype, lam)
+        check_pinned(dims, shapes, device, dtype, lam, smoke, t0, args.time_limit)
+    if args.time:
+        tiles_of = (lambda pname: [(16, 16, 1, 1)]) if smoke else (lambda pname: tiles_for(TILES[pname], args.time[4]))
+        time_tiles(args.time, device, dtype, tiles_of, kernels())
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

@@ -24,13 +24,24 @@ pytestmark = pytest.mark.skipif(not diff_flash._INTERPRET, reason="the smoke tes
 
 def test_smoke_run_checks_every_pass_and_finds_them_right():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
+                          "--time", "1,2,1,24,16"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 16 |")]
     assert len(rows) == 4 + 4  # 2 shapes x 2 backwards, then one row per pass
     assert [r.split("|")[2].strip() for r in rows[4:]] == list(gtc.OUTPUTS)
     assert all(r.rstrip().endswith("| yes |") for r in rows), run.stdout
+    timed = run.stdout.split("## Time of each tile, B 1, h 2, h_kv 1, T 24, d 16")[1].splitlines()
+    timed = [line.split("|")[1:-1] for line in timed if line.startswith("| ") and not line.startswith("| pass")]
+    assert [c[0].strip() for c in timed] == list(gtc.OUTPUTS)
+    assert all(float(c[5]) > 0 and c[6].strip() == "1.00x" for c in timed)  # one tile each: it is the best
+
+
+def test_time_shape_is_checked_in_one_line():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
+                          "--time", "16,8,3,2048,64"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "h a multiple of h_kv" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_without_a_gpu_or_the_interpreter_flag_is_one_line():
@@ -68,3 +79,22 @@ def test_reference_matches_the_float64_reference(causal):
     for name, w in zip(("out", "dq", "dk", "dv", "dlam"), (want, *grads)):
         torch.testing.assert_close(got[name].double(), w.detach(), rtol=1e-5, atol=1e-5, msg=name)
     assert gtc.error(got["out"] + 0.1, got["out"]) == pytest.approx(0.1 / max(got["out"].abs().max().item(), 1.0))
+
+
+def test_no_check_times_only():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
+                          "--no-check", "--time", "1,2,2,20,16"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "## All passes" not in run.stdout and "## One pass pinned" not in run.stdout
+    assert "## Time of each tile, B 1, h 2, h_kv 2, T 20, d 16" in run.stdout
+
+
+def test_ncu_driver_refuses_bad_tiles_and_a_missing_gpu_in_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    script = str(ROOT / "benchmarks" / "gpu_ncu_driver.py")
+    for extra, message in ((["--fwd", "64,64", "--dkdv", "32,64,4,2", "--dq", "64,64,4,2"], "BLOCK_M,BLOCK_N"),
+                           (["--fwd", "64,64,8,2", "--dkdv", "32,64,4,2"], "--dq is needed"),
+                           (["--fwd", "64,64,8,2", "--dkdv", "32,64,4,2", "--one-pass"], "no CUDA GPU here")):
+        run = subprocess.run([sys.executable, script, *extra], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
