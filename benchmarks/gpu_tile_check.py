@@ -132,6 +132,23 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def host_ms(fn, calls: int = 10) -> float:
+    """Mean host time of one call, the device's queue drained first and not awaited after: what it
+    costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
+    waits for the host, and a faster kernel cannot shorten the call."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    total = 0.0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return total / calls * 1e3
+
+
 def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
     """Each pass on each of its tiles at `shape`: the forward alone, or the backward alone."""
     from difftransformer.kernels.diff_flash import diff_flash_attention
@@ -141,26 +158,29 @@ def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     lam = torch.tensor(0.7, device=device, requires_grad=True)
     print(f"\n## Time of each tile, B {B}, h {h}, h_kv {h_kv}, T {T}, d {d}, causal, {str(dtype)[6:]}\n")
-    print("| pass | BLOCK_M | BLOCK_N | warps | stages | ms | / best |")
-    print("|---|---|---|---|---|---|---|")
+    print("| pass | BLOCK_M | BLOCK_N | warps | stages | ms | / best | host ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for pname, kernel in ks.items():
         det = pname != "bwd_dkdvq"
-        times = {}
+        times, hosts = {}, {}
         for tile in tiles_of(pname):
             try:
                 with Pin(kernel, tile):
                     if pname == "fwd":
-                        with torch.no_grad():
-                            times[tile] = median_ms(lambda: diff_flash_attention(q, k, v, lam, causal=True))
+                        def call():
+                            with torch.no_grad():
+                                diff_flash_attention(q, k, v, lam, causal=True)
                     else:
                         out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=det)
-                        times[tile] = median_ms(lambda: torch.autograd.grad(out, (q, k, v, lam), do,
-                                                                            retain_graph=True))
+
+                        def call(out=out):
+                            torch.autograd.grad(out, (q, k, v, lam), do, retain_graph=True)
+                    times[tile], hosts[tile] = median_ms(call), host_ms(call)
             except Exception as e:  # a tile that cannot run here is a row, not the end
                 times[tile] = f"error: {type(e).__name__}"
         best = min((t for t in times.values() if isinstance(t, float)), default=float("nan"))
         for tile, t in times.items():
-            cells = f"{t:.3f} | {t / best:.2f}x" if isinstance(t, float) else f"{t} | -"
+            cells = f"{t:.3f} | {t / best:.2f}x | {hosts[tile]:.3f}" if isinstance(t, float) else f"{t} | - | -"
             print(f"| {pname} | " + " | ".join(map(str, tile)) + f" | {cells} |", flush=True)
 
 

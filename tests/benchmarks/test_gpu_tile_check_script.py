@@ -34,7 +34,7 @@ def test_smoke_run_checks_every_pass_and_finds_them_right():
     timed = run.stdout.split("## Time of each tile, B 1, h 2, h_kv 1, T 24, d 16")[1].splitlines()
     timed = [line.split("|")[1:-1] for line in timed if line.startswith("| ") and not line.startswith("| pass")]
     assert [c[0].strip() for c in timed] == list(gtc.OUTPUTS)
-    assert all(float(c[5]) > 0 and c[6].strip() == "1.00x" for c in timed)  # one tile each: it is the best
+    assert all(float(c[5]) > 0 and c[6].strip() == "1.00x" and float(c[7]) > 0 for c in timed)  # one tile: the best
 
 
 def test_time_shape_is_checked_in_one_line():
