@@ -121,6 +121,18 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return shape
 
 
+def parse_dims(text: str) -> list[int]:
+    """'128,64' as positive head dims (argparse type)."""
+    try:
+        dims = [int(x) for x in text.split(",")]
+    except ValueError:
+        dims = []
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give head dims as positive integers separated by commas, "
+                                         "e.g. 128,64")
+    return dims
+
+
 def median_ms(fn) -> float:
     """do_bench's median on CUDA (events, L2 flushed between calls); one wall-clock call in the smoke test."""
     if not torch.cuda.is_available():
@@ -248,7 +260,8 @@ def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> Non
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", default="128,64")
+    p.add_argument("--head-dims", type=parse_dims, default=[128, 64],
+                   help="head dims to check, in order (default 128,64; the smoke test checks 16 only)")
     p.add_argument("--time-limit", type=float, default=300.0, help="no new (d, pass) group starts after this many s")
     p.add_argument("--time", type=parse_shape, metavar="B,h,h_kv,T,d",
                    help="then time every tile of every pass at this shape (e.g. 16,8,8,2048,64)")
@@ -266,7 +279,7 @@ def main() -> None:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     shapes = [(1, 2, 1, 19, True), (1, 2, 2, 16, False)] if smoke else SHAPES
-    dims = [16] if smoke else [int(x) for x in args.head_dims.split(",")]
+    dims = [16] if smoke else args.head_dims
     lam = 0.7
     t0 = time.perf_counter()
     name = "CPU interpreter" if smoke else torch.cuda.get_device_name()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from collections.abc import Iterator
@@ -207,6 +208,8 @@ def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: s
     try:  # never through a symlink: truncating the lock file must not truncate anything else
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO):
+            raise  # a read-only or full file system, no permission: the caller's own message names it
         raise FolderInUseError(f"{path} cannot be opened as a lock file ({e.strerror}); remove it if it is a "
                                f"link or not a file") from None
     try:

@@ -37,11 +37,14 @@ def test_smoke_run_checks_every_pass_and_finds_them_right():
     assert all(float(c[5]) > 0 and c[6].strip() == "1.00x" and float(c[7]) > 0 for c in timed)  # one tile: the best
 
 
-def test_time_shape_is_checked_in_one_line():
+@pytest.mark.parametrize("flag,value,message", [("--time", "16,8,3,2048,64", "h a multiple of h_kv"),
+                                                ("--head-dims", "abc", "positive integers"),
+                                                ("--head-dims", "0", "positive integers")])
+def test_bad_shapes_and_dims_are_one_line(flag, value, message):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
-                          "--time", "16,8,3,2048,64"], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "h a multiple of h_kv" in run.stderr and "Traceback" not in run.stderr
+                          flag, value], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_without_a_gpu_or_the_interpreter_flag_is_one_line():

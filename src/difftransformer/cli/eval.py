@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,7 @@ class _Model:
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split, seq_len=args.seq_len,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
         self.results = ResultsDir(args.out_dir or self._default_results())
+        self.out_dir_given = args.out_dir is not None
         self.hash = weights_hash(self.model)  # once per model, whatever number of tasks
 
     def _default_results(self) -> Path:
@@ -211,8 +213,15 @@ class _Model:
                               f"{self.path} is a transformers folder. Black-box tasks run on it: "
                               f"{', '.join(sorted(n for n, t in TASKS.items() if not t.white_box))}")
         print(f"{task.name}: {self.path} ...", file=sys.stderr)
-        record, _ = evaluate_cached(task, self.model, self.tokenizer, self.cfg, self.results, force=force,
-                                    log=lambda line: print(line, file=sys.stderr), weights_sha256=self.hash)
+        try:
+            record, _ = evaluate_cached(task, self.model, self.tokenizer, self.cfg, self.results, force=force,
+                                        log=lambda line: print(line, file=sys.stderr), weights_sha256=self.hash)
+        except OSError as e:  # the model's own eval/ folder, read-only: the flag that moves the results is the fix
+            if self.out_dir_given or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise ConfigError(f"{self.results.path} cannot be written ({e.strerror}), so {task.name}'s result cannot "
+                              f"be kept beside the model; pass --out-dir DIR to keep the results in a folder you can "
+                              f"write") from None
         return record
 
 

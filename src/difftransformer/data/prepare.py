@@ -107,8 +107,7 @@ class PreparedData:
                       m["tokenizer_hash"], m["vocab_size"])
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise DataMismatchError(f"{path} is not a readable prepared-data manifest ({type(e).__name__}: {e}); "
-                                    f"prepare the folder again (`difftransformer prepare --out-dir {out_dir} --force`)"
-                                    ) from None
+                                    f"{prepare_again_hint(out_dir)}") from None
         del fields
         return cls(
             out_dir=out_dir,
@@ -128,7 +127,7 @@ class PreparedData:
     def verify(self) -> None:
         """DataMismatchError unless the shards and the tokenizer are the ones the manifest names (a
         folder mixed by an interrupted or concurrent prepare is refused, never used)."""
-        fix = f"run `difftransformer prepare --out-dir {self.out_dir} --force` or delete the folder to prepare it again"
+        fix = prepare_again_hint(self.out_dir)
         for split, path in self.shards.items():
             meta = read_shard_meta(path)
             if meta is None:
@@ -257,6 +256,25 @@ def prepare_command(config: DataConfig) -> str:
         if config.mixture.active else ""
     return (f"difftransformer prepare {config.corpus} --out-dir {config.resolved_dir()} {vocab} --val-fraction "
             f"{config.val_fraction:g} --test-fraction {config.test_fraction:g} --split-seed {config.split_seed}{mix}")
+
+
+def prepare_again_hint(out_dir: str | Path) -> str:
+    """How to prepare a damaged `out_dir` again from its own inputs (the fix in errors about it).
+    `prepare --out-dir DIR --force` alone would make the default corpus (sotu) there in place of the
+    folder's own, so the command names the folder's corpus, vocabulary and split from its manifest; where
+    the manifest cannot be read, or the tokenizer was given rather than trained, it states the rule."""
+    out_dir = Path(out_dir)
+    try:
+        m = json.loads((out_dir / PREPARED_FILE).read_text(encoding="utf-8"))
+        split = _current_split_keys(m["split_config"])
+        if isinstance(m["requested_vocab_size"], int) and m.get("mixture") is None:
+            config = DataConfig(corpus=m["corpus"], vocab_size=m["requested_vocab_size"], data_dir=str(out_dir),
+                                **{k: split[k] for k in ("val_fraction", "test_fraction", "split_seed")})
+            return f"run `{prepare_command(config)} --force` or delete the folder to prepare it again"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return (f"prepare it again with the corpus and settings it was made with (`difftransformer prepare CORPUS "
+            f"--out-dir {out_dir} --force ...`: without CORPUS, prepare makes the default corpus), or delete the folder")
 
 
 def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:

@@ -128,9 +128,11 @@ class TokenDataset:
             )
         meta = read_shard_meta(self.bin_path)
         if meta is None:
+            from .prepare import prepare_again_hint  # prepare imports this module
+
             raise ValueError(
                 f"token shard {self.bin_path} does not match its metadata {self.meta_path} (size or format); "
-                "it is stale or truncated: rerun prepare with force=True"
+                f"it is stale or truncated: {prepare_again_hint(self.bin_path.parent)}"
             )
         self.meta: dict[str, Any] = meta
         self.split: str = meta["split"]

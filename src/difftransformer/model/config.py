@@ -187,8 +187,8 @@ class DiffTransformerConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no model config at {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # not JSON, or not text at all
             raise ValueError(f"{path} is not valid JSON ({e}); the file may be corrupted") from e
         return cls.from_dict(data)
 

@@ -248,11 +248,19 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     result = TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
                          tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
                          metrics_path=run.metrics, model=model, peak_memory_mib=_peak_memory_mib(env.device))
-    if env.is_main:  # after final/: a run is finished only once its final weights are on disk
+    if env.is_main and not (trained == 0 and _done_record_of(run, cfg.max_steps)):
+        # after final/: a run is finished only once its final weights are on disk. A finished run run
+        # again (nothing trained) keeps the record of the call that trained it: throughput, wall time, memory
         run.write_done({"final_step": result.final_step, "final_val_loss": result.final_val_loss,
                         "tokens_per_s": result.tokens_per_s, "wall_s": time.perf_counter() - t0,
                         "peak_memory_mib": result.peak_memory_mib})
     return result
+
+
+def _done_record_of(run: RunDir, step: int) -> bool:
+    """Whether run's done.json is a readable record of a call that finished at `step`."""
+    record = run.read_json(run.done)
+    return record.get("final_step") == step and isinstance(record.get("tokens_per_s"), (int, float))
 
 
 def _set_aside_previous_run(run: RunDir) -> Path | None:
