@@ -30,7 +30,7 @@ from difftransformer._io import atomic_write_text, folder_lock, register_folder_
 from .config import DataConfig, MixtureConfig
 from .corpus import corpus_hash, load_corpus
 from .mixture import generate_mixture
-from .shards import TokenDataset, read_shard_meta, shard_paths, write_shard
+from .shards import StaleShardError, TokenDataset, read_shard_meta, shard_paths, write_shard
 from .split import SPLITS, split_documents
 from .tokenizer import Tokenizer, train_tokenizer
 
@@ -71,7 +71,11 @@ class PreparedData:
     def dataset(self, split: str) -> TokenDataset:
         if split not in self.shards:
             raise KeyError(f"no split {split!r} in {self.out_dir}; have {sorted(self.shards)}")
-        return TokenDataset(self.shards[split])
+        try:
+            return TokenDataset(self.shards[split])
+        except StaleShardError as e:
+            raise DataMismatchError(f"{str(e).removesuffix('prepare its folder again')}"
+                                    f"{prepare_again_hint(self.out_dir)}") from None
 
     def save(self) -> None:
         """Write the manifest atomically, with paths relative to out_dir so the folder can move."""

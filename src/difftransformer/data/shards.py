@@ -116,6 +116,10 @@ def read_shard_meta(path: str | Path) -> dict[str, Any] | None:
     return meta
 
 
+class StaleShardError(ValueError):
+    """A shard whose bytes do not match its metadata (a prepare interrupted, or the file damaged)."""
+
+
 class TokenDataset:
     """A split's tokens as a read-only memmap, with the metadata written beside it."""
 
@@ -127,12 +131,10 @@ class TokenDataset:
                 "or difftransformer.data.prepare_data(...) first"
             )
         meta = read_shard_meta(self.bin_path)
-        if meta is None:
-            from .prepare import prepare_again_hint  # prepare imports this module
-
-            raise ValueError(
+        if meta is None:  # PreparedData.dataset adds the folder's own prepare command to this
+            raise StaleShardError(
                 f"token shard {self.bin_path} does not match its metadata {self.meta_path} (size or format); "
-                f"it is stale or truncated: {prepare_again_hint(self.bin_path.parent)}"
+                "it is stale or truncated: prepare its folder again"
             )
         self.meta: dict[str, Any] = meta
         self.split: str = meta["split"]
