@@ -252,8 +252,9 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
         built = {name: build_section(name, sections[name]) for name in SECTIONS if name != "model" or not init_from}
         if init_from:
             built["model"] = _model_from_folder(built["train"].init_from, sections["model"], built["data"])
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    except ConfigError as e:  # named by the file, unless it is about the --init-from folder (which it names)
+        about_folder = bool(init_from) and str(init_from) in str(e)
+        raise ConfigError(f"{path}: {e}" if path and not about_folder else str(e)) from None
     _one_data_dir(sections, built["train"], built["data"])
     check_seq_len(built["model"], built["train"])
     return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],

@@ -140,7 +140,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _task_names(args: argparse.Namespace) -> list[str]:
-    if not getattr(args, "tasks", None):
+    if getattr(args, "tasks", None) is None:  # '' is a list that names nothing: refused below, not "all"
         return sorted(TASKS)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not names:
