@@ -19,6 +19,24 @@ WORDS = ("the union congress people nation state law year war peace freedom econ
          "will and of to in a is for").split()
 
 
+def tiny_run_config(workdir: Path, tmp_path: Path, **train) -> str:
+    """A run config file in tmp_path for the workdir's tiny DIFF run on its corpus, with its own data folder
+    (tmp_path/data) and `train` overriding TINY_TRAIN."""
+    data = {"corpus": str(workdir / "corpus"), "vocab_size": 300, "data_dir": str(tmp_path / "data"),
+            "val_fraction": 0.2, "test_fraction": 0.1}
+    path = tmp_path / "run.toml"
+    path.write_text(_toml({"model": {"preset": "tiny", "attention": "diff"}, "train": {**TINY_TRAIN, **train},
+                           "data": data}))
+    return str(path)
+
+
+def last_error_line(capsys) -> str:
+    """The last line the command wrote to stderr, after checking it printed no traceback."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
 def _toml(d: dict) -> str:
     out = []
     for section, body in d.items():

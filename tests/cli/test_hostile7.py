@@ -7,38 +7,23 @@ from __future__ import annotations
 import shutil
 
 from difftransformer.cli import main
-from tests.cli.conftest import TINY_TRAIN, _toml
-
-
-def _config(workdir, tmp_path) -> str:
-    data = {"corpus": str(workdir / "corpus"), "vocab_size": 300, "data_dir": str(tmp_path / "data"),
-            "val_fraction": 0.2, "test_fraction": 0.1}
-    path = tmp_path / "run.toml"
-    path.write_text(_toml({"model": {"preset": "tiny", "attention": "diff"},
-                           "train": {**TINY_TRAIN, "max_steps": 2, "eval_interval": 2}, "data": data}))
-    return str(path)
-
-
-def _last_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err, err
-    return err.splitlines()[-1]
+from tests.cli.conftest import TINY_TRAIN, _toml, last_error_line, tiny_run_config
 
 
 def test_an_empty_task_list_is_refused_not_read_as_all(workdir, tmp_path, capsys):
     """E02: `eval all MODEL --tasks ''` ran all eight tasks (71 s) as if --tasks were absent."""
     run = tmp_path / "run"
-    assert main(["train", "--config", _config(workdir, tmp_path), "--out-dir", str(run)]) == 0
+    assert main(["train", "--config", tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2), "--out-dir", str(run)]) == 0
     capsys.readouterr()
     assert main(["eval", "all", str(run), "--tasks", "", "--out-dir", str(tmp_path / "ev")]) == 2
-    assert "names no task" in _last_line(capsys)
+    assert "names no task" in last_error_line(capsys)
     assert not (tmp_path / "ev").exists() or not any((tmp_path / "ev").rglob("*.json"))
 
 
 def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
     """T03: `train --out-dir STUDY/diff` replaced the arm's final/ while compare then skipped the arm
     ("result file exists") and report printed the old numbers. Arms, seeds and cells are compare's."""
-    config = _config(workdir, tmp_path)
+    config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     study = tmp_path / "study"
     assert main(["compare", "--config", config, "--out-dir", str(study)]) == 0
     final = study / "diff" / "final" / "model.safetensors"
@@ -46,7 +31,7 @@ def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
     capsys.readouterr()
     for inside in (study / "diff", study / "new-arm", study / "diff" / "sub"):
         assert main(["train", "--config", config, "--out-dir", str(inside), "--set", "train.max_steps=3"]) == 2
-        line = _last_line(capsys)
+        line = last_error_line(capsys)
         assert f"inside the study {study.resolve()}" in line and "difftransformer compare" in line, line
     assert final.read_bytes() == before
     assert main(["train", "--config", config, "--out-dir", str(tmp_path / "elsewhere")]) == 0  # outside: fine
@@ -56,7 +41,7 @@ def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir,
     """F03 (pass 6, held in part in pass 7): the message named config.json but put the run config's name
     in front, as if that file were at fault."""
     run = tmp_path / "run"
-    config = _config(workdir, tmp_path)
+    config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
     model = tmp_path / "model"
     shutil.copytree(run / "final", model)
@@ -65,5 +50,5 @@ def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir,
     init.write_text(_toml({"train": {**TINY_TRAIN, "max_steps": 2}, "data": {"data_dir": str(tmp_path / "data")}}))
     capsys.readouterr()
     assert main(["train", "--config", str(init), "--init-from", str(model), "--out-dir", str(tmp_path / "r2")]) == 2
-    line = _last_line(capsys)
+    line = last_error_line(capsys)
     assert "config.json" in line and f"{init}:" not in line, line
