@@ -14,8 +14,8 @@ results differ has a race. First, all passes autotuned together (what the layer 
 
 With --time B,h,h_kv,T,d it then times each pass on each of its tiles at that shape (bf16, causal):
 the forward alone, or the backward alone (after one forward) with the pass pinned, medians of
-triton.testing.do_bench. The autotuner picks from a few timed calls; this table shows what each
-tile costs and whether its pick was the best. The default shape 16,8,8,2048,64 is one training step
+triton.testing.do_bench (attention_gpu.median_ms). The autotuner picks from a few timed calls; this
+table shows what each tile costs and whether its pick was the best. The default shape 16,8,8,2048,64 is one training step
 of one layer of preset gpu-small (configs/gpu-small.toml).
 
     python benchmarks/gpu_tile_check.py                     # d = 128 then 64, three shapes
@@ -34,6 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+from attention_gpu import median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
 
 LIMIT = 3e-2  # the GPU test's limit
 # (B, h, h_kv, T, causal): the failing GPU test's shape (GQA, T not a multiple of any tile), the same
@@ -133,17 +135,6 @@ def parse_dims(text: str) -> list[int]:
     return dims
 
 
-def median_ms(fn) -> float:
-    """do_bench's median on CUDA (events, L2 flushed between calls); one wall-clock call in the smoke test."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def host_ms(fn, calls: int = 10) -> float:
     """Mean host time of one call, the device's queue drained first and not awaited after: what it
     costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
@@ -187,7 +178,7 @@ def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
 
                         def call(out=out):
                             torch.autograd.grad(out, (q, k, v, lam), do, retain_graph=True)
-                    times[tile], hosts[tile] = median_ms(call), host_ms(call)
+                    times[tile], hosts[tile] = median_ms(call, 25, 100), host_ms(call)
             except Exception as e:  # a tile that cannot run here is a row, not the end
                 times[tile] = f"error: {type(e).__name__}"
         best = min((t for t in times.values() if isinstance(t, float)), default=float("nan"))

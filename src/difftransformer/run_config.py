@@ -39,7 +39,7 @@ from difftransformer.experiments.config import CompareConfig
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.config import MODEL_SECTION_KEYS, model_config_from_section
 from difftransformer.train import TrainConfig
-from difftransformer.train.init import folder_tokenizer, init_model_config
+from difftransformer.train.init import check_init_overrides, folder_tokenizer, init_model_config
 
 SECTIONS = ("model", "train", "data", "compare")
 # Keys that were renamed: an old config gets the new name instead of a bare "unknown key".
@@ -248,23 +248,32 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
     init_from = sections["train"].get("init_from")
     if init_from is None and not set(sections["model"]) - {"attention"}:
         sections["model"]["preset"] = "cpu-small"  # a bare `train --attention X` still does something sensible
-    try:
+    try:  # mistakes of the file (and of --set) are named by the file
         built = {name: build_section(name, sections[name]) for name in SECTIONS if name != "model" or not init_from}
         if init_from:
-            built["model"] = _model_from_folder(built["train"].init_from, sections["model"], built["data"])
-    except ConfigError as e:  # named by the file, unless it is about the --init-from folder (which it names)
-        about_folder = bool(init_from) and str(init_from) in str(e)
-        raise ConfigError(f"{path}: {e}" if path and not about_folder else str(e)) from None
+            _check_model_beside_folder(built["train"].init_from, sections["model"])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    if init_from:  # the folder's own problems name the folder, not the run config
+        built["model"] = _model_from_folder(built["train"].init_from, sections["model"], built["data"])
     _one_data_dir(sections, built["train"], built["data"])
     check_seq_len(built["model"], built["train"])
     return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],
                      model_section=sections["model"], source=str(path) if path else None)
 
 
-def _model_from_folder(folder: str, model_section: dict[str, Any], data: DataConfig) -> DiffTransformerConfig:
-    """train.init_from: the model is the folder's (only MAY_CHANGE settings in [model]), and so is the
-    tokenizer: the data are tokenized with the one saved beside the weights unless [data] names the same."""
+def _check_model_beside_folder(folder: str, model_section: dict[str, Any]) -> None:
+    """With train.init_from, [model] may hold only known keys, and of those only MAY_CHANGE fields."""
     check_keys("model", model_section)
+    try:
+        check_init_overrides(folder, model_section)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _model_from_folder(folder: str, model_section: dict[str, Any], data: DataConfig) -> DiffTransformerConfig:
+    """train.init_from: the model is the folder's (`[model]` checked by _check_model_beside_folder), and so
+    is the tokenizer: the data are tokenized with the one saved beside the weights unless [data] names the same."""
     try:
         model = init_model_config(folder, model_section)
     except (OSError, ValueError) as e:

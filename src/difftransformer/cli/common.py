@@ -111,6 +111,16 @@ def model_type(path: str) -> str:
     return folder_model_type(path) or "unknown model_type"
 
 
+def refuse_inside_study(out: str) -> None:
+    """A folder inside a study (an arm, a seed or a cell of a grid) is `compare`'s to write: a run trained
+    there replaces the arm's weights while the study keeps the results of the old ones (hostile pass 7, T03)."""
+    for parent in list(Path(out).resolve().parents)[:3]:  # STUDY/arm, STUDY/seedN/arm, STUDY/cell/seedN/arm
+        if StudyDir(parent).is_study():
+            raise ConfigError(f"{out} is inside the study {parent}: a run trained there would not match the study's "
+                              f"results; continue the study with `difftransformer compare --out-dir {parent} ...`, "
+                              f"or choose another --out-dir")
+
+
 def _refuse_study_folder(path: Path) -> None:
     """A study folder holds several models; name them instead of failing on a missing checkpoint."""
     study = StudyDir(path)

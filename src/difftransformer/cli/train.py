@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from difftransformer import dist
-from difftransformer.cli.common import add_config_args, out_dir
+from difftransformer.cli.common import add_config_args, out_dir, refuse_inside_study
 from difftransformer.data import ensure_data
 from difftransformer.model import ATTENTION_KINDS
 from difftransformer.run_config import load_run_config
@@ -52,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=overrides)
     if out_dir(args) is not None:
         cfg.train.out_dir = args.out_dir
-    _refuse_study_arm(cfg.train.out_dir)
+    refuse_inside_study(cfg.train.out_dir)
     data = ensure_data(cfg.data)
     cfg.resolve_vocab(data.vocab_size)
     result = train(cfg.model, cfg.train, resume=not args.no_resume)
@@ -61,15 +60,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"done: step {result.final_step}, final val loss {val}, {result.tokens_per_s:,.0f} train tokens/s; "
               f"weights in {RunDir(result.out_dir).final}")
     return 0
-
-
-def _refuse_study_arm(out: str) -> None:
-    """A folder inside a study (an arm, a seed or a cell of a grid) is `compare`'s to write: a run trained
-    there replaces the arm's weights while the study keeps the results of the old ones (hostile pass 7, T03)."""
-    from difftransformer.experiments.study_dir import MANIFEST_FILE
-
-    for parent in list(Path(out).resolve().parents)[:3]:  # STUDY/arm, STUDY/seedN/arm, STUDY/cell/seedN/arm
-        if (parent / MANIFEST_FILE).is_file():
-            raise ValueError(f"{out} is inside the study {parent} (it has {MANIFEST_FILE}): a run trained there would "
-                             f"not match the study's results; continue the study with `difftransformer compare "
-                             f"--out-dir {parent} ...`, or choose another --out-dir")

@@ -74,8 +74,7 @@ class PreparedData:
         try:
             return TokenDataset(self.shards[split])
         except StaleShardError as e:
-            raise DataMismatchError(f"{str(e).removesuffix('prepare its folder again')}"
-                                    f"{prepare_again_hint(self.out_dir)}") from None
+            raise DataMismatchError(f"{e.problem}: {prepare_again_hint(self.out_dir)}") from None
 
     def save(self) -> None:
         """Write the manifest atomically, with paths relative to out_dir so the folder can move."""

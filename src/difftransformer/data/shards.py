@@ -117,7 +117,13 @@ def read_shard_meta(path: str | Path) -> dict[str, Any] | None:
 
 
 class StaleShardError(ValueError):
-    """A shard whose bytes do not match its metadata (a prepare interrupted, or the file damaged)."""
+    """A shard whose bytes do not match its metadata (a prepare interrupted, or the file damaged).
+    `problem` says what is wrong; the message adds a generic fix, which PreparedData.dataset replaces
+    with the folder's own prepare command."""
+
+    def __init__(self, problem: str, fix: str = "prepare its folder again"):
+        super().__init__(f"{problem}: {fix}")
+        self.problem = problem
 
 
 class TokenDataset:
@@ -134,7 +140,7 @@ class TokenDataset:
         if meta is None:  # PreparedData.dataset adds the folder's own prepare command to this
             raise StaleShardError(
                 f"token shard {self.bin_path} does not match its metadata {self.meta_path} (size or format); "
-                "it is stale or truncated: prepare its folder again"
+                "it is stale or truncated"
             )
         self.meta: dict[str, Any] = meta
         self.split: str = meta["split"]

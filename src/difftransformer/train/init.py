@@ -56,15 +56,21 @@ def init_folder(folder: str | Path) -> Path:
     return path
 
 
-def init_model_config(folder: str | Path, overrides: Mapping[str, Any] | None = None) -> DiffTransformerConfig:
-    """The model a run started from `folder` trains: its config.json with `overrides` (MAY_CHANGE fields only)."""
-    path = init_folder(folder)
-    overrides = dict(overrides or {})
+def check_init_overrides(folder: str | Path, overrides: Mapping[str, Any]) -> None:
+    """Model settings given beside init_from may only be MAY_CHANGE fields (a mistake of the run config,
+    not of the folder: checked without reading it)."""
     fixed = sorted(k for k in overrides if k not in MAY_CHANGE)
     if fixed:
         raise ValueError(f"model setting(s) {', '.join(fixed)} cannot be set with init_from: the model (size, kind, "
-                         f"vocabulary) is the one in {path / CONFIG_NAME}; remove them (only "
+                         f"vocabulary) is the one in {Path(folder) / CONFIG_NAME}; remove them (only "
                          f"{', '.join(MAY_CHANGE)} may change)")
+
+
+def init_model_config(folder: str | Path, overrides: Mapping[str, Any] | None = None) -> DiffTransformerConfig:
+    """The model a run started from `folder` trains: its config.json with `overrides` (MAY_CHANGE fields only)."""
+    overrides = dict(overrides or {})
+    check_init_overrides(folder, overrides)
+    path = init_folder(folder)
     config = DiffTransformerConfig.load(path / CONFIG_NAME)
     return dataclasses.replace(config, **overrides) if overrides else config
 
