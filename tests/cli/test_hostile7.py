@@ -4,6 +4,7 @@ results, and an unreadable --init-from folder was blamed on the run config's fil
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from difftransformer.cli import main
@@ -52,3 +53,23 @@ def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir,
     assert main(["train", "--config", str(init), "--init-from", str(model), "--out-dir", str(tmp_path / "r2")]) == 2
     line = last_error_line(capsys)
     assert "config.json" in line and f"{init}:" not in line, line
+
+
+def test_a_killed_conversions_folder_is_swept_by_the_next(compared, tmp_path, capsys):
+    """K02: a SIGKILLed `convert` left its `.DST.converting-PID` folder, and the next `convert` into DST
+    (which succeeded) kept it forever. A folder of a process still running is not touched."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    out = tmp_path / "out"
+    abandoned = tmp_path / f".out.converting-{int(dead.stdout)}"
+    (abandoned / "half").mkdir(parents=True)
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / f".out.converting-{os.getppid()}"  # our parent: alive
+    live.mkdir()
+    other = tmp_path / f".other.converting-{int(dead.stdout)}"  # another destination's: not ours to sweep
+    other.mkdir()
+    assert main(["convert", str(compared / "diff" / "final"), str(out), "--to", "diffllama"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, live.name, other.name])

@@ -14,6 +14,7 @@ its settings JSON. The tokenizer.json saved with the source (a run's final/) is 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -91,6 +92,7 @@ def _check_destination(src: Path, dst: Path) -> None:
 def _write_atomically(dst: Path, write) -> None:
     """Call write(folder) on a fresh folder beside `dst`, then rename it to `dst` (nothing half-written is left)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_abandoned(dst)
     tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -101,6 +103,25 @@ def _write_atomically(dst: Path, write) -> None:
         os.replace(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep_abandoned(dst: Path) -> None:
+    """Remove the `.DST.converting-PID` folders that killed conversions into `dst` left behind (their
+    process is gone); a folder of a conversion still running is left alone."""
+    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.converting-*"):
+        pid = folder.name.rpartition("-")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path) -> None:
