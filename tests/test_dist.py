@@ -1,5 +1,7 @@
 """The one rank helper: rank 0 writes and prints, the answer is the same before and after joining a group."""
 
+import pytest
+
 from difftransformer import dist
 
 
@@ -26,3 +28,17 @@ def test_full_tensor_passes_plain_tensors_and_gathers_shards():
             return "gathered"
 
     assert dist.full_tensor(Shard()) == "gathered"
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "cuda:0", "cuda:12"])
+def test_device_names_this_package_runs_on(name):
+    assert dist.is_device_name(name) and dist.is_device_name(name, auto=True)
+
+
+@pytest.mark.parametrize("name", ["tpu", "CPU", "cuda:", "cuda:x", "cuda:0 ", " cpu", "cpu\n", "mps", "", None, 0])
+def test_other_device_names_are_refused(name):
+    assert not dist.is_device_name(name) and not dist.is_device_name(name, auto=True)
+
+
+def test_auto_is_a_device_name_only_where_allowed():
+    assert dist.is_device_name("auto", auto=True) and not dist.is_device_name("auto")

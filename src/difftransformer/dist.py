@@ -11,6 +11,7 @@ This module imports nothing of the package, so every layer may use it.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.distributed as torch_dist
@@ -33,6 +34,14 @@ def world_size() -> int:
 def local_rank() -> int:
     """This process's rank on its machine ($LOCAL_RANK, else the global rank): its GPU index."""
     return int(os.environ.get("LOCAL_RANK", str(rank())))
+
+
+def is_device_name(device: object, *, auto: bool = False) -> bool:
+    """Whether `device` names a device this package runs on: 'cpu', 'cuda' or 'cuda:N' (and 'auto' where
+    `auto`). The one check behind every --device and config device: torch's own error for a name like
+    'tpu' is a traceback listing twenty device types."""
+    names = r"cpu|cuda(:\d+)?" + (r"|auto" if auto else "")
+    return isinstance(device, str) and re.fullmatch(names, device) is not None
 
 
 def is_main() -> bool:

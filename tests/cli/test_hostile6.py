@@ -21,8 +21,11 @@ def test_running_a_finished_run_again_keeps_its_done_record(workdir, tmp_path, c
     assert main(["train", "--config", config, "--out-dir", str(out)]) == 0
     before = json.loads((out / "done.json").read_text())
     assert before["tokens_per_s"] > 0
+    capsys.readouterr()
     assert main(["train", "--config", config, "--out-dir", str(out)]) == 0
     assert json.loads((out / "done.json").read_text()) == before
+    said = capsys.readouterr().out  # the no-op says so, not "0 train tokens/s"
+    assert "nothing left to train" in said and "tokens/s" not in said, said
     # training further writes a new record
     assert main(["train", "--config", config, "--out-dir", str(out), "--set", "train.max_steps=6"]) == 0
     after = json.loads((out / "done.json").read_text())

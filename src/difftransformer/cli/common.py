@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import textwrap
 from pathlib import Path
 
 import torch
 
 from difftransformer.data import Tokenizer
+from difftransformer.dist import is_device_name
 from difftransformer.experiments import StudyDir
 from difftransformer.model import ATTENTION_KINDS, PRESETS
 from difftransformer.model.serialization import folder_model_type
@@ -71,7 +71,7 @@ def out_dir(args: argparse.Namespace) -> str | None:
 def check_device(device: str) -> None:
     """--device of generate and eval: cpu, cuda or cuda:N, and CUDA only where there is a GPU (torch's own
     error for 'tpu' is a traceback listing twenty device types)."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    if not is_device_name(device):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")

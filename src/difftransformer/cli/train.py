@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(cfg.model, cfg.train, resume=not args.no_resume)
     if dist.is_main():
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
-        print(f"done: step {result.final_step}, final val loss {val}, {result.tokens_per_s:,.0f} train tokens/s; "
-              f"weights in {RunDir(result.out_dir).final}")
+        speed = (f"{result.tokens_per_s:,.0f} train tokens/s" if result.steps_trained else
+                 "nothing left to train (raise train.max_steps to go on)")
+        print(f"done: step {result.final_step}, final val loss {val}, {speed}; weights in {RunDir(result.out_dir).final}")
     return 0

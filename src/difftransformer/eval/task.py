@@ -23,7 +23,6 @@ import datetime as dt
 import difflib
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 from difftransformer._config import check_field_types
 from difftransformer._version import __version__
+from difftransformer.dist import is_device_name
 
 
 @dataclass
@@ -60,7 +60,7 @@ class EvalConfig:
                              f"got {self.split!r}")
         if not 0 <= self.eval_seed < 2**63:  # what the command line's --eval-seed allows
             raise ValueError(f"EvalConfig.eval_seed must be in [0, 2**63), got {self.eval_seed}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):  # torch's own error lists twenty device types
+        if not is_device_name(self.device):
             raise ValueError(f"EvalConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from difftransformer._config import check_field_types
 from difftransformer._io import atomic_write_text
+from difftransformer.dist import is_device_name
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
 TRAINABLE = ("all", "attention")
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: rates above it overflow in the optimizer
 
 # Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
@@ -114,7 +113,7 @@ class TrainConfig:
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("TrainConfig.init_from is empty; name a model folder (config.json + model.safetensors) "
                              "or leave it out to start from a random init")
-        if not _DEVICE_RE.match(self.device):
+        if not is_device_name(self.device, auto=True):
             raise ValueError(f"TrainConfig.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum_steps "

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from difftransformer._io import Folder, atomic_write_text, folder_entry, register_folder_kind
 from difftransformer.data import PreparedData
 from difftransformer.data.tokenizer import TOKENIZER_FILE
+from difftransformer.dist import is_device_name
 from difftransformer.model import DiffTransformerLM
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, is_pretrained_dir
 from difftransformer.train.checkpoint import (
@@ -174,7 +174,7 @@ class LoadedModel:
 def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     """A trained model from a final/ folder, a run folder (its final/, else its newest checkpoint), a
     checkpoints/ folder or one checkpoint step folder; with the tokenizer it was trained with."""
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    if not is_device_name(device):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")  # torch's lists 20 types
     path = Path(path)
     for final in (path, RunDir(path).final):

@@ -78,6 +78,7 @@ class TrainResult:
     metrics_path: Path
     model: DiffTransformerLM  # unwrapped, on the training device
     peak_memory_mib: float | None = None  # CUDA only: this rank's peak of allocated tensor memory in this call
+    steps_trained: int = 0  # optimizer steps this call took (0: the run had already reached max_steps)
 
 
 def _peak_memory_mib(device: torch.device) -> float | None:
@@ -247,7 +248,8 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     trained = cfg.max_steps - start_step
     result = TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
                          tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
-                         metrics_path=run.metrics, model=model, peak_memory_mib=_peak_memory_mib(env.device))
+                         metrics_path=run.metrics, model=model, peak_memory_mib=_peak_memory_mib(env.device),
+                         steps_trained=trained)
     if env.is_main and not (trained == 0 and _done_record_of(run, cfg.max_steps)):
         # after final/: a run is finished only once its final weights are on disk. A finished run run
         # again (nothing trained) keeps the record of the call that trained it: throughput, wall time, memory
