@@ -194,6 +194,27 @@ def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
     assert not torch.equal(out, hf.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+def test_generate_derives_lambda_once_per_layer(monkeypatch):
+    """transformers' cache holds each layer's (λ, norm weight) across the steps of one generate, as
+    our KVCache does; a new generate after the parameters change uses the new ones."""
+    from difftransformer.attention.layers import MultiheadDiffAttention
+
+    lm, hf = pair("diff")
+    calls = []
+    compute = MultiheadDiffAttention._compute_constants
+    monkeypatch.setattr(MultiheadDiffAttention, "_compute_constants",
+                        lambda self, *a: calls.append(self.depth) or compute(self, *a))
+    ids = ids_of(PROMPTS[1])
+    hf.generate(ids, max_new_tokens=5, do_sample=False)
+    assert sorted(calls) == list(range(lm.config.num_hidden_layers))
+    with torch.no_grad():
+        for layer in lm.modules():
+            if isinstance(layer, MultiheadDiffAttention):
+                layer.lambda_k2.mul_(-3.0)
+                layer.subln.weight.add_(1.0)
+    assert torch.equal(hf.generate(ids, max_new_tokens=5, do_sample=False), lm.generate(ids, 5, temperature=0))
+
+
 def test_sampling_and_beam_search():
     lm, hf = pair("diff")
     ids = ids_of(PROMPTS[1])

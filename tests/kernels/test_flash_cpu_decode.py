@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from difftransformer import DiffTransformerLM, differential_attention
 from difftransformer.attention import multihead_attention
+from difftransformer.attention.cache import KVCache
 from difftransformer.attention.layers import MultiheadDiffAttention
 from difftransformer.kernels import flash_cpu
 from tests.helpers import count_op_calls, padding_mask, random_inputs, rel_err, shape_id, tiny
@@ -238,3 +239,55 @@ def test_layer_cache_is_reused_only_where_it_is_safe():
     k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 32)
     differential_attention(q, k, v, lam, backend="cpp", out_norm=layer._forward_constants(x)[1]).sum().backward()
     assert q.grad is not None
+
+
+def _count_constants(monkeypatch) -> list[int]:
+    """Depths of every derivation of (λ, folded norm weight), in order."""
+    calls = []
+    compute = MultiheadDiffAttention._compute_constants
+    monkeypatch.setattr(MultiheadDiffAttention, "_compute_constants",
+                        lambda self, *a: calls.append(self.depth) or compute(self, *a))
+    return calls
+
+
+def test_a_generation_derives_lambda_once_per_layer_and_follows_new_parameters(monkeypatch):
+    """The KV cache holds each layer's (λ, norm weight) for its life, so decoding n tokens derives them
+    once per layer, not n times; a new generation (a new cache) sees parameters changed in between,
+    and its tokens equal a fresh model's with those parameters."""
+    torch.manual_seed(6)
+    model = DiffTransformerLM(tiny("diff", attn_backend="cpp")).eval()
+    prompt = torch.randint(0, 512, (1, 9))
+    calls = _count_constants(monkeypatch)
+    model.generate(prompt, 7, temperature=0)
+    layers = model.config.num_hidden_layers
+    assert sorted(calls) == list(range(layers))
+    with torch.no_grad():  # change λ and the head norm of every layer in place (no new objects)
+        for layer in model.modules():
+            if isinstance(layer, MultiheadDiffAttention):
+                layer.lambda_q1.add_(0.5)
+                layer.subln.weight.mul_(-1.5)
+    calls.clear()
+    again = model.generate(prompt, 7, temperature=0)
+    assert sorted(calls) == list(range(layers))
+    fresh = DiffTransformerLM(tiny("diff", attn_backend="cpp")).eval()
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(again, fresh.generate(prompt, 7, temperature=0, use_cache=False))
+
+
+def test_a_cache_held_without_grad_never_feeds_a_backward():
+    """Constants held by a cache under no_grad are not used when gradients flow: λ and the norm weight
+    still get their gradients through the same cache."""
+    torch.manual_seed(7)
+    layer = MultiheadDiffAttention(64, 0, 2, backend="cpp")
+    cache = KVCache()
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 64), kv_cache=cache)
+    assert 0 in cache.constants
+    layer(torch.randn(1, 1, 64), kv_cache=cache).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in (layer.lambda_q1, layer.lambda_k2, layer.subln.weight))
+    with torch.inference_mode():  # an inference-mode step does not take the no_grad pair (nor the reverse)
+        lam_inf = layer._forward_constants(torch.randn(1, 1, 64), cache)[0]
+    assert lam_inf.is_inference()
+    with torch.no_grad():
+        assert not layer._forward_constants(torch.randn(1, 1, 64), cache)[0].is_inference()

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from difftransformer.kernels import flash_cpu
+
 BACKENDS = ("auto", "eager", "sdpa", "triton", "cpp")
 _HALF = (torch.float16, torch.bfloat16)
 _FUSED_DTYPES = (torch.float32, *_HALF)  # what the fused kernels compute exactly (fp32 accumulation)
@@ -61,11 +63,8 @@ def _auto(device: torch.device, has_padding: bool, dtype: torch.dtype | None, or
 
         if kernels.triton_runs():
             return "triton"
-    if device.type == "cpu" and dtype in (None, *_FUSED_DTYPES):
-        from difftransformer.kernels import flash_cpu
-
-        if flash_cpu.is_available():
-            return "cpp"
+    if device.type == "cpu" and dtype in (None, *_FUSED_DTYPES) and flash_cpu.is_available():
+        return "cpp"
     return "sdpa"
 
 
@@ -109,6 +108,4 @@ def prepare_backend(backend: str, device, dtype: torch.dtype | None = None, *, o
         _check_triton(False, dtype, ordinary, None)  # a layer made on CPU may be moved to the GPU later
     if device.type == "cpu" and (backend == "cpp" or not torch.cuda.is_available()):
         if resolve_backend(backend, device, dtype=dtype, ordinary=ordinary) == "cpp":  # 'auto' built it to decide
-            from difftransformer.kernels import flash_cpu
-
             flash_cpu.is_available()  # builds it (once per process; then cached on disk)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.attention.backends import resolve_backend
+from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu, flash_attention_cpu
 from difftransformer.norm import compute_dtype
 
 
@@ -141,8 +142,6 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     if which == "sdpa":
         return _apply_out_norm(_diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale), out_norm)
     if which == "cpp":
-        from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu
-
         return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                                         out_norm=out_norm)
     from difftransformer.kernels.diff_flash import diff_flash_attention
@@ -271,8 +270,6 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
     if which == "cpp" and v.shape[-1] == d:  # the C++ kernel's ordinary path has v's dim = q's dim
-        from difftransformer.kernels.flash_cpu import flash_attention_cpu
-
         return flash_attention_cpu(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)

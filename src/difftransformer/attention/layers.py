@@ -188,7 +188,8 @@ class MultiheadDiffAttention(_SelfAttention):
         return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
                                       self.lambda_init)
 
-    def _forward_constants(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
+    def _forward_constants(self, x: torch.Tensor, kv_cache: KVCache | None = None
+                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
         """λ (`lambda_full()`) and the head norm as `differential_attention(out_norm=...)` takes it,
         (weight with (1 - lambda_init) folded in, eps), or None when the norm is not the plain V1 one
         (no head norm, or the retrofit ramp: then `_head_norm_and_scale` runs after attention).
@@ -203,7 +204,16 @@ class MultiheadDiffAttention(_SelfAttention):
         it is computed afresh every call, so autograd always sees the real graph. Writes through
         `param.data` bypass the version counter (as they bypass autograd's own checks): change
         parameters in place under torch.no_grad() instead, as the package does everywhere.
+
+        With a KV cache and gradients off, a pair cached as above is also held in `kv_cache.constants`
+        and reused without these checks for the rest of the cache's life (its keys and values already
+        assume unchanged parameters): a decoding step then costs one look-up here.
         """
+        holding = kv_cache is not None and not torch.is_grad_enabled()
+        if holding:
+            held = kv_cache.constants.get(self.depth)
+            if held is not None and held[0] is x.dtype and held[1] == torch.is_inference_mode_enabled():
+                return held[2]
         # Plain dict look-ups, not attribute access: this runs once per layer and token.
         norm = self._modules.get("subln")
         norm_weight = None if norm is None or self.head_norm_ramp else norm._parameters.get("weight")
@@ -223,11 +233,11 @@ class MultiheadDiffAttention(_SelfAttention):
         key = (f, self.lambda_init, torch.is_inference_mode_enabled(), *map(id, tensors), *[t._version for t in tensors],
                *[t.data_ptr() for t in tensors])
         hit = self.__dict__.get("_inference_cache")  # absent in a layer unpickled from an older version
-        if hit is not None and hit[0] == key:
-            return hit[2]
-        value = self._compute_constants(fused, f)
-        self._inference_cache = (key, tensors, value)
-        return value
+        if hit is None or hit[0] != key:
+            hit = self._inference_cache = (key, tensors, self._compute_constants(fused, f))
+        if holding:
+            kv_cache.constants[self.depth] = (x.dtype, torch.is_inference_mode_enabled(), hit[2])
+        return hit[2]
 
     def _compute_constants(self, fused: bool, f: torch.dtype):
         lam = self.lambda_full()
@@ -253,7 +263,7 @@ class MultiheadDiffAttention(_SelfAttention):
         B, T, _ = x.shape
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
-        lam, out_norm = self._forward_constants(x)  # the head norm goes to the attention call, which may fuse it
+        lam, out_norm = self._forward_constants(x, kv_cache)  # the head norm goes to the attention call (may fuse it)
         res = differential_attention(q, k, v, lam, causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
                                      deterministic=self.deterministic, score_hook=self.score_hook,

@@ -110,6 +110,14 @@ class _CacheAdapter:
     def length(self, layer: int = 0) -> int:
         return self.cache.get_seq_length(layer)
 
+    @property
+    def constants(self) -> dict[int, tuple]:
+        """`KVCache.constants`, kept on the transformers cache (an adapter lives for one forward)."""
+        held = self.cache.__dict__.get("_difftransformer_constants")
+        if held is None:
+            held = self.cache.__dict__["_difftransformer_constants"] = {}
+        return held
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._in_place(layer)
         return self.cache.update(k, v, layer)
