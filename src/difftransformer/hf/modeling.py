@@ -278,9 +278,10 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         if position_ids is None and mask is not None:
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         cache = None if past_key_values is None else _CacheAdapter(past_key_values)
-        with self._maps_backend(output_attentions):
+        with self._maps_backend() if output_attentions else contextlib.nullcontext():
             x, hidden, maps = self._blocks(x, mask, position_ids, cache, output_attentions, output_hidden_states)
-        logits = self.lm_head(keep_last_positions(x, logits_to_keep))
+        kept = keep_last_positions(x, logits_to_keep)
+        logits = self.lm_head(kept if output_hidden_states else self.norm(kept))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
@@ -330,11 +331,8 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                              f"{limit}; truncate the input or use a config with a longer context")
 
     @contextlib.contextmanager
-    def _maps_backend(self, output_attentions: bool):
-        """Run the attention layers on the eager backend (the one that materialises maps) when maps are asked for."""
-        if not output_attentions:
-            yield
-            return
+    def _maps_backend(self):
+        """Run the attention layers on the eager backend (the one that materialises maps), for output_attentions."""
         layers = [block.self_attn for block in self.layers]
         saved = [layer.backend for layer in layers]
         try:
@@ -346,25 +344,31 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                 layer.backend = backend
 
     def _blocks(self, x, mask, position_ids, cache, output_attentions: bool, output_hidden_states: bool):
-        """The decoder blocks in order, then the final norm; (x, hidden states or None, maps or None).
+        """The decoder blocks in order; (x, hidden states or None, maps or None).
 
         Hidden states follow transformers: the embedding output, each block's input after it, and the
-        final one after the norm (num_hidden_layers + 1 tensors)."""
+        final one after the norm (num_hidden_layers + 1 tensors). With them, x is returned after the
+        final norm; without, before it, so the caller norms only the positions whose logits it keeps
+        (the norm is per position: the same numbers)."""
         hidden, maps = [], []
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
             if output_hidden_states:
                 hidden.append(x)
-            run = functools.partial(block.__call__, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
-                                    return_attention=output_attentions)
-            res = self._gradient_checkpointing_func(run, x) if checkpointing else run(x)
+            if checkpointing:
+                res = self._gradient_checkpointing_func(functools.partial(
+                    block.__call__, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
+                    return_attention=output_attentions), x)
+            else:
+                res = block(x, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
+                            return_attention=output_attentions)
             if output_attentions:
                 x, layer_maps = res
                 maps.append(layer_maps.diff)
             else:
                 x = res
-        x = self.norm(x)
         if output_hidden_states:
+            x = self.norm(x)
             hidden.append(x)
         return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
 
