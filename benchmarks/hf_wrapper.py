@@ -52,13 +52,18 @@ def main() -> None:
         def fwd_wrapped():
             wrapped(input_ids=ids, use_cache=False)
 
+        # Neither model has an EOS id (from_native sets none), so both generate exactly n tokens; checked
+        # below. (min_new_tokens would add a logits processor to transformers' loop that ours lacks.)
         @torch.no_grad()
         def gen_native():
-            native.generate(ids, n, temperature=0.0)
+            return native.generate(ids, n, temperature=0.0)
 
         @torch.no_grad()
         def gen_wrapped():
-            wrapped.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return wrapped.generate(ids, max_new_tokens=n, do_sample=False)
+
+        if not torch.equal(gen_native(), gen_wrapped()) or gen_native().shape[1] != args.prompt + n:
+            raise SystemExit(f"{kind}: the wrapper's greedy tokens differ from the native model's")
 
         f = interleaved_medians([fwd_native, fwd_wrapped], args.repeats)
         g = interleaved_medians([gen_native, gen_wrapped], args.repeats)
