@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 
 def fsync_file(path: Path) -> None:
@@ -41,6 +44,40 @@ def _new_tmp(path: Path) -> Path:
             continue
 
 
+def os_error_of(e: SafetensorError) -> OSError | None:
+    """The operating system's error that a safetensors failure reports in its text ("Error while
+    serializing: I/O error: No space left on device (os error 28)"), as an OSError without a file name;
+    None when the failure is not the system's (a bad header, a wrong dtype)."""
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Name `path` in the system errors of the block that writes it.
+
+    A write() or close() that fails (a full disk, a quota) raises an OSError with no file name, and
+    safetensors gives the system's error only in its own text: both leave the user with "[Errno 28] No
+    space left on device" and nothing to act on. Here they become OSErrors whose filename is `path`
+    (an error that already names a file keeps it), which the command line turns into one line naming
+    the file, the file system to free and the option that chooses another folder.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            e.filename = os.fspath(path)
+        raise
+    except SafetensorError as e:
+        system = os_error_of(e)
+        if system is None:
+            raise
+        raise OSError(system.errno, system.strerror, os.fspath(path)) from e
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
     """Yield a temp path to write; on success it replaces `path`, on failure it is removed.
@@ -50,9 +87,10 @@ def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
     path = Path(path)
     tmp = _new_tmp(path)
     try:
-        yield tmp
-        if fsync:
-            fsync_file(tmp)
+        with writing(path):
+            yield tmp
+            if fsync:
+                fsync_file(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -127,6 +165,15 @@ def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> No
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
+
+def atomic_savefig(fig, path: str | Path, **savefig_kwargs) -> None:
+    """Save a matplotlib figure to `path` atomically: `fig.savefig(path)` truncates the old file first, so
+    a full disk or a kill mid-write left a torn plot where a good one was; here the old plot stays
+    until the new one is complete. The format comes from `path`'s suffix (the temporary name's is .tmp)."""
+    path = Path(path)
+    savefig_kwargs.setdefault("format", path.suffix.lstrip(".").lower() or "png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, **savefig_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,9 +272,10 @@ def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: s
         import sys
 
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}, since "
-                       f"{dt.datetime.now().astimezone().isoformat(timespec='seconds')}: "
-                       f"{' '.join(sys.argv) or 'python'}\n").encode(), 0)
+        with writing(path):  # a full disk fails here first: name the file
+            os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}, since "
+                           f"{dt.datetime.now().astimezone().isoformat(timespec='seconds')}: "
+                           f"{' '.join(sys.argv) or 'python'}\n").encode(), 0)
         yield
     finally:
         del _held[key]

@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from difftransformer import dist
-from difftransformer._io import FolderInUseError
+from difftransformer._io import FolderInUseError, os_error_of
 from difftransformer._version import __version__
 from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
 from difftransformer.cli.common import Formatter, epilog
@@ -64,10 +64,49 @@ def _shown(path: Path) -> Path:
         return path
 
 
-def os_error_message(e: OSError) -> str:
+# What each command writes into, for errors that name no file (a write() deep in a library on a full
+# disk): the argument holding it and how the user names it on the command line.
+OUTPUTS = {"prepare": ("out_dir", "--out-dir"), "train": ("out_dir", "--out-dir"), "compare": ("out_dir", "--out-dir"),
+           "eval": ("out_dir", "--out-dir"), "convert": ("dst", "DST"), "retrofit": ("dst", "OUT_DIR"),
+           "report": ("dir", None)}
+NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system that holds `path` (or would: its nearest existing parent)."""
+    path = Path(os.path.realpath(path))
+    while not path.exists() or not os.path.ismount(path):
+        if path.parent == path:
+            break
+        path = path.parent
+    return path
+
+
+def _no_space_message(path: Path | None, args: argparse.Namespace | None) -> str:
+    """A full disk (or quota): what was being written, the file system to free space on, how to write
+    elsewhere, and for a resumable command that its last checkpoint is intact. `path`: the file being
+    written, or None, when the command's output folder (OUTPUTS) stands in for it."""
+    command = getattr(args, "command", None)
+    attr, option = OUTPUTS.get(command, (None, None))
+    if path is None and attr is not None and getattr(args, attr, None) is not None:
+        path = _shown(Path(getattr(args, attr)))
+    if path is None:
+        what, fix = "", "free some space"
+    else:
+        what, fix = f" while writing {path}", f"free some space on the file system mounted at {_mount_point(path)}"
+    fix += " and run the same command again" + (f", or choose another {option}" if option else "")
+    if command in RESUMABLE or command is None:
+        fix += " (a training run continues from its last checkpoint, which is intact)"
+    return f"no space left on the device{what}; {fix}"
+
+
+def os_error_message(e: OSError, args: argparse.Namespace | None = None) -> str:
     """The machine refusing, as one line that names the path and what to do: Python's own text
-    ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix."""
+    ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix. args: the command line,
+    whose output folder names what was written when the error names no file (a full disk)."""
     if e.filename is None:
+        if e.errno in NO_SPACE:
+            return _no_space_message(None, args)
         return str(e)  # raised by the package with its own message
     path = _shown(Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename)))
     if e.errno == errno.EEXIST and not path.is_dir():
@@ -83,9 +122,8 @@ def os_error_message(e: OSError) -> str:
         return f"no permission to use {path}; choose a folder you can write, or change its permissions"
     if e.errno == errno.EROFS:
         return f"{path} is on a read-only file system; choose a folder on a writable one"
-    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return (f"no space left on the device while writing {path}; free some space and run the same command "
-                f"again (a training run continues from its last checkpoint, which is intact)")
+    if e.errno in NO_SPACE:
+        return _no_space_message(path, args)
     if e.errno == errno.ENOENT:
         return f"{path}: no such file or folder; check the path"
     return f"{path}: {e.strerror or e}"
@@ -165,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if debugging():
             raise
-        message = os_error_message(e) if isinstance(e, OSError) else str(e)
+        if isinstance(e, SafetensorError):  # its I/O failures carry the system's error only in their text
+            e = os_error_of(e) or e
+        message = os_error_message(e, args) if isinstance(e, OSError) else str(e)
         print(f"difftransformer {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

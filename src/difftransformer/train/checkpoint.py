@@ -38,6 +38,7 @@ from difftransformer._io import (
     default_permissions,
     fsync_dir,
     fsync_file,
+    writing,
 )
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.serialization import WEIGHTS_NAME
@@ -225,7 +226,33 @@ def save_checkpoint(
     for stale in root.glob("step_*.tmp"):  # left behind by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
+    try:
+        with writing(final):
+            _write_step(tmp, step, model_state, optimizer_state, state, model_config, train_config)
+    except BaseException:  # a full disk gets its space back; `latest` still names the previous checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
+    if final.exists():  # a complete copy from an interrupted earlier attempt at this step
+        aside = root / (final.name + ".old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, final.name + "\n", fsync=True)
+
+    for _, old in list_checkpoints(root)[:-keep_last]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_step(tmp: Path, step: int, model_state: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any],
+                state: Mapping[str, Any], model_config: DiffTransformerConfig, train_config: TrainConfig) -> None:
+    """Write every file of checkpoint `step` into the folder `tmp` and fsync them (save_checkpoint's body)."""
     weights, aliases = dedup_tensors(model_state)
     save_file(weights, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
     optim_tensors, optim_meta = flatten_optimizer_state(optimizer_state)
@@ -247,22 +274,6 @@ def save_checkpoint(
         fh.flush()
         os.fsync(fh.fileno())
     fsync_dir(tmp)
-
-    if final.exists():  # a complete copy from an interrupted earlier attempt at this step
-        aside = root / (final.name + ".old")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
-    atomic_write_text(root / LATEST, final.name + "\n", fsync=True)
-
-    for _, old in list_checkpoints(root)[:-keep_last]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 # -- load ----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from difftransformer._io import atomic_savefig
 from difftransformer.experiments.report.runs import Run
 
 
@@ -16,6 +17,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: Path) -> None:
+    """Write `fig` to `path` as a PNG and free it: atomically, so that a full disk or a kill mid-write
+    leaves the previous plot intact (the next `report` redraws it) rather than a truncated file."""
+    try:
+        atomic_savefig(fig, path, dpi=110)
+    finally:
+        _pyplot().close(fig)
 
 
 def _mtok(row: dict) -> float:
@@ -78,8 +88,7 @@ def plot_losses(runs: dict[tuple[str, int], Run], arms: list[str], seeds: list[i
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_lambdas(runs: dict[tuple[str, int], Run], arms: list[str], seed: int, path: Path) -> bool:
@@ -109,6 +118,5 @@ def plot_lambdas(runs: dict[tuple[str, int], Run], arms: list[str], seed: int, p
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2 if n_layers > 6 else 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True

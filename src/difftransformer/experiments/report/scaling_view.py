@@ -128,7 +128,7 @@ def plot_scaling(ctx, folder) -> bool:
     which = axis(ctx)
     if which is None:
         return False
-    from difftransformer.experiments.report.plots import _pyplot
+    from difftransformer.experiments.report.plots import _pyplot, _save
 
     pts = points(ctx, which)
     if not pts:
@@ -152,6 +152,5 @@ def plot_scaling(ctx, folder) -> bool:
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "scaling.png", dpi=110)
-    plt.close(fig)
+    _save(fig, folder / "scaling.png")
     return True
