@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -168,3 +169,40 @@ def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
     assert loaded("the union is strong")["input_ids"] == [1, 2, 3, 4]
     assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0  # and it travels back with the tokenizer
     assert (tmp_path / "back" / "tokenizer_config.json").is_file()
+
+
+def test_transformers_generate_stops_where_ours_does(tmp_path):
+    """Hostile pass 8 (read, not run): a converted folder's config.json had eos_token_id null, so
+    transformers' generate never stopped at <|endoftext|> while `difftransformer generate` does. Now
+    config.json names our tokenizer's EOS (EOS at id 3 here, so it is not a default), also after a
+    round trip through ours."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from difftransformer.data.tokenizer import EOS_TOKEN
+
+    saved(tmp_path / "ours", gqa=True)
+    vocab = {**{w: i for i, w in enumerate(["the", "union", "is"])}, EOS_TOKEN: 3, "strong": 4, "[UNK]": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "ours" / TOKENIZER_FILE))
+    for fmt, cls in (("diffllama", DiffLlamaForCausalLM), ("llama", None)):
+        if cls is None:  # llama needs the transformer kind
+            saved(tmp_path / "t", "transformer")
+            tok.save(str(tmp_path / "t" / TOKENIZER_FILE))
+            src, cls = tmp_path / "t", LlamaForCausalLM
+        else:
+            src = tmp_path / "ours"
+        assert convert(src, tmp_path / fmt, fmt) == 0
+        assert json.loads((tmp_path / fmt / CONFIG_NAME).read_text())["eos_token_id"] == 3
+        model = from_pretrained(cls, tmp_path / fmt)
+        assert model.generation_config.eos_token_id == 3
+        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features)
+        with torch.no_grad():  # EOS is the argmax everywhere: generate must stop after one token
+            head.weight.zero_()
+            head.bias.copy_(torch.nn.functional.one_hot(torch.tensor(3), head.out_features).float())
+        model.lm_head = head
+        out = model.generate(torch.tensor([[0, 1, 2]]), max_new_tokens=5, do_sample=False)
+        assert out[0, 3:].tolist() == [3], out
+    assert convert(tmp_path / "diffllama", tmp_path / "back", "ours") == 0
+    assert convert(tmp_path / "back", tmp_path / "dl2", "diffllama") == 0  # ours: the tokenizer's EOS
+    assert json.loads((tmp_path / "dl2" / CONFIG_NAME).read_text())["eos_token_id"] == 3

@@ -4,7 +4,8 @@ Llama, and the authors' reference layout, exactly (difftransformer.convert; docs
 The source format is detected from the folder (config.json's model_type, or the authors'-layout
 settings); a run folder stands for its final/. The result is written into a new folder, complete or
 not at all: it is assembled beside DST and renamed into place at the end, so a failed conversion
-leaves no half-written DST, and an existing non-empty DST is refused rather than overwritten.
+leaves no half-written DST, and an existing non-empty DST is refused rather than overwritten (so is a DST
+that is a symbolic link, before any work).
 Weights are read from safetensors only (a pickle is never opened) and written as safetensors:
 transformers folders by the transformers classes' own save_pretrained (so they load with
 `from_pretrained`), ours by our save_pretrained, the authors' layout as one safetensors file plus
@@ -14,6 +15,7 @@ its settings JSON. The tokenizer.json saved with the source (a run's final/) is 
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     state, config = to_ours(ckpt.format, ckpt.state, ckpt.config)
     params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
     state, out_config = from_ours(args.to, state, config)
+    if args.to in ("diffllama", "llama"):
+        out_config = {**out_config, **_eos_token_id(src)}
     _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src))
     print(f"converted {src} ({ckpt.format}) to {dst} ({args.to}): attention {config.attention!r}, "
           f"{config.num_hidden_layers} layers, {params:,} parameters")
@@ -82,11 +86,39 @@ def _source_folder(path: Path) -> Path:
 
 
 def _check_destination(src: Path, dst: Path) -> None:
+    """Refuse, before any work, a DST that cannot become the new folder (convert and retrofit): a link
+    (_refuse_links), a file or a non-empty folder, or the source itself. Paths are compared with
+    os.path.realpath, never Path.resolve, which raises RuntimeError on a symlink loop (Python 3.11)."""
+    _refuse_links(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConversionError(f"{dst} already exists and is not an empty folder; convert writes a new folder "
                               f"(remove it or choose another DST)")
-    if src.exists() and dst.resolve() == src.resolve():
+    if src.exists() and os.path.realpath(dst) == os.path.realpath(src):
         raise ConversionError(f"DST {dst} is the source folder; choose another DST")
+
+
+def _refuse_links(dst: Path) -> None:
+    """A DST that is a symbolic link is refused: the result is renamed into place, which cannot go through a
+    link (it failed at the very end, "Not a directory", after the whole conversion), and writing into the
+    link's target instead would put it where the user did not name. A link on the way to DST that leads
+    nowhere (missing, a loop) is refused too; a link to a real folder on the way is fine."""
+    if dst.is_symlink():
+        raise ConversionError(f"DST {dst} is a symbolic link ({_link_target(dst)}); the result is written as a new "
+                              f"folder, not through a link: give a real folder path, or remove the link")
+    for part in dst.parents:
+        if part.is_symlink() and not part.is_dir():
+            raise ConversionError(f"{part}, on the way to DST {dst}, is a symbolic link ({_link_target(part)}), so "
+                                  f"DST cannot be made; repair or remove the link, or choose another DST")
+
+
+def _link_target(link: Path) -> str:
+    """Where the symbolic link `link` points, for messages: its target, and whether that is missing or a loop."""
+    target = os.readlink(link)
+    try:
+        os.stat(link)
+    except OSError as e:
+        return f"to {target}, " + ("a symlink loop" if e.errno == errno.ELOOP else "which does not exist")
+    return f"to {target}" + (", an empty folder" if link.is_dir() and not any(link.iterdir()) else "")
 
 
 def _write_atomically(dst: Path, write) -> None:
@@ -122,6 +154,21 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def _eos_token_id(src: Path) -> dict[str, int]:
+    """{"eos_token_id": id} of the tokenizer saved with the source, for a transformers folder's config.json:
+    transformers' generate() stops at the config's EOS (ours stops at the tokenizer's), so without it a
+    converted model never ends a document there. (A transformers target always has one of our sources:
+    llama and diffllama hold different attention kinds, so neither converts into the other.)"""
+    tokenizer = src / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        return {}
+    try:
+        eos = Tokenizer.from_file(tokenizer).eos_id
+    except (OSError, ValueError):
+        return {}
+    return {"eos_token_id": eos}
 
 
 def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path) -> None:

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                   f"folder or a .gguf file")
         state, config = ckpt.state, ckpt.config
         if (src / TOKENIZER_FILE).is_file():
-            tokenizer = (src / TOKENIZER_FILE).read_text()
+            tokenizer = _source_tokenizer(src / TOKENIZER_FILE)
         if args.check:  # the reference model for the logits comparison only
             source = _hf_load().load_llama_model(src)
     loaded = time.perf_counter() - t0
@@ -109,6 +109,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _source_tokenizer(path: Path) -> str:
+    """The text of the source's tokenizer.json, checked to be a tokenizers file: a damaged one is refused
+    here, naming it, rather than failing later with tokenizers' bare Exception or a codec error that names
+    no file (--calibrate), or being copied into OUT where only `train --init-from OUT` would find it."""
+    from tokenizers import Tokenizer
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path} is not a tokenizer.json file (not UTF-8 text: byte 0x{e.object[e.start]:02x} "
+                              f"at offset {e.start}); restore the model's own tokenizer.json") from None
+    try:
+        Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception for a JSON or schema error
+        raise ConversionError(f"{path} is not a tokenizer.json file ({e}); restore the model's own "
+                              f"tokenizer.json") from None
+    return text
+
+
 def _calibration_ids(path: Path, tokenizer: str | None, tokens: int, window: int) -> torch.Tensor:
     """The first `tokens` tokens of the text file `path` (source tokenizer) as windows: (N, window)."""
     from tokenizers import Tokenizer
@@ -116,6 +135,8 @@ def _calibration_ids(path: Path, tokenizer: str | None, tokens: int, window: int
     if tokenizer is None:
         raise ConversionError("--calibrate needs the source's tokenizer (a tokenizer.json beside its config.json, or "
                               "the vocabulary a .gguf file carries); this source has none")
+    if path.is_dir():
+        raise ConversionError(f"--calibrate {path} is a folder; give one text file (e.g. {path}/FILE.txt)")
     if not path.is_file():
         raise ConversionError(f"--calibrate {path}: no such text file")
     if tokens < window:

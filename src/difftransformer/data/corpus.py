@@ -31,6 +31,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -222,13 +223,20 @@ def _load_paths(base: str, text_field: str, id_field: str, errors: str,
                           f"option, or point the spec at the .jsonl file")
     docs: list[Document] = []
     for f in files:
-        rel = f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix()
+        rel = _path_id(f.relative_to(root).as_posix() if f.is_relative_to(root) else f.as_posix())
         text = _decode(f.read_bytes(), f, errors)
         if f.suffix.lower() == ".jsonl":
             docs.extend(_parse_jsonl(text, f, rel, text_field, id_field))
         else:
             docs.append(Document(id=rel, text=text, meta={"path": str(f)}))
     return docs
+
+
+def _path_id(name: str) -> str:
+    """A file's document id: its path as text. The bytes of a file name that is not UTF-8 (which Python
+    holds as lone surrogates, os.fsdecode) are written as \\xNN: the id must encode as UTF-8, since the
+    split and corpus_hash hash it, and the same name always gives the same id (hostile pass 8, FL03)."""
+    return os.fsencode(name).decode("utf-8", errors="backslashreplace")
 
 
 def _parse_jsonl(text: str, path: Path, rel: str, text_field: str, id_field: str) -> list[Document]:

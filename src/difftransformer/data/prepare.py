@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,8 +314,13 @@ class PrepareFailedError(ValueError):
 
 
 def _prepare_as_rank0(config: DataConfig, data_dir: Path) -> PreparedData:
+    """Prepare the data (rank 0), clearing an older launch's failure note first. A data_dir that is not a
+    folder (a file, a dangling link, a symlink loop) is left to prepare_data, whose out-dir check names it
+    and the fix, as `prepare --out-dir` does; reaching through it to the note gave an error naming
+    prepare-failed.txt, a file the user never named (hostile pass 8, Y11)."""
     failed = data_dir / FAILED_FILE
-    failed.unlink(missing_ok=True)
+    if data_dir.is_dir():
+        failed.unlink(missing_ok=True)
     log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
     try:
         return prepare_from_config(config)
@@ -379,8 +385,9 @@ def _check_corpus_unchanged(data: PreparedData, config: DataConfig) -> None:
 
 
 def _same_corpus(a: str, b: str) -> bool:
-    """Equal specs, or the same local path spelled differently ('./notes' and 'notes')."""
+    """Equal specs, or the same local path spelled differently ('./notes' and 'notes'). os.path.realpath, not
+    Path.resolve, which raises RuntimeError when the path is a symlink loop (Python 3.11)."""
     if a == b:
         return True
     (pa, _, oa), (pb, _, ob) = a.partition("#"), b.partition("#")
-    return oa == ob and Path(pa).exists() and Path(pa).resolve() == Path(pb).resolve()
+    return oa == ob and Path(pa).exists() and os.path.realpath(pa) == os.path.realpath(pb)

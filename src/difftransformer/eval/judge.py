@@ -224,9 +224,18 @@ class CallableJudge:
         self.name = name or f"python:{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
     def __call__(self, records: Sequence[Record]) -> list[Verdict]:
+        """The function's verdicts, checked. A function that raises (one that does not take the records,
+        such as python:os:getcwd, or a judge of one's own that fails) is a one-line ValueError naming the
+        judge and its contract, like every other bad judge; the original error is chained to it, so
+        DIFFTRANSFORMER_DEBUG=1 shows its traceback."""
         if not records:
             return []
-        return check_verdicts(self.fn([dict(r) for r in records]), len(records), f"judge {self.name}")
+        try:
+            verdicts = self.fn([dict(r) for r in records])
+        except Exception as e:
+            raise ValueError(f"judge {self.name} raised {type(e).__name__}: {_excerpt(str(e))}; a judge is a function "
+                             f"fn(records) -> one verdict per record") from e
+        return check_verdicts(verdicts, len(records), f"judge {self.name}")
 
 
 class CommandJudge:

@@ -142,7 +142,8 @@ def save_tokenizer_for_transformers(tokenizer_json: str | Path, out_dir: str | P
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """lm-eval's CLI (`lm_eval ARGS`), with our classes registered; argv defaults to sys.argv[1:]."""
+    """lm-eval's CLI (`lm_eval ARGS`), with our classes registered; argv defaults to sys.argv[1:]. An error
+    this package raises (a folder without tokenizer.json...) is one line on stderr and exit 2 (_raised_here)."""
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as e:
@@ -153,7 +154,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not (os.environ.get("HF_HUB_OFFLINE") and os.environ.get("HF_DATASETS_OFFLINE")):
         print("note: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are not both set; lm-eval may reach the Hugging Face "
               "Hub (local tasks and folders need neither)", file=sys.stderr)
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (OSError, ValueError) as e:
+        if not _raised_here(e):
+            raise  # lm-eval's and transformers' own errors keep their tracebacks
+        if _debugging():
+            raise
+        print(f"difftransformer.hf.lm_eval: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _debugging() -> bool:
+    """Whether DIFFTRANSFORMER_DEBUG asks for tracebacks, read as `difftransformer.cli.debugging` reads it
+    (hf may not import cli, tests/test_architecture.py; that function belongs in a base module)."""
+    return os.environ.get("DIFFTRANSFORMER_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _raised_here(e: BaseException) -> bool:
+    """Whether `e` was raised by this package (a folder without tokenizer.json, a foreign tokenizer, a config
+    our classes refuse): its message names the file and the fix, so, as in the `difftransformer` command, it
+    is printed as one line (exit 2) instead of at the end of a 40-line traceback through lm-eval (hostile
+    pass 8, LM02). DIFFTRANSFORMER_DEBUG=1 keeps the traceback."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = Path(__file__).resolve().parents[1]  # src/difftransformer
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
 
 
 register_tokenizer()
