@@ -7,7 +7,18 @@ fail deep inside a run (or, worse, run); each config checks its fields here firs
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
+
+DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
+DEBUG_OFF = ("", "0", "false", "no", "off")  # values of DEBUG_ENV that mean "no tracebacks"
+
+
+def debugging() -> bool:
+    """Whether DIFFTRANSFORMER_DEBUG asks for tracebacks (1, true, yes...; 0/false/no/off/empty do not).
+    Read here, a base module, so every entry point (the CLI, `python -m difftransformer.hf.lm_eval`)
+    reads it the same way."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in DEBUG_OFF
 
 
 class ConfigTypeError(TypeError, ValueError):

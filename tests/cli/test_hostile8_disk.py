@@ -120,8 +120,8 @@ def test_convert_on_a_full_disk_names_the_destination(compared, tmp_path, monkey
 
 
 def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, capsys):
-    """FS10: `eval outliers RUN --out-dir OUT` on a full disk: "[Errno 28] No space left on device". A task's
-    plot is drawn into a temporary file that eval/results.py renames, so an earlier plot stays intact."""
+    """FS10: `eval outliers RUN --out-dir OUT` on a full disk: "[Errno 28] No space left on device"; now the
+    figure being written is named. A task's plot is drawn into a temporary file that eval/results.py renames, so an earlier plot stays intact."""
     out = tmp_path / "ev"
     out.mkdir()
     (out / "outliers.png").write_bytes(b"an earlier plot")
@@ -129,7 +129,8 @@ def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, 
     capsys.readouterr()
     assert main(["eval", "outliers", str(compared / "diff"), "--out-dir", str(out), "--tokens", "64"]) == 2
     line = last_error_line(capsys)
-    assert f"no space left on the device while writing {out};" in line and "or choose another --out-dir" in line, line
+    assert f"no space left on the device while writing {out / 'outliers.png'};" in line, line  # the figure
+    assert "or choose another --out-dir" in line, line
     assert (out / "outliers.png").read_bytes() == b"an earlier plot"
     assert [p.name for p in out.iterdir() if p.name != ".lock"] == ["outliers.png"]
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from difftransformer import dist
+from difftransformer._config import debugging
 from difftransformer._io import FolderInUseError, os_error_of
 from difftransformer._version import __version__
 from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
@@ -34,8 +35,6 @@ from difftransformer.data import CorpusError
 from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
-DEBUG_ENV = "DIFFTRANSFORMER_DEBUG"  # set to 1 for full tracebacks instead of one-line errors
-DEBUG_OFF = ("", "0", "false", "no", "off")  # values of DEBUG_ENV that mean "no tracebacks"
 RESUMABLE = ("train", "compare")  # commands that continue from their last checkpoint when run again
 COMMANDS = {m.__name__.rsplit(".", 1)[1]: m for m in (prepare, train, compare, generate, report, eval_cmd, convert,
                                                                retrofit)}
@@ -178,11 +177,6 @@ def _sigterm_as_exception():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def debugging() -> bool:
-    """Whether DIFFTRANSFORMER_DEBUG asks for tracebacks (1, true, yes...; 0/false/no/off/empty do not)."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in DEBUG_OFF
 
 
 def _interrupted(command: str, e: KeyboardInterrupt) -> int:

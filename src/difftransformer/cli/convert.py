@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from difftransformer._io import atomic_write_text
+from difftransformer._io import atomic_write_text, writing
 from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
 from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer
@@ -129,7 +129,13 @@ def _write_atomically(dst: Path, write) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write(tmp)
+        try:
+            with writing(dst):  # an error without a file name (a full disk) names DST
+                write(tmp)
+        except OSError as e:  # and one naming a file of the temporary folder names that file in DST
+            if e.filename is not None and os.fspath(e.filename).startswith(os.fspath(tmp)):
+                e.filename = os.fspath(dst) + os.fspath(e.filename)[len(os.fspath(tmp)):]
+            raise
         if dst.is_dir():
             dst.rmdir()  # empty (checked before)
         os.replace(tmp, dst)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from difftransformer._io import atomic_write_text
+from difftransformer._io import atomic_write_text, writing
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, task_settings, weights_hash
 
 # EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
@@ -93,7 +93,9 @@ class ResultsDir:
         # the temporary name ends in .png: plotting libraries pick the format from the suffix
         tmp = png.with_name(f".{png.stem}.{secrets.token_hex(4)}.png")
         try:
-            if plot is not None and plot(result, tmp) and tmp.is_file() and tmp.stat().st_size:
+            with writing(png):  # a full disk names the figure, not the temporary file
+                drawn = plot is not None and plot(result, tmp) and tmp.is_file() and tmp.stat().st_size
+            if drawn:
                 os.replace(tmp, png)
                 written.append(png)
             else:

@@ -57,6 +57,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import difftransformer.hf  # noqa: F401  registers the config and the model with the auto classes
+from difftransformer._config import debugging
 from difftransformer.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, Tokenizer
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 
@@ -159,16 +160,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         if not _raised_here(e):
             raise  # lm-eval's and transformers' own errors keep their tracebacks
-        if _debugging():
+        if debugging():
             raise
         print(f"difftransformer.hf.lm_eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-
-def _debugging() -> bool:
-    """Whether DIFFTRANSFORMER_DEBUG asks for tracebacks, read as `difftransformer.cli.debugging` reads it
-    (hf may not import cli, tests/test_architecture.py; that function belongs in a base module)."""
-    return os.environ.get("DIFFTRANSFORMER_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _raised_here(e: BaseException) -> bool:
