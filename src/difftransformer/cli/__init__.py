@@ -99,6 +99,14 @@ def _no_space_message(path: Path | None, args: argparse.Namespace | None) -> str
     return f"no space left on the device{what}; {fix}"
 
 
+def _loops(link: Path) -> bool:
+    try:
+        os.stat(link)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
 def os_error_message(e: OSError, args: argparse.Namespace | None = None) -> str:
     """The machine refusing, as one line that names the path and what to do: Python's own text
     ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix. args: the command line,
@@ -109,7 +117,8 @@ def os_error_message(e: OSError, args: argparse.Namespace | None = None) -> str:
         return str(e)  # raised by the package with its own message
     path = _shown(Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename)))
     if e.errno == errno.EEXIST and not path.is_dir():
-        what = "a link to a missing path" if path.is_symlink() and not path.exists() else "a file"
+        what = ("a file" if not path.is_symlink() or path.exists() else
+                f"a symbolic link (to {os.readlink(path)}) that {'is a loop' if _loops(path) else 'leads nowhere'}")
         return f"{path} is {what}, not a folder; remove it or choose another path"
     if e.errno == errno.ENOTDIR:
         blocker = _file_in_path(path)
@@ -148,10 +157,31 @@ def build_parser() -> argparse.ArgumentParser:
             Set DIFFTRANSFORMER_DEBUG=1 for full tracebacks."""))
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.commands = {}  # name -> the command's own parser (see _parse)
     for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, formatter_class=Formatter, help=module.HELP,
-                                            description=module.DESCRIPTION, epilog=epilog(module.EXAMPLES)))
+        parser.commands[name] = sub.add_parser(name, formatter_class=Formatter, help=module.HELP,
+                                               description=module.DESCRIPTION, epilog=epilog(module.EXAMPLES))
+        module.add_arguments(parser.commands[name])
     return parser
+
+
+# Commands whose optional positional may come after their options: `generate RUN --prompt a b` left "b"
+# over ("unrecognized arguments: b", hostile pass 8, G10), as argparse gives the positional its empty
+# value before it reaches the options; these commands' own arguments are parsed again intermixed, so the
+# command sees both prompts and says which rule they break. (`eval` cannot be: it has subcommands.)
+INTERMIXED = ("generate",)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command in INTERMIXED:
+        own = argv[argv.index(args.command) + 1:]
+        return parser.commands[args.command].parse_intermixed_args(own, argparse.Namespace(command=args.command))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 class Terminated(KeyboardInterrupt):
@@ -188,7 +218,7 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     logging.basicConfig(level=logging.INFO if dist.is_main() else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:

@@ -60,6 +60,19 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--sample-seed must be in [0, 2**63), got {args.sample_seed}")
 
 
+def _check_printable(text: str) -> None:
+    """Refuse text that standard output cannot encode (PYTHONIOENCODING=ascii and a prompt 'ünï'), naming
+    the encoding and the fix, where Python's own codec error names neither. The prompt is checked before
+    the model loads, so the refusal comes at once rather than after generating; each sample is checked
+    again, as the model may write what the prompt did not."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding, getattr(sys.stdout, "errors", None) or "strict")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"standard output's encoding ({encoding}) cannot print {e.object[e.start:e.end]!r}; set "
+                          f"PYTHONIOENCODING=utf-8 and run again") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_pos is not None:
         raise ConfigError("give the prompt either as an argument or with --prompt, not both")
@@ -68,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes that were not UTF-8 on the command line arrive as surrogates
         raise ConfigError("the prompt is not valid UTF-8 text; pass it as UTF-8") from None
+    _check_printable(prompt)
     _check_sampling(args)
     loaded = load_trained(args.model, args.device)
     model, tok = loaded.model, model_tokenizer(args.model, args.tokenizer, loaded)
@@ -83,5 +97,6 @@ def run(args: argparse.Namespace) -> int:
                             generator=gen, device=args.device)
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
+        _check_printable(prompt + out.text)
         print(prompt + out.text)
     return 0

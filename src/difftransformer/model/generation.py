@@ -19,22 +19,43 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top token stays).
+        # Drop a token when the mass strictly before it already reaches top_p. The top token always stays:
+        # the mass before it is 0, and a top_p that float32 rounds to 0 (1e-300) would reach that too.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
+# The largest temperature that float32 rounds to 0 (half its smallest subnormal, 2**-150): dividing by it
+# is dividing by 0, so it is greedy, as 0 is.
+_ZERO_IN_FLOAT32 = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps / 2
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, V) logits / temperature (> 0), whose softmax is exact at any temperature.
+
+    A row whose top logit / temperature overflows (temperature 1e-40: inf, and the softmax's inf - inf is
+    nan) is divided after subtracting its top logit: the same softmax, with 0 for the top token and a
+    finite or -inf value below it. Every other row is `logits / temperature` bit for bit, and no value
+    is read back to the host (no device sync per decoding step).
+    """
+    top = logits.amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(top / temperature), 0.0, top)
+    return (logits - shift) / temperature
+
+
 def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids. temperature 0 is greedy."""
+    """(B, V) logits -> (B,) token ids. temperature 0 is greedy; so is one that float32 rounds to 0 (1e-320),
+    and any other temperature > 0 samples softmax(logits / temperature) without overflowing to nan."""
     if not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
     logits = logits.float()
-    if temperature == 0:
+    if temperature <= _ZERO_IN_FLOAT32:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits / temperature, top_k, top_p)
+    logits = filter_logits(scale_logits(logits, temperature), top_k, top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 

@@ -85,8 +85,11 @@ class LogitQuant(Task):
         bad = [g for g in o.granularity if g not in GRANULARITIES]
         if bad or not o.granularity:
             raise ValueError(f"logit-quant granularity takes {', '.join(GRANULARITIES)}, got {list(o.granularity)}")
-        if o.windows < 1 or o.needle_samples < 0 or o.needle_length < 0:
-            raise ValueError("logit-quant windows must be >= 1, needle_samples and needle_length >= 0")
+        minimums = (("windows", 1, "held-out windows for the loss"), ("needle_samples", 0, "0: loss only"),
+                    ("needle_length", 0, "0: the model's context"))
+        for key, least, meaning in minimums:
+            if getattr(o, key) < least:
+                raise ValueError(f"logit-quant {key} must be >= {least} ({meaning}), got {getattr(o, key)}")
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         require_own_model(model, self.name)
