@@ -68,3 +68,24 @@ def compared(workdir) -> Path:
     out = workdir / "cmp"
     assert main(["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny transformers Llama folder with a tokenizer.json (context 128), and a calibration text beside it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    vocab = {w: i for i, w in enumerate(["[UNK]", *(f"w{i}" for i in range(299))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    text = folder.parent / "calib.txt"
+    text.write_text(" ".join(f"w{i % 299}" for i in range(1000)))
+    return folder, text

@@ -130,27 +130,6 @@ def test_the_explicit_map_estimate_covers_the_measured_peak():
 # ---------------------------------------------------------------- retrofit
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny transformers Llama folder with a tokenizer.json (context 128)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    vocab = {w: i for i, w in enumerate(["[UNK]", *(f"w{i}" for i in range(299))])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    text = folder.parent / "calib.txt"
-    text.write_text(" ".join(f"w{i % 299}" for i in range(1000)))
-    return folder, text
-
-
 @pytest.mark.parametrize("flags, needles", [
     (["--check", "-1"], ["--check must be >= 0", "got -1"]),  # was a torch traceback after OUT was written
     (["--check", "100000"], ["--check 100000 is longer than the model's context", "--check <= 128"]),

@@ -115,27 +115,6 @@ def test_a_corpus_file_name_that_is_not_utf8_is_read(workdir, tmp_path, capsys):
 # ---------------------------------------------------------------- retrofit: a damaged tokenizer.json
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny transformers Llama folder with a tokenizer.json (context 128), and a calibration text."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    vocab = {w: i for i, w in enumerate(["[UNK]", *(f"w{i}" for i in range(299))])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    text = folder.parent / "calib.txt"
-    text.write_text(" ".join(f"w{i % 299}" for i in range(1000)))
-    return folder, text
-
-
 def _damaged(llama, tmp_path, content: bytes):
     import shutil
 
