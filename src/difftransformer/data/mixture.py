@@ -263,16 +263,18 @@ def _maker(kind: str, tok: Tokenizer, text: TrainText, config: MixtureConfig) ->
 
 
 def generate_mixture(config: MixtureConfig, train_docs: Sequence[Document], tokenizer: Tokenizer) -> Mixture:
-    """The documents of every kind with a fraction > 0, sized against the corpus tokens of `train_docs`."""
+    """The documents of every kind with a fraction > 0, sized against the corpus tokens of `train_docs`;
+    a fraction too small for one whole document is refused (`_check_target`), never made silently empty."""
     text = TrainText(train_docs, tokenizer)
     corpus_tokens = int(len(text.tokens))
     total = corpus_tokens / (1 - sum(config.fractions.values()))
     docs: list[Document] = []
     num_tokens, num_docs, targets = {}, {}, {}
     for kind in MIXTURE_KINDS:
-        target = round(config.fractions[kind] * total)
-        if target == 0:
+        if config.fractions[kind] == 0:
             continue
+        target = round(config.fractions[kind] * total)
+        _check_target(kind, config, target)
         rng = random.Random(f"mixture/{config.seed}/{kind}")
         make = _maker(kind, tokenizer, text, config)
         got, count = 0, 0
@@ -283,3 +285,18 @@ def generate_mixture(config: MixtureConfig, train_docs: Sequence[Document], toke
             count += 1
         num_tokens[kind], num_docs[kind], targets[kind] = got, count, target
     return Mixture(docs, num_tokens, num_docs, corpus_tokens, targets)
+
+
+def _check_target(kind: str, config: MixtureConfig, target: int) -> None:
+    """Refuse a fraction > 0 whose token target is at most half of one document (MX16, MX14).
+
+    Documents are made whole, one of `config.length` tokens at a time, while more than half a document is
+    still wanted; a smaller target would get no document at all, and the prepared data would lack the kind
+    its config (and prepared.json) asks for."""
+    if target > config.length / 2:
+        return
+    at_most = f" (to at most {2 * target:,})" if target else ""
+    raise ValueError(f"data.mixture.{kind} = {config.fractions[kind]:g} is {target:,} tokens, less than half of "
+                     f"one {config.length:,}-token document, so no {kind} document would be made; lower "
+                     f"data.mixture.length{at_most} or raise the fraction")
+

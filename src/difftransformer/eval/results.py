@@ -38,12 +38,25 @@ def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
 def is_result_record(data: Any, task: str) -> bool:
     """Whether `data` has the shape of `task`'s stored result (what reusing and printing it read): a
     dict whose metrics map names to numbers and whose settings and provenance are dicts."""
-    if not isinstance(data, dict) or data.get("task") != task:
-        return False
+    return record_problem(data, task) is None
+
+
+def record_problem(data: Any, task: str) -> str | None:
+    """Why `data` is not `task`'s stored result, in words for the user (None when it is one)."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if data.get("task") != task:
+        return f"its task is {data.get('task')!r}, not {task!r}"
     metrics, settings = data.get("metrics"), data.get("settings", {})
-    return (isinstance(metrics, dict) and all(isinstance(k, str) and _number(v) for k, v in metrics.items())
-            and isinstance(settings, dict) and isinstance(data.get("provenance", {}), dict)
-            and all(isinstance(settings.get(k, {}), dict) for k in ("eval_config", "options")))
+    if not isinstance(metrics, dict):
+        return "its metrics are not an object"
+    bad = next(((k, v) for k, v in metrics.items() if not (isinstance(k, str) and _number(v))), None)
+    if bad is not None:
+        return f"metric {bad[0]!r} is {bad[1]!r}, not a number"
+    if not (isinstance(settings, dict) and isinstance(data.get("provenance", {}), dict)
+            and all(isinstance(settings.get(k, {}), dict) for k in ("eval_config", "options"))):
+        return "its settings or provenance are not objects"
+    return None
 
 
 def _number(value: Any) -> bool:
@@ -70,6 +83,22 @@ class ResultsDir:
         except (OSError, ValueError):
             return None
         return data if is_result_record(data, task) else None
+
+    def problem(self, task: str) -> str | None:
+        """Why the stored `<task>.json` is not a readable result (EC08, EC12: a hand edit, broken JSON), for
+        a caller that must name the file rather than treat it as absent; None when it is one or is absent."""
+        path = self.json_path(task)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            return f"not UTF-8 text: {e.reason} at byte {e.start}"
+        except ValueError as e:
+            return f"not JSON: {e}"
+        except OSError as e:
+            return e.strerror or str(e)
+        return record_problem(data, task)
 
     def all(self) -> dict[str, dict[str, Any]]:
         """Every readable result in the folder, by task name."""

@@ -2,7 +2,10 @@
 
 A report travels as one file (mailed, attached to an issue, opened from a results folder without the
 PNGs beside it): images referenced by the Markdown are inlined as base64 data URIs. Rendering uses
-Python-Markdown (tables and fenced code); nothing is fetched when the page is opened.
+Python-Markdown (tables and fenced code); nothing is fetched when the page is opened. Raw HTML in the
+Markdown is not passed through: arm names, prompts and samples come from the user, so `<`, `>` and `&`
+in them are escaped and the page holds no markup but the renderer's own (an arm named
+`<img onerror=...>` must not run a script when the report is opened).
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ def render_html(markdown_text: str, base: Path, title: str) -> str:
     """`markdown_text` as a standalone HTML page; images relative to `base` are embedded."""
     import markdown
 
-    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code"], output_format="html")
+    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
+    md.preprocessors.deregister("html_block")  # raw HTML in the Markdown is text, never markup (R10-R12)
+    md.inlinePatterns.deregister("html")
+    body = md.convert(markdown_text)
     body = _IMG.sub(lambda m: m.group(1) + _data_uri(base, m.group(2)) + m.group(3), body)
     return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             f"<title>{html_lib.escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n{body}\n"

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from difftransformer.experiments.report.runs import Run
+from difftransformer.experiments.report.sections import code_span
 
 AXES = {"parameters": "non-embedding parameters", "tokens": "training tokens"}
 
@@ -31,6 +32,17 @@ def non_embedding(model: dict[str, Any], total: int) -> int:
 def _count(ctx, cell, arm: str, run: Run) -> int | None:
     total = run.parameters or (ctx.manifest.get("parameters") or {}).get(f"{cell[0]}/{arm}" if cell[0] else arm)
     return non_embedding(run.model, total) if total else None
+
+
+def _tokens_trained(ctx, cell, run: Run) -> int:
+    """The tokens the run trained on: its steps × the recipe's tokens per step (C04). A budget that is not a
+    whole number of steps trains ceil(budget / per step) steps (`Study.train_for`), so the budget itself is
+    not the x of the token fit; the budget (or the logged tokens) only when the recipe is not recorded."""
+    tr = ctx.manifest.get("train") or {}
+    per_step = (tr.get("batch_size") or 0) * (tr.get("seq_len") or 0)
+    if per_step and run.max_steps:
+        return run.max_steps * per_step
+    return cell[1] or run.tokens
 
 
 def axis(ctx) -> str | None:
@@ -50,7 +62,7 @@ def points(ctx, which: str) -> dict[str, dict[int, list[tuple[float, float]]]]:
         for (arm, seed), run in runs.items():
             if not run.finished or run.final_val is None:
                 continue
-            x = _count(ctx, cell, arm, run) if which == "parameters" else (cell[1] or run.tokens)
+            x = _count(ctx, cell, arm, run) if which == "parameters" else _tokens_trained(ctx, cell, run)
             if x:
                 out.setdefault(arm, {}).setdefault(seed, []).append((float(x), float(run.final_val)))
     return out
@@ -99,10 +111,11 @@ def scaling_lines(ctx, has_plot: bool) -> list[str]:
         for arm in ctx.arms:
             finals = [r.final_val for (a, _), r in sorted(runs.items()) if a == arm and r.finished
                       and r.final_val is not None]
-            vals.append(fmt_ci(finals))
+            short = f" ({len(finals)} of {len(ctx.seeds)} seeds)" if len(finals) < len(ctx.seeds) else ""
+            vals.append(fmt_ci(finals) + short)  # R21: a cell with fewer seeds than the study says so
         rows.append([label, *vals])
     L += ["Final validation loss in every cell of the grid (mean [95% interval] over seeds):", ""]
-    L += table(["cell", *[f"`{a}`" for a in ctx.arms]], rows) + [""]
+    L += table(["cell", *[f"{code_span(a)}" for a in ctx.arms]], rows) + [""]
     if which is None:
         return L
     if has_plot:
@@ -112,9 +125,9 @@ def scaling_lines(ctx, has_plot: bool) -> list[str]:
           f"1000 bootstrap resamples of the paired seeds.", ""]
     for arm, res in fractions(ctx, which).items():
         if isinstance(res, str):
-            L += [f"- `{arm}` vs `{ctx.baseline}`: no fit ({res}).", ""]
+            L += [f"- {code_span(arm)} vs {code_span(ctx.baseline)}: no fit ({res}).", ""]
             continue
-        fit_rows = [[f"`{a}`", f"{f.a:.4g}", f"{f.alpha:.4g}", f"{f.c:.4g}"] for a, f in res.fits.items()]
+        fit_rows = [[f"{code_span(a)}", f"{f.a:.4g}", f"{f.alpha:.4g}", f"{f.c:.4g}"] for a, f in res.fits.items()]
         L += table(["arm", "a", "α", "c"], fit_rows) + [""]
         L += [f"- {headline(res, arm, ctx.baseline, what=AXES[which])}", ""]
     paper = {"parameters": "62.2% of the parameters (Fig. 3a, 830M-13.1B)",

@@ -7,6 +7,7 @@ recomputed from configs. The verdict never claims more than the paired differenc
 from __future__ import annotations
 
 import datetime as dt
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,26 @@ class Context:
 
 
 
+def code_span(text: Any) -> str:
+    """`text` as a Markdown code span that no character in it can end or format (R09-R12).
+
+    Names and prompts come from the user (arm names, compare.prompts): in a code span `*`, `_`, `|` and
+    `<tag>` stay literal in report.md and are escaped in report.html. The fence is one backtick longer
+    than the longest run of backticks in the text, padded with spaces when the text starts or ends with one."""
+    text = str(text)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_name(text: str) -> str:
+    """A name for prose: as it is when it is plain (letters, digits, `.`, `/`, `+`, `-`, inner `_`), else a code span."""
+    return text if _PLAIN.fullmatch(text) else code_span(text)
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9./+-]+(?:_[A-Za-z0-9./+-]+)*")
+
+
 def _code(text: str) -> str:
     return "```text\n" + text.replace("```", "'''").strip("\n") + "\n```"
 
@@ -92,16 +113,14 @@ def _duration(seconds: float) -> str:
 
 
 def header(ctx: Context) -> Lines:
-    title = " vs ".join(ctx.arms) if len(ctx.arms) <= 3 else f"{len(ctx.arms)} arms"
+    title = " vs ".join(map(md_name, ctx.arms)) if len(ctx.arms) <= 3 else f"{len(ctx.arms)} arms"
     L = [f"# {'Study' if ctx.grid or len(ctx.arms) > 2 else 'Side-by-side comparison'}: {title}", ""]
     L += [f"Report written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} from `{ctx.study.path}`. "
-          f"Seeds: {', '.join(map(str, ctx.seeds))}; the baseline for differences is `{ctx.baseline}`.", ""]
+          f"Seeds: {', '.join(map(str, ctx.seeds))}; the baseline for differences is {code_span(ctx.baseline)}.", ""]
     if ctx.grid:
         L += [f"The grid has {len(ctx.cells)} cells (sizes × token budgets); the sections up to \"Scaling\" are "
               f"for the largest one, {cell_label(ctx.headline)}.", ""]
-    unfinished = [f"{r.arm} (seed {r.seed}): step {r.last_step} of {r.max_steps}"
-                  for r in ctx.runs.values() if not r.finished]
-    missing = [f"{a} (seed {s})" for a in ctx.arms for s in ctx.seeds if (a, s) not in ctx.runs]
+    unfinished, missing = _incomplete(ctx)
     if unfinished or missing:
         L += ["> **Incomplete:** " + "; ".join(
             ([f"not finished: {', '.join(unfinished)}"] if unfinished else [])
@@ -110,12 +129,25 @@ def header(ctx: Context) -> Lines:
     return L
 
 
+def _incomplete(ctx: Context) -> tuple[list[str], list[str]]:
+    """The runs not finished and the (arm, seed) units not started, over EVERY cell of a grid (R21: a unit
+    missing from a smaller size or budget changes the scaling fits as much as one of the headline cell);
+    a grid's entries name their cell."""
+    unfinished, missing = [], []
+    for cell, runs in ctx.cells.items():
+        where = f"{cell_label(cell)}: " if ctx.grid else ""
+        unfinished += [f"{where}{md_name(r.arm)} (seed {r.seed}): step {r.last_step} of {r.max_steps}"
+                       for r in runs.values() if not r.finished]
+        missing += [f"{where}{md_name(a)} (seed {s})" for a in ctx.arms for s in ctx.seeds if (a, s) not in runs]
+    return unfinished, missing
+
+
 def verdicts(ctx: Context) -> Lines:
     L = ["## Verdict", ""]
     if not ctx.others:
-        L += [f"Only one arm (`{ctx.baseline}`) was run, so there is nothing to compare.", ""]
+        L += [f"Only one arm ({code_span(ctx.baseline)}) was run, so there is nothing to compare.", ""]
     for arm in ctx.others:
-        L += [verdict(arm, ctx.baseline, ctx.paired(arm)), ""]
+        L += [verdict(md_name(arm), md_name(ctx.baseline), ctx.paired(arm)), ""]
     L += ["For context (not a prediction for this run): the paper's 1.4B-parameter ablation reports a validation "
           "loss of 3.062 for DIFF against 3.087 for the matched Transformer (a gap of about 0.025 nats), and an "
           "independent small-scale reproduction (30M parameters, 5 seeds, paired initialisation) measured DIFF − "
@@ -130,8 +162,8 @@ def final_losses(ctx: Context) -> Lines:
     base_tps = [r.tokens_per_s for r in ctx.arm_runs(baseline) if r.tokens_per_s]
     many = len(seeds) > 1
     head = ["arm", "parameters", "final val loss" + (" (mean [95% interval])" if many else ""),
-            f"paired Δ vs {baseline}" + (" [95% interval]" if many else ""), "paired t-test p",
-            "train tokens/s", f"tokens/s ÷ {baseline}"]
+            f"paired Δ vs {md_name(baseline)}" + (" [95% interval]" if many else ""), "paired t-test p",
+            "train tokens/s", f"tokens/s ÷ {md_name(baseline)}"]
     rows = []
     for arm in ctx.arms:
         finals = list(finished_val(ctx.runs, arm, seeds).values())
@@ -139,13 +171,13 @@ def final_losses(ctx: Context) -> Lines:
         ratio = f"{statistics.fmean(tps) / statistics.fmean(base_tps):.3f}" if tps and base_tps else "–"
         count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
         p = None if arm == baseline else ctx.comparison(arm).p
-        rows.append([f"`{arm}`", f"{count:,}" if count else "–", fmt_ci(finals),
+        rows.append([f"{code_span(arm)}", f"{count:,}" if count else "–", fmt_ci(finals),
                      "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), fmt_p(p),
                      fmt_ms(tps, 0) if tps else "–", ratio])
     L = ["## Final validation loss and throughput", "", *table(head, rows), ""]
     if len(seeds) > 1:
         L += ["Per seed (final validation loss):", ""]
-        L += table(["seed", *[f"`{a}`" for a in ctx.arms]],
+        L += table(["seed", *[f"{code_span(a)}" for a in ctx.arms]],
                    [[str(s), *[f"{ctx.runs[a, s].final_val:.4f}" if (a, s) in ctx.runs
                                and ctx.runs[a, s].final_val is not None else "–" for a in ctx.arms]]
                     for s in seeds]) + [""]
@@ -183,7 +215,7 @@ def lambdas(ctx: Context, has_plot: bool) -> Lines:
         rows.append(row)
     many = " (mean ± std)" if len(ctx.seeds) > 1 else ""
     L = ["## λ per layer at the end of training", ""]
-    L += table(["layer", "λ_init", *[f"λ `{a}`{many}" for a in lam_arms]], rows) + [""]
+    L += table(["layer", "λ_init", *[f"λ {code_span(a)}{many}" for a in lam_arms]], rows) + [""]
     L += ["λ scales the second softmax map that is subtracted from the first; it starts at λ_init "
           "(0.8 − 0.6·exp(−0.3·layer) unless a constant is configured) and is learned.", ""]
     if has_plot:
@@ -212,12 +244,12 @@ def samples(ctx: Context) -> Lines:
         if run and run.dir is not None:
             got = sample_texts(run.dir, prompts, int(rep.get("sample_tokens", 48)),
                                float(rep.get("temperature", 0.8)), rep.get("top_k", 50), sample_seed) or got
-        L += [f"### `{arm}`", ""]
+        L += [f"### {code_span(arm)}", ""]
         if not got:
             L += ["(no final model yet)", ""]
             continue
         for row in got:
-            L += [f"**Prompt:** {row['prompt']!r}", "", "greedy:", "", _code(row["prompt"] + row["greedy"]), "",
+            L += [f"**Prompt:** {code_span(repr(row['prompt']))}", "", "greedy:", "", _code(row["prompt"] + row["greedy"]), "",
                   "sampled:", "", _code(row["prompt"] + row["sampled"]), ""]
     return L
 
@@ -267,8 +299,8 @@ def evaluation(ctx: Context) -> Lines:
                          fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–", fmt_p(cmp.p),
                          direction(cmp.outcome, arm),
                          "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
-        L += [f"### `{arm}` vs `{ctx.baseline}`", ""]
-        L += table(["task", "metric", f"`{ctx.baseline}`", f"`{arm}`", "Δ [95% interval]", "p", "reading",
+        L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
+        L += table(["task", "metric", f"{code_span(ctx.baseline)}", f"{code_span(arm)}", "Δ [95% interval]", "p", "reading",
                     "paper T / DIFF"], rows) + [""]
     return L
 
@@ -318,15 +350,15 @@ def ablations(ctx: Context) -> Lines:
         finals = list(finished_val(ctx.runs, arm, ctx.seeds).values())
         cmp = None if arm == ctx.baseline else ctx.comparison(arm)
         pv = (paper.arms or {}).get(arm) if paper else None
-        rows.append([f"`{arm}`", spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
+        rows.append([f"{code_span(arm)}", spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
                      "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
                      "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
                      "–" if pv is None else f"{pv:.3f}"])
-    L = ["## Ablations", "", f"Every arm at the same size and recipe, paired by seed with `{ctx.baseline}` "
+    L = ["## Ablations", "", f"Every arm at the same size and recipe, paired by seed with {code_span(ctx.baseline)} "
          f"(final validation loss; mean [95% interval] over seeds). The paper's column is its Table 6 (1.4B "
          f"parameters, 10B tokens): its differences are 0.001-0.06 nats, far below what seed noise lets a small "
          f"study resolve unless the interval says otherwise.", ""]
-    return L + table(["arm", "what it is", "final val loss", f"Δ vs `{ctx.baseline}`", "p", "reading",
+    return L + table(["arm", "what it is", "final val loss", f"Δ vs {code_span(ctx.baseline)}", "p", "reading",
                       "paper (Table 6)"], rows) + [""]
 
 
@@ -353,7 +385,7 @@ def what_was_run(ctx: Context) -> Lines:
     models = m.get("models") or {}
     models = {a: models.get(key(a)) or next((r.model for r in ctx.arm_runs(a)), {}) for a in ctx.arms}
     params = m.get("parameters", {})
-    rows = [[f"`{a}`", *[_model_cell(models.get(a, {}), k) for k in _MODEL_COLUMNS],
+    rows = [[f"{code_span(a)}", *[_model_cell(models.get(a, {}), k) for k in _MODEL_COLUMNS],
              f"{params[key(a)]:,}" if key(a) in params else "–"] for a in ctx.arms]
     L += table(["arm", *_MODEL_COLUMNS.values(), "parameters"], rows) + [""]
     L += ["Heads count the arm's own kind: a DIFF head holds two softmax maps, so DIFF has half the heads of its "
@@ -420,7 +452,7 @@ def _provenance(ctx: Context) -> Lines:
     walls = m.get("wall_s") or {}
     if walls:
         L += ["Wall time per run (training, evaluation and checkpoints): "
-              + ", ".join(f"{k} {_duration(v)}" for k, v in walls.items()) + ".", ""]
+              + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
     folders = [r.dir.path for r in ctx.runs.values() if r.dir is not None]

@@ -1,0 +1,110 @@
+"""Regressions from the ninth hostile pass (issue 13, docs/hostile-pass.md): report.html passed arm names and
+prompts through as live HTML, a grid study's missing unit outside the headline cell went unreported, the
+token-scaling fit used the budget instead of the tokens trained, a mixture fraction too small for one document
+made nothing, and `eval compare --no-run` took a broken result file for a missing one."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from difftransformer.cli import main
+from difftransformer.experiments.report.html import render_html
+from difftransformer.experiments.report.scaling_view import points
+from difftransformer.experiments.report.sections import Context, code_span, header
+from tests.cli.conftest import last_error_line, tiny_run_config
+
+HOSTILE_ARM = "<img src=x onerror=alert(1)>"
+HOSTILE_PROMPT = "<img src=x onerror=alert(2)> | *x* `y"
+
+
+def test_report_html_holds_no_tag_from_an_arm_name_or_a_prompt(workdir, tmp_path):
+    """R10, R11, R12: an arm named `<img src=x onerror=alert(1)>` and a prompt holding a tag reached
+    report.html as live tags (the verdict, the wall-time list, "Prompt:"), and `*x*` became emphasis."""
+    config = Path(tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2, warmup_steps=1))
+    config.write_text(config.read_text() + "\n[compare]\n"
+                      f"arms = [\"diff\", {{name = \"{HOSTILE_ARM}\", attention = \"transformer\"}}]\n"
+                      f"prompts = [{json.dumps(HOSTILE_PROMPT)}]\nsample_tokens = 2\neval_tasks = []\n")
+    study = tmp_path / "study"
+    assert main(["compare", "--config", str(config), "--out-dir", str(study)]) == 0
+    assert main(["report", str(study)]) == 0
+    page = (study / "report.html").read_text()
+    assert "<img src=x" not in page and "onerror=alert(1)&gt;" in page
+    assert "<em>x</em>" not in page
+    md = (study / "report.md").read_text()
+    assert f"**Prompt:** {code_span(repr(HOSTILE_PROMPT))}" in md
+    assert "**diff vs `<img src=x onerror=alert(1)>`:**" in md
+
+
+def test_raw_html_in_the_markdown_is_escaped_and_figures_still_embed(tmp_path):
+    """R10-R12 at the renderer: a tag or an entity-like `&` in prose and tables is text; the report's own
+    images (Markdown image syntax) are still embedded."""
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")
+    page = render_html('**<b>x&y"z\'</b>** <script>alert(1)</script>\n\n<div>x</div>\n\n| a |\n|---|\n'
+                       '| <img src=y onerror=z> |\n\n![fig](a.png)\n', tmp_path, "t")
+    assert "<b>" not in page and "<script>" not in page and "<div>" not in page and "<img src=y" not in page
+    assert "&lt;b&gt;x&amp;y" in page and 'src="data:image/png;base64,' in page
+
+
+def test_code_span_survives_backticks():
+    """R09, R12: a name or prompt with backticks stays one code span."""
+    assert code_span("a`b") == "``a`b``"
+    assert code_span("`y") == "`` `y ``"
+    assert code_span("plain") == "`plain`"
+
+
+def _run(arm, seed, finished=True, **kw):
+    return SimpleNamespace(**{"arm": arm, "seed": seed, "finished": finished, "last_step": 2, "max_steps": 2,
+                              "final_val": 5.0, "tokens": 0, **kw})
+
+
+def _grid(cells, headline, manifest=None):
+    return Context(study=SimpleNamespace(path=Path("/s")), manifest=manifest or {}, arms=["diff", "transformer"],
+                   seeds=[0, 1], baseline="transformer", runs=cells[headline], cells=cells, headline=headline)
+
+
+def test_a_missing_unit_outside_the_headline_cell_is_reported(tmp_path):
+    """R21: a size-grid study with w32/seed1/transformer gone said nothing ("Incomplete" looked at the headline
+    cell only); the line names the cell."""
+    full = {(a, s): _run(a, s) for a in ("diff", "transformer") for s in (0, 1)}
+    small = {k: v for k, v in full.items() if k != ("transformer", 1)}
+    text = "\n".join(header(_grid({("w32", None): small, ("w64", None): dict(full)}, ("w64", None))))
+    assert "**Incomplete:**" in text and "size w32: transformer (seed 1)" in text
+
+
+def test_the_token_fit_uses_the_tokens_trained_not_the_budget():
+    """C04: a 300-token budget at 128 tokens per step trains 3 steps = 384 tokens; the fit used x = 300."""
+    runs = {(a, 0): _run(a, 0, max_steps=3) for a in ("diff", "transformer")}
+    ctx = _grid({(None, 300): runs, (None, 256): {k: _run(k[0], 0, max_steps=2) for k in runs}}, (None, 300),
+                {"train": {"batch_size": 4, "seq_len": 32}})
+    xs = sorted(x for series in points(ctx, "tokens")["diff"].values() for x, _ in series)
+    assert xs == [256.0, 384.0]
+
+
+def test_a_mixture_fraction_under_half_a_document_is_refused(workdir, tmp_path, capsys):
+    """MX16: needle 0.1 with length 100000 (a target of a few thousand tokens) made no needle document, rc 0."""
+    assert main(["prepare", str(workdir / "corpus"), "--out-dir", str(tmp_path / "data"), "--vocab-size", "300",
+                 "--set", "data.mixture.needle=0.1", "--set", "data.mixture.length=100000"]) == 2
+    line = last_error_line(capsys)
+    assert re.search(r"data\.mixture\.needle = 0\.1 is [\d,]+ tokens, less than half of one 100,000-token "
+                     r"document", line) and "lower data.mixture.length" in line, line
+
+
+def test_eval_compare_no_run_names_a_broken_result_file(compared, capsys):
+    """EC08, EC12: B's heldout-loss.json with `"loss": "x"` or broken JSON read as "only one model has",
+    the file not named."""
+    a, b = compared / "diff", compared / "transformer"
+    args = ["eval", "compare", str(a), str(b), "--tasks", "heldout-loss"]
+    assert main(args) == 0
+    stored = b / "eval" / "heldout-loss.json"
+    good = json.loads(stored.read_text())
+    for content, why in ((json.dumps({**good, "metrics": {**good["metrics"], "loss": "x"}}),
+                          "metric 'loss' is 'x', not a number"), ("{broken", "not JSON")):
+        stored.write_text(content)
+        capsys.readouterr()
+        assert main([*args, "--no-run"]) == 0
+        err = capsys.readouterr().err
+        assert f"{stored} is not a readable result ({why}" in err and "delete it or run without --no-run" in err
+    stored.write_text(json.dumps(good))
