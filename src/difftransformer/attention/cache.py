@@ -38,20 +38,43 @@ class KVCache:
         return 0 if layer not in self.keys else self.keys[layer].shape[2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v (B, heads, T, dim) to the layer's cache; returns all its keys and values."""
-        past = self.length(layer)
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            if past:
-                k, v = torch.cat((self.keys[layer], k), dim=2), torch.cat((self.values[layer], v), dim=2)
-            self._buffers.pop(layer, None)
-            self.keys[layer], self.values[layer] = k, v
-            return k, v
-        total = past + k.shape[2]
-        kbuf, vbuf = self._room(layer, k, v, total)
-        kbuf[:, :, past:total] = k
-        vbuf[:, :, past:total] = v
+        """Append k, v (B, heads, T, dim) to the layer's cache; returns all its keys and values.
+
+        New keys must have the cached ones' batch, heads and dim: a cache belongs to one model and one
+        batch. A mismatch is refused naming both shapes, where a size-1 batch or head axis would
+        otherwise be broadcast into the cache without a word. Only k's sizes are compared up front (plain
+        attribute reads: this runs per layer per decoding step); values of other sizes are reported the
+        same way when their write fails."""
+        cached = self.keys.get(layer)
+        past = 0
+        if cached is not None:
+            new, old = k.shape, cached.shape
+            if new[0] != old[0] or new[1] != old[1] or new[3] != old[3]:
+                raise self._mismatch(layer, k)
+            past = old[2]
+        try:
+            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+                if past:
+                    k, v = torch.cat((cached, k), dim=2), torch.cat((self.values[layer], v), dim=2)
+                self._buffers.pop(layer, None)
+                self.keys[layer], self.values[layer] = k, v
+                return k, v
+            total = past + k.shape[2]
+            kbuf, vbuf = self._room(layer, k, v, total)
+            kbuf[:, :, past:total] = k
+            vbuf[:, :, past:total] = v
+        except RuntimeError:  # v's sizes differ from the cached values' (k's were compared above)
+            if cached is not None and _sizes(v) != _sizes(self.values[layer]):
+                raise self._mismatch(layer, v, "values") from None
+            raise
         self.keys[layer], self.values[layer] = kbuf[:, :, :total], vbuf[:, :, :total]
         return self.keys[layer], self.values[layer]
+
+    def _mismatch(self, layer: int, new: torch.Tensor, what: str = "keys") -> ValueError:
+        held = (self.keys if what == "keys" else self.values)[layer]
+        return ValueError(f"this KVCache holds {_shape(held)} {what} for layer {layer}; the new ones are {_shape(new)} "
+                          f"(batch, heads, ·, dim): a cache belongs to the model and batch that filled it; use a new "
+                          f"KVCache per model and batch")
 
     def _room(self, layer: int, k: torch.Tensor, v: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's buffers, allocated or grown (keeping what is filled) to hold `total` positions."""
@@ -71,3 +94,13 @@ class KVCache:
 
     def __len__(self) -> int:
         return self.length(next(iter(self.keys), 0))
+
+
+def _sizes(t: torch.Tensor) -> tuple[int, ...]:
+    """(batch, heads, dim) of a (B, heads, S, dim) tensor: what must stay fixed over a cache's lifetime."""
+    return (t.shape[0], t.shape[1], t.shape[-1]) if t.dim() == 4 else tuple(t.shape)
+
+
+def _shape(t: torch.Tensor) -> str:
+    """(B, heads, ·, dim): a cached tensor's shape with its growing length left out."""
+    return "({}, {}, ·, {})".format(*_sizes(t)) if t.dim() == 4 else str(tuple(t.shape))

@@ -87,6 +87,24 @@ def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
             f"{tuple(key_padding_mask.shape)}; it marks keys to keep with True/1, including any cached keys")
 
 
+def _check_operands(q, k, v, key_padding_mask) -> None:
+    """q, k, v (and the key padding mask) on one device, and q, k, v floating point, or an error naming them.
+
+    Why: the backend is chosen from q alone, and the fused CPU kernel reads k's, v's and the mask's memory
+    as CPU data whatever device holds it (k on 'meta' gave finite garbage, hostile pass 9's P68); integer
+    tensors fail deep inside a backend (P67). Attribute compares only: this runs per layer per decoding step.
+    Mixed floating dtypes stay allowed (the backends compute in q's)."""
+    mask_elsewhere = key_padding_mask is not None and key_padding_mask.device != q.device
+    if mask_elsewhere or not q.device == k.device == v.device:
+        names, tensors = ("q, k, v", (q, k, v)) if not mask_elsewhere else (
+            "q, k, v and key_padding_mask", (q, k, v, key_padding_mask))
+        raise ValueError(f"{names} must be on one device; got {', '.join(str(t.device) for t in tensors)}; "
+                         f"move them there with .to(q.device)")
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise TypeError(f"q, k, v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}; "
+                        f"convert them with .float() (or .to(torch.bfloat16), ...)")
+
+
 def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {q.dim()}, {k.dim()}, {v.dim()} dims")
@@ -123,6 +141,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     output as `RMSNorm` does. Given here rather than applied by the caller so the cpp backend can
     fuse it into its decode path (one op less per layer and token).
     """
+    _check_operands(q, k, v, key_padding_mask)
     h, h_kv, T = _check_diff_shapes(q, k, v, lam)
     B, S, d = q.shape[0], k.shape[2], q.shape[-1]
     _check_key_padding_mask(key_padding_mask, B, S)
@@ -249,11 +268,14 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
 
     Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook: see the
     module doc (maps = 1; runs the eager backend)."""
-    if q.dim() != 4 or k.shape != v.shape[:-1] + (k.shape[-1],) or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d) with H % H_kv == 0; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, H, T, d = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
+    _check_operands(q, k, v, key_padding_mask)
+    qs, ks = q.shape, k.shape  # read once: this runs per layer per decoding step
+    if (len(qs) != 4 or len(ks) != 4 or v.shape[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
+            or qs[1] % ks[1]):
+        raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d): the same batch B and q/k dim d, "
+                         f"H % H_kv == 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, d = qs
+    H_kv, S = ks[1], ks[2]
     _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
     which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,

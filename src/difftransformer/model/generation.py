@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from difftransformer.attention import KVCache
@@ -59,6 +61,29 @@ def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: 
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
+def _check_arguments(model, input_ids: torch.Tensor, max_new_tokens, attention_mask: torch.Tensor | None) -> int:
+    """max_new_tokens as an int, once generate's arguments are checked as it reads them: the prompt's shape and
+    dtype as forward checks them (its ids' range is checked by the first forward), a whole max_new_tokens >= 0
+    and a mask of the prompt's shape; else an error naming the argument (a mistake would otherwise surface as
+    another argument's error, or as Python's own on a float)."""
+    from difftransformer.model.modeling import check_input_ids  # modeling imports this module
+
+    check_input_ids(input_ids, None)
+    try:
+        if isinstance(max_new_tokens, bool):
+            raise TypeError
+        n = operator.index(max_new_tokens)  # any integer: int, numpy's, a 0-d integer tensor
+    except TypeError:
+        raise TypeError(f"max_new_tokens must be an int (the number of tokens to add), got {max_new_tokens!r} "
+                        f"({type(max_new_tokens).__name__})") from None
+    if n < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {n}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)} (1 for each prompt "
+                         f"token, 0 for left padding); got {tuple(attention_mask.shape)}")
+    return n
+
+
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
@@ -70,10 +95,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     each row then gets its own positions, so its output equals generating it alone. Rows that
     produced eos_token_id keep emitting it until every row is done.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    max_new_tokens = _check_arguments(model, input_ids, max_new_tokens, attention_mask)
     limit = model.config.max_position_embeddings
-    if input_ids.dim() == 2 and input_ids.shape[1] + max_new_tokens > limit:
+    if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
                          f"model's max_position_embeddings {limit}")
     was_training = model.training

@@ -55,6 +55,9 @@ def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
 def read_pretrained(directory: str | Path) -> tuple[DiffTransformerConfig, Path]:
     """(config, weights path) of a pretrained folder; a missing file is a FileNotFoundError naming it."""
     directory = Path(directory)
+    if directory.is_file():
+        raise ValueError(f"{directory} is a file; give the folder that holds {CONFIG_NAME} and {WEIGHTS_NAME} "
+                         f"(this file's folder is {directory.parent})")
     config = DiffTransformerConfig.load(directory / CONFIG_NAME)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
