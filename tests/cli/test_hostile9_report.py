@@ -13,7 +13,8 @@ from types import SimpleNamespace
 from difftransformer.cli import main
 from difftransformer.experiments.report.html import render_html
 from difftransformer.experiments.report.scaling_view import points
-from difftransformer.experiments.report.sections import Context, code_span, header
+from difftransformer.experiments.report.fmt import code_span
+from difftransformer.experiments.report.sections import Context, header
 from tests.cli.conftest import last_error_line, tiny_run_config
 
 HOSTILE_ARM = "<img src=x onerror=alert(1)>"

@@ -46,7 +46,7 @@ from transformers.utils import logging
 
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.model import DiffTransformerLM
-from difftransformer.model.modeling import check_input_ids, keep_last_positions
+from difftransformer.model.inputs import check_input_ids, keep_last_positions
 from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 

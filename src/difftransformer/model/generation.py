@@ -7,6 +7,7 @@ import operator
 import torch
 
 from difftransformer.attention import KVCache
+from difftransformer.model.inputs import check_input_ids
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -66,8 +67,6 @@ def _check_arguments(model, input_ids: torch.Tensor, max_new_tokens, attention_m
     dtype as forward checks them (its ids' range is checked by the first forward), a whole max_new_tokens >= 0
     and a mask of the prompt's shape; else an error naming the argument (a mistake would otherwise surface as
     another argument's error, or as Python's own on a float)."""
-    from difftransformer.model.modeling import check_input_ids  # modeling imports this module
-
     check_input_ids(input_ids, None)
     try:
         if isinstance(max_new_tokens, bool):

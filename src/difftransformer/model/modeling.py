@@ -20,6 +20,7 @@ from torch import nn
 
 from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
 from difftransformer.model.generation import generate
+from difftransformer.model.inputs import check_input_ids, keep_last_positions
 from difftransformer.model.serialization import load_weights, read_pretrained, save_pretrained
 from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.norm import RMSNorm
@@ -74,42 +75,12 @@ class DecoderBlock(nn.Module):
         return (out, maps) if return_attention else out
 
 
-def check_input_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
-    """(batch, seq_len) integer token ids inside [0, vocab_size), or a one-line error saying what is wrong.
-    vocab_size None checks the shape and dtype only (`generate`, before its first forward checks the range)."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, seq_len); got shape {tuple(input_ids.shape)} "
-                         f"(use input_ids[None] for a single sequence)")
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.numel() == 0:
-        raise ValueError("input_ids is empty")
-    # The range check reads the ids on the host, which would break a torch.compile graph;
-    # compiled, the embedding's own bounds check has to do.
-    if vocab_size is not None and not torch.compiler.is_compiling():
-        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
-        if lo < 0 or hi >= vocab_size:
-            bad = hi if hi >= vocab_size else lo
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
-                             f"was the input encoded with this model's tokenizer?")
-
-
 def _check_dtype(dtype) -> None:
     """None (torch's default) or a floating-point torch.dtype: parameters train, so they are floats; anything
     else would fail inside torch on the first parameter, naming neither the argument nor the fix."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, torch.float16 "
                         f"or torch.float64) or None for the default; got {dtype!r}")
-
-
-def keep_last_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The positions of x (B, T, ...) whose logits are computed: all (0), the last n (int n), or the
-    given position indices (a tensor, transformers' other form)."""
-    if isinstance(logits_to_keep, torch.Tensor):
-        return x[:, logits_to_keep]
-    if logits_to_keep < 0:
-        raise ValueError(f"logits_to_keep must be >= 0 (0 keeps every position), got {logits_to_keep}")
-    return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
 
 
 class LayerLambda(NamedTuple):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 from difftransformer.experiments.stats import mean_std, t_interval
 
@@ -54,3 +56,23 @@ def direction(outcome: str, arm: str) -> str:
 
 def fmt_num(x: float | None) -> str:
     return "–" if x is None else f"{x:g}"
+
+
+def code_span(text: Any) -> str:
+    """`text` as a Markdown code span that no character in it can end or format (R09-R12).
+
+    Names and prompts come from the user (arm names, compare.prompts): in a code span `*`, `_`, `|` and
+    `<tag>` stay literal in report.md and are escaped in report.html. The fence is one backtick longer
+    than the longest run of backticks in the text, padded with spaces when the text starts or ends with one."""
+    text = str(text)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_name(text: str) -> str:
+    """A name for prose: as it is when it is plain (letters, digits, `.`, `/`, `+`, `-`, inner `_`), else a code span."""
+    return text if _PLAIN.fullmatch(text) else code_span(text)
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9./+-]+(?:_[A-Za-z0-9./+-]+)*")

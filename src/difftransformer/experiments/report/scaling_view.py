@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from difftransformer.experiments.report.runs import Run
-from difftransformer.experiments.report.sections import code_span
+from difftransformer.experiments.report.fmt import code_span
 
 AXES = {"parameters": "non-embedding parameters", "tokens": "training tokens"}
 

@@ -7,14 +7,13 @@ recomputed from configs. The verdict never claims more than the paired differenc
 from __future__ import annotations
 
 import datetime as dt
-import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from difftransformer.eval.paper import paper_number
-from difftransformer.experiments.report.fmt import (Lines, direction, fmt_ci, fmt_ms, fmt_num, fmt_p, metric_values,
-                                                     table)
+from difftransformer.experiments.report.fmt import (Lines, code_span, direction, fmt_ci, fmt_ms, fmt_num, fmt_p,
+                                                     md_name, metric_values, table)
 from difftransformer.experiments.report.runs import Run, finished_val
 from difftransformer.experiments.stats import compare_paired, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
@@ -78,26 +77,6 @@ class Context:
 
 
 
-
-
-def code_span(text: Any) -> str:
-    """`text` as a Markdown code span that no character in it can end or format (R09-R12).
-
-    Names and prompts come from the user (arm names, compare.prompts): in a code span `*`, `_`, `|` and
-    `<tag>` stay literal in report.md and are escaped in report.html. The fence is one backtick longer
-    than the longest run of backticks in the text, padded with spaces when the text starts or ends with one."""
-    text = str(text)
-    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def md_name(text: str) -> str:
-    """A name for prose: as it is when it is plain (letters, digits, `.`, `/`, `+`, `-`, inner `_`), else a code span."""
-    return text if _PLAIN.fullmatch(text) else code_span(text)
-
-
-_PLAIN = re.compile(r"[A-Za-z0-9./+-]+(?:_[A-Za-z0-9./+-]+)*")
 
 
 def _code(text: str) -> str:
