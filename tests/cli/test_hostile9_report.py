@@ -109,3 +109,19 @@ def test_eval_compare_no_run_names_a_broken_result_file(compared, capsys):
         err = capsys.readouterr().err
         assert f"{stored} is not a readable result ({why}" in err and "delete it or run without --no-run" in err
     stored.write_text(json.dumps(good))
+
+
+def test_the_scaling_claim_says_when_its_grid_lacks_a_seed():
+    """R21 (its claims line): with one unit of a token grid gone, the claims table gave the fit as if every
+    cell held every seed; it now says some cells lack one (and nothing of the kind for a full grid)."""
+    from difftransformer.experiments.report.claims import _scaling_claims
+
+    def cell(steps, base):
+        return {(a, s): _run(a, s, max_steps=steps, last_step=steps, final_val=base + (0.1 if a == "diff" else 0)
+                             + 0.01 * s) for a in ("diff", "transformer") for s in (0, 1)}
+    train = {"train": {"batch_size": 4, "seq_len": 32}}
+    for drop, lacking in ((("transformer", 1), True), (None, False)):
+        small = {k: v for k, v in cell(2, 5.0).items() if k != drop}
+        grid = {(None, 256): small, (None, 512): cell(4, 4.5), (None, 1024): cell(8, 4.0)}
+        rows = _scaling_claims(_grid(grid, (None, 1024), train))
+        assert rows and ("some grid cells lack a seed" in rows[0]["ours"]) == lacking, rows

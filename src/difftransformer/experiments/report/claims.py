@@ -72,7 +72,7 @@ def _eval_claims(ctx) -> list[dict[str, Any]]:
 
 
 def _scaling_claims(ctx) -> list[dict[str, Any]]:
-    from difftransformer.experiments.report.scaling_view import axis, fractions
+    from difftransformer.experiments.report.scaling_view import axis, fractions, points
 
     which = axis(ctx)
     if which is None:
@@ -89,6 +89,9 @@ def _scaling_claims(ctx) -> list[dict[str, Any]]:
         low, high = res.interval
         ours = f"{res.fraction:.2f} [{low:.2f}, {high:.2f}]"
         verdict = "reproduced" if high < 1 else "opposite" if low > 1 else "not shown"
+    pts = points(ctx, which)  # a seed with fewer grid points than another: the fit is over an incomplete grid
+    if len({len(series) for arm in (DIFF, ctx.baseline) for series in pts.get(arm, {}).values()}) > 1:
+        ours += " (some grid cells lack a seed: see Incomplete)"
     return [{"claim": f"DIFF needs a fraction of the Transformer's {which} (< 1)", "ref": number.ref,
              "paper": f"{number.diff:g}", "ours": ours, "n": len(res.seeds), "verdict": verdict,
              "seeds_needed": None, "effect": None}]
