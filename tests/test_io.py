@@ -69,3 +69,15 @@ def test_the_command_line_knows_every_kind_of_output_folder():
 
     assert FOLDER_MARKERS == {"prepared data": (PREPARED_FILE,), "a training run": (TRAIN_CONFIG_FILE, METRICS_FILE),
                               "a study": (MANIFEST_FILE,)}
+
+
+def test_broken_link_says_loop_missing_or_nothing(tmp_path):
+    """The one check behind the messages about a symbolic link (convert's DST, the CLI's out dirs)."""
+    from difftransformer._io import broken_link
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "good").symlink_to(tmp_path / "real")
+    assert [broken_link(tmp_path / n) for n in ("a", "dangling", "good", "real")] == ["loop", "missing", None, None]

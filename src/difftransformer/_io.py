@@ -78,6 +78,16 @@ def writing(path: str | Path) -> Iterator[None]:
         raise OSError(system.errno, system.strerror, os.fspath(path)) from e
 
 
+def broken_link(link: str | Path) -> str | None:
+    """What is wrong with a symbolic link, for messages: "loop" (it leads back to itself), "missing" (its
+    target does not exist), or None when it resolves (or `link` is no link)."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        return "loop" if e.errno == errno.ELOOP else "missing"
+    return None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
     """Yield a temp path to write; on success it replaces `path`, on failure it is removed.

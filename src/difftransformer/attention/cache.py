@@ -40,33 +40,28 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v (B, heads, T, dim) to the layer's cache; returns all its keys and values.
 
-        New keys must have the cached ones' batch, heads and dim: a cache belongs to one model and one
-        batch. A mismatch is refused naming both shapes, where a size-1 batch or head axis would
-        otherwise be broadcast into the cache without a word. Only k's sizes are compared up front (plain
-        attribute reads: this runs per layer per decoding step); values of other sizes are reported the
-        same way when their write fails."""
+        New keys and values must have the cached ones' batch, heads and dim: a cache belongs to one model
+        and one batch. A mismatch is refused naming both shapes, where a size-1 batch or head axis would
+        otherwise be broadcast into the cache without a word (plain shape compares: this runs per layer
+        per decoding step)."""
         cached = self.keys.get(layer)
         past = 0
         if cached is not None:
-            new, old = k.shape, cached.shape
-            if new[0] != old[0] or new[1] != old[1] or new[3] != old[3]:
+            if _sizes(k) != _sizes(cached):
                 raise self._mismatch(layer, k)
-            past = old[2]
-        try:
-            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-                if past:
-                    k, v = torch.cat((cached, k), dim=2), torch.cat((self.values[layer], v), dim=2)
-                self._buffers.pop(layer, None)
-                self.keys[layer], self.values[layer] = k, v
-                return k, v
-            total = past + k.shape[2]
-            kbuf, vbuf = self._room(layer, k, v, total)
-            kbuf[:, :, past:total] = k
-            vbuf[:, :, past:total] = v
-        except RuntimeError:  # v's sizes differ from the cached values' (k's were compared above)
-            if cached is not None and _sizes(v) != _sizes(self.values[layer]):
-                raise self._mismatch(layer, v, "values") from None
-            raise
+            if _sizes(v) != _sizes(self.values[layer]):
+                raise self._mismatch(layer, v, "values")
+            past = cached.shape[2]
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            if past:
+                k, v = torch.cat((cached, k), dim=2), torch.cat((self.values[layer], v), dim=2)
+            self._buffers.pop(layer, None)
+            self.keys[layer], self.values[layer] = k, v
+            return k, v
+        total = past + k.shape[2]
+        kbuf, vbuf = self._room(layer, k, v, total)
+        kbuf[:, :, past:total] = k
+        vbuf[:, :, past:total] = v
         self.keys[layer], self.values[layer] = kbuf[:, :, :total], vbuf[:, :, :total]
         return self.keys[layer], self.values[layer]
 

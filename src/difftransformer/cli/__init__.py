@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 
 from difftransformer import dist
 from difftransformer._config import debugging
-from difftransformer._io import FolderInUseError, os_error_of
+from difftransformer._io import FolderInUseError, broken_link, os_error_of
 from difftransformer._version import __version__
 from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
 from difftransformer.cli.common import Formatter, epilog
@@ -99,14 +99,6 @@ def _no_space_message(path: Path | None, args: argparse.Namespace | None) -> str
     return f"no space left on the device{what}; {fix}"
 
 
-def _loops(link: Path) -> bool:
-    try:
-        os.stat(link)
-    except OSError as e:
-        return e.errno == errno.ELOOP
-    return False
-
-
 def os_error_message(e: OSError, args: argparse.Namespace | None = None) -> str:
     """The machine refusing, as one line that names the path and what to do: Python's own text
     ("[Errno 17] File exists: 'runs/x'") names neither the cause nor the fix. args: the command line,
@@ -118,7 +110,8 @@ def os_error_message(e: OSError, args: argparse.Namespace | None = None) -> str:
     path = _shown(Path(os.fsdecode(e.filename2 if e.filename2 is not None and e.errno == errno.EISDIR else e.filename)))
     if e.errno == errno.EEXIST and not path.is_dir():
         what = ("a file" if not path.is_symlink() or path.exists() else
-                f"a symbolic link (to {os.readlink(path)}) that {'is a loop' if _loops(path) else 'leads nowhere'}")
+                f"a symbolic link (to {os.readlink(path)}) that "
+                f"{'is a loop' if broken_link(path) == 'loop' else 'leads nowhere'}")
         return f"{path} is {what}, not a folder; remove it or choose another path"
     if e.errno == errno.ENOTDIR:
         blocker = _file_in_path(path)

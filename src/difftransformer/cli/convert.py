@@ -15,7 +15,6 @@ its settings JSON. The tokenizer.json saved with the source (a run's final/) is 
 from __future__ import annotations
 
 import argparse
-import errno
 import glob
 import json
 import os
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from difftransformer._io import atomic_write_text, writing
+from difftransformer._io import atomic_write_text, broken_link, writing
 from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
 from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer
@@ -113,11 +112,9 @@ def _refuse_links(dst: Path) -> None:
 
 def _link_target(link: Path) -> str:
     """Where the symbolic link `link` points, for messages: its target, and whether that is missing or a loop."""
-    target = os.readlink(link)
-    try:
-        os.stat(link)
-    except OSError as e:
-        return f"to {target}, " + ("a symlink loop" if e.errno == errno.ELOOP else "which does not exist")
+    target, broken = os.readlink(link), broken_link(link)
+    if broken is not None:
+        return f"to {target}, " + ("a symlink loop" if broken == "loop" else "which does not exist")
     return f"to {target}" + (", an empty folder" if link.is_dir() and not any(link.iterdir()) else "")
 
 
@@ -157,8 +154,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # another user's process: running
+        pass
     return True
 
 

@@ -77,28 +77,28 @@ class ResultsDir:
 
     def load(self, task: str) -> dict[str, Any] | None:
         """The stored result of `task` as a dict; None when there is none, it cannot be read, or it does
-        not have a result's shape (`is_result_record`)."""
-        try:
-            data = json.loads(self.json_path(task).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        return data if is_result_record(data, task) else None
+        not have a result's shape (`record_problem`)."""
+        return self._read(task)[0]
 
     def problem(self, task: str) -> str | None:
         """Why the stored `<task>.json` is not a readable result (EC08, EC12: a hand edit, broken JSON), for
         a caller that must name the file rather than treat it as absent; None when it is one or is absent."""
-        path = self.json_path(task)
-        if not path.exists():
-            return None
+        return self._read(task)[1]
+
+    def _read(self, task: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(the stored result, None), (None, why the file is not one), or (None, None) without a file."""
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(self.json_path(task).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None, None
         except UnicodeDecodeError as e:
-            return f"not UTF-8 text: {e.reason} at byte {e.start}"
+            return None, f"not UTF-8 text: {e.reason} at byte {e.start}"
         except ValueError as e:
-            return f"not JSON: {e}"
+            return None, f"not JSON: {e}"
         except OSError as e:
-            return e.strerror or str(e)
-        return record_problem(data, task)
+            return None, e.strerror or str(e)
+        problem = record_problem(data, task)
+        return (None, problem) if problem else (data, None)
 
     def all(self) -> dict[str, dict[str, Any]]:
         """Every readable result in the folder, by task name."""

@@ -75,11 +75,11 @@ class _InPlaceLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = self.keys.shape[-2] if self.keys.numel() else 0
         total = n + key_states.shape[-2]
-        returned = self._returned  # nothing touched keys/values since the last step: no checks needed
-        if not (returned is not None and returned[0] is self.keys and returned[1] is self.values
-                and total <= self._kbuf.shape[-2]
-                or self._holds(self.keys, self._kbuf, key_states) and self._holds(self.values, self._vbuf, value_states)
-                and total <= self._kbuf.shape[-2]):
+        returned = self._returned
+        untouched = returned is not None and returned[0] is self.keys and returned[1] is self.values  # no checks
+        views = untouched or (self._holds(self.keys, self._kbuf, key_states)
+                              and self._holds(self.values, self._vbuf, value_states))
+        if not (views and total <= self._kbuf.shape[-2]):
             self._kbuf = self._grown(self.keys, n, key_states, total)
             self._vbuf = self._grown(self.values, n, value_states, total)
         self._kbuf.narrow(-2, n, total - n).copy_(key_states)
@@ -300,8 +300,12 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         with self._maps_backend() if output_attentions else contextlib.nullcontext():
             x, hidden, maps = self._blocks(x, mask, position_ids, cache, output_attentions, output_hidden_states)
-        kept = keep_last_positions(x, logits_to_keep)
-        logits = self.lm_head(kept if output_hidden_states else self.norm(kept))
+        if output_hidden_states:  # transformers' last hidden state is the normed one, at every position
+            x = self.norm(x)
+            hidden = (*hidden, x)
+            logits = self.lm_head(keep_last_positions(x, logits_to_keep))
+        else:  # the norm is per position: only the kept ones need it
+            logits = self.lm_head(self.norm(keep_last_positions(x, logits_to_keep)))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
@@ -364,12 +368,10 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                 layer.backend = backend
 
     def _blocks(self, x, mask, position_ids, cache, output_attentions: bool, output_hidden_states: bool):
-        """The decoder blocks in order; (x, hidden states or None, maps or None).
+        """The decoder blocks in order, before the final norm; (x, hidden states or None, maps or None).
 
-        Hidden states follow transformers: the embedding output, each block's input after it, and the
-        final one after the norm (num_hidden_layers + 1 tensors). With them, x is returned after the
-        final norm; without, before it, so the caller norms only the positions whose logits it keeps
-        (the norm is per position: the same numbers)."""
+        Hidden states follow transformers: the embedding output and each block's input after it; the caller
+        adds the final one after the norm (num_hidden_layers + 1 tensors in all)."""
         hidden, maps = [], []
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
@@ -387,9 +389,6 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                 maps.append(layer_maps.diff)
             else:
                 x = res
-        if output_hidden_states:
-            x = self.norm(x)
-            hidden.append(x)
         return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
 
 

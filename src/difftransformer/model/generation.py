@@ -62,7 +62,7 @@ def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: 
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _check_arguments(model, input_ids: torch.Tensor, max_new_tokens, attention_mask: torch.Tensor | None) -> int:
+def _check_arguments(input_ids: torch.Tensor, max_new_tokens, attention_mask: torch.Tensor | None) -> int:
     """max_new_tokens as an int, once generate's arguments are checked as it reads them: the prompt's shape and
     dtype as forward checks them (its ids' range is checked by the first forward), a whole max_new_tokens >= 0
     and a mask of the prompt's shape; else an error naming the argument (a mistake would otherwise surface as
@@ -94,7 +94,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     each row then gets its own positions, so its output equals generating it alone. Rows that
     produced eos_token_id keep emitting it until every row is done.
     """
-    max_new_tokens = _check_arguments(model, input_ids, max_new_tokens, attention_mask)
+    max_new_tokens = _check_arguments(input_ids, max_new_tokens, attention_mask)
     limit = model.config.max_position_embeddings
     if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "

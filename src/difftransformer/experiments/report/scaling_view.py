@@ -115,7 +115,7 @@ def scaling_lines(ctx, has_plot: bool) -> list[str]:
             vals.append(fmt_ci(finals) + short)  # R21: a cell with fewer seeds than the study says so
         rows.append([label, *vals])
     L += ["Final validation loss in every cell of the grid (mean [95% interval] over seeds):", ""]
-    L += table(["cell", *[f"{code_span(a)}" for a in ctx.arms]], rows) + [""]
+    L += table(["cell", *[code_span(a) for a in ctx.arms]], rows) + [""]
     if which is None:
         return L
     if has_plot:
@@ -127,7 +127,7 @@ def scaling_lines(ctx, has_plot: bool) -> list[str]:
         if isinstance(res, str):
             L += [f"- {code_span(arm)} vs {code_span(ctx.baseline)}: no fit ({res}).", ""]
             continue
-        fit_rows = [[f"{code_span(a)}", f"{f.a:.4g}", f"{f.alpha:.4g}", f"{f.c:.4g}"] for a, f in res.fits.items()]
+        fit_rows = [[code_span(a), f"{f.a:.4g}", f"{f.alpha:.4g}", f"{f.c:.4g}"] for a, f in res.fits.items()]
         L += table(["arm", "a", "α", "c"], fit_rows) + [""]
         L += [f"- {headline(res, arm, ctx.baseline, what=AXES[which])}", ""]
     paper = {"parameters": "62.2% of the parameters (Fig. 3a, 830M-13.1B)",

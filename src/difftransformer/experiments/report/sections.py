@@ -150,13 +150,13 @@ def final_losses(ctx: Context) -> Lines:
         ratio = f"{statistics.fmean(tps) / statistics.fmean(base_tps):.3f}" if tps and base_tps else "–"
         count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
         p = None if arm == baseline else ctx.comparison(arm).p
-        rows.append([f"{code_span(arm)}", f"{count:,}" if count else "–", fmt_ci(finals),
+        rows.append([code_span(arm), f"{count:,}" if count else "–", fmt_ci(finals),
                      "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), fmt_p(p),
                      fmt_ms(tps, 0) if tps else "–", ratio])
     L = ["## Final validation loss and throughput", "", *table(head, rows), ""]
     if len(seeds) > 1:
         L += ["Per seed (final validation loss):", ""]
-        L += table(["seed", *[f"{code_span(a)}" for a in ctx.arms]],
+        L += table(["seed", *[code_span(a) for a in ctx.arms]],
                    [[str(s), *[f"{ctx.runs[a, s].final_val:.4f}" if (a, s) in ctx.runs
                                and ctx.runs[a, s].final_val is not None else "–" for a in ctx.arms]]
                     for s in seeds]) + [""]
@@ -279,7 +279,7 @@ def evaluation(ctx: Context) -> Lines:
                          direction(cmp.outcome, arm),
                          "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
         L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
-        L += table(["task", "metric", f"{code_span(ctx.baseline)}", f"{code_span(arm)}", "Δ [95% interval]", "p", "reading",
+        L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "reading",
                     "paper T / DIFF"], rows) + [""]
     return L
 
@@ -329,7 +329,7 @@ def ablations(ctx: Context) -> Lines:
         finals = list(finished_val(ctx.runs, arm, ctx.seeds).values())
         cmp = None if arm == ctx.baseline else ctx.comparison(arm)
         pv = (paper.arms or {}).get(arm) if paper else None
-        rows.append([f"{code_span(arm)}", spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
+        rows.append([code_span(arm), spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
                      "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
                      "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
                      "–" if pv is None else f"{pv:.3f}"])
@@ -364,7 +364,7 @@ def what_was_run(ctx: Context) -> Lines:
     models = m.get("models") or {}
     models = {a: models.get(key(a)) or next((r.model for r in ctx.arm_runs(a)), {}) for a in ctx.arms}
     params = m.get("parameters", {})
-    rows = [[f"{code_span(a)}", *[_model_cell(models.get(a, {}), k) for k in _MODEL_COLUMNS],
+    rows = [[code_span(a), *[_model_cell(models.get(a, {}), k) for k in _MODEL_COLUMNS],
              f"{params[key(a)]:,}" if key(a) in params else "–"] for a in ctx.arms]
     L += table(["arm", *_MODEL_COLUMNS.values(), "parameters"], rows) + [""]
     L += ["Heads count the arm's own kind: a DIFF head holds two softmax maps, so DIFF has half the heads of its "
