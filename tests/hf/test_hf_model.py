@@ -194,6 +194,46 @@ def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
     assert not torch.equal(out, hf.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+@pytest.mark.skipif(not __import__("difftransformer.hf.modeling", fromlist=["x"])._TRANSFORMERS_5,
+                    reason="transformers 4.x: the wrapper uses transformers' own method")
+@pytest.mark.parametrize("case", ["decode", "no_cache", "positions", "embeds_first", "embeds_later", "extras"])
+def test_step_inputs_equal_transformers_generic_method(case):
+    """The wrapper's lean prepare_inputs_for_generation gives the model what transformers' generic method gives
+    it (that method is the reference: same keys, same tensors), for every input a decoder-only model gets."""
+    from transformers import GenerationMixin
+
+    _, hf = pair("diff")
+    torch.manual_seed(1)
+    ids, cache = torch.randint(0, VOCAB, (2, 7)), DynamicCache()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    kwargs = dict(input_ids=ids, next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True)
+    if case == "no_cache":
+        kwargs.update(next_sequence_length=None, past_key_values=None, use_cache=False)
+    elif case == "positions":
+        kwargs["position_ids"] = torch.arange(7).expand(2, 7) * 2
+    elif case.startswith("embeds"):
+        kwargs.update(inputs_embeds=torch.randn(2, 7, 32), next_sequence_length=None if case == "embeds_first" else 1,
+                      is_first_iteration=case == "embeds_first")
+    elif case == "extras":
+        kwargs.update(labels=ids, logits_to_keep=1, output_attentions=True, some_future_kwarg="kept")
+    ours = hf.prepare_inputs_for_generation(**{k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+    theirs = GenerationMixin.prepare_inputs_for_generation(hf, **kwargs)
+    assert ours.keys() == theirs.keys()
+    for key, want in theirs.items():
+        got = ours[key]
+        assert (torch.equal(got, want) if torch.is_tensor(want) else got is want or got == want), key
+
+
+def test_generate_from_inputs_embeds_equals_generate_from_ids():
+    _, hf = pair("diff")
+    ids = ids_of(PROMPTS[1])
+    from_ids = hf.generate(ids, max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        from_embeds = hf.generate(inputs_embeds=hf.embed_tokens(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, ids.shape[1]:])  # transformers returns only the new tokens
+
+
 def test_generate_derives_lambda_once_per_layer(monkeypatch):
     """transformers' cache holds each layer's (λ, norm weight) across the steps of one generate, as
     our KVCache does; a new generate after the parameters change uses the new ones."""
@@ -432,3 +472,18 @@ def test_the_in_place_cache_layer_behaves_as_transformers_own():
         k, v = torch.randn(B, 2, 1, 4), torch.randn(B, 1, 1, 8)
         assert torch.equal(ours.update(k, v)[0], theirs.update(k, v)[0])
         assert ours.keys.data_ptr() == ours._kbuf.data_ptr()  # a view of its buffer: written in place
+
+
+def test_the_in_place_cache_layer_refuses_another_batch():
+    """A write in place would broadcast a batch of 1 into a cache of 2 without a word; transformers' own layer
+    fails on its torch.cat. Ours refuses in one line naming both shapes."""
+    from difftransformer.hf.modeling import _InPlaceLayer
+
+    layer = _InPlaceLayer()
+    layer.update(torch.randn(2, 2, 3, 4), torch.randn(2, 1, 3, 8))
+    layer.update(torch.randn(2, 2, 1, 4), torch.randn(2, 1, 1, 8))  # the fast path, untouched views
+    with pytest.raises(ValueError, match=r"\(2, 2, 4, 4\).*\(1, 2, 1, 4\).*use a new one per batch"):
+        layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="batch, heads and dim must match"):
+        layer.update(torch.randn(2, 2, 1, 4), torch.randn(2, 1, 1, 6))
+    assert layer.get_seq_length() == 4  # nothing written by the refused updates
