@@ -403,6 +403,10 @@ constexpr int64_t kSplitK = 128;
 // one or two rows they are vector-matrix products, where a BLAS call's fixed cost exceeds the
 // arithmetic (the loop is bound by reading K and V either way).
 constexpr int64_t kFewRows = 8;
+// Those loops ask for the key (value) row this many rows ahead: each split walks its K then its V
+// rows, and the hardware prefetcher alone restarts at each new stream; 3-7% faster where the
+// cache does not fit in L2 (measured at 2K keys x 8 heads and batch 8 x 512 keys, d 32).
+constexpr int64_t kPrefetchRows = 16;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -414,18 +418,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // s (nr, lds) = sc * qb (nr, d) kk^T for keys kk (bk, d) with row stride ldk: each key read once.
+// Ask for the cache lines of row x (n floats) to be loaded (a hint: no fault, no effect on results).
+inline void prefetch_row(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(x + i, 0, 3);
+}
+
 inline void scores_few(const float* qb, int64_t nr, int64_t d, const float* kk, int64_t ldk, int64_t bk, float sc,
                        float* s, int64_t lds) {
-  for (int64_t j = 0; j < bk; ++j)
+  for (int64_t j = 0; j < bk; ++j) {
+    if (j + kPrefetchRows < bk) prefetch_row(kk + (j + kPrefetchRows) * ldk, d);
     for (int64_t r = 0; r < nr; ++r) s[r * lds + j] = sc * dot(qb + r * d, kk + j * ldk, d);
+  }
 }
 
 // acc (nr, dv) = p (nr, lds) vv (bk, dv) for values vv with row stride ldv: each value row read once.
 inline void pv_few(const float* p, int64_t lds, int64_t nr, const float* vv, int64_t ldv, int64_t bk, int64_t dv,
                    float* acc) {
   std::fill(acc, acc + nr * dv, 0.f);
-  for (int64_t j = 0; j < bk; ++j)
+  for (int64_t j = 0; j < bk; ++j) {
+    if (j + kPrefetchRows < bk) prefetch_row(vv + (j + kPrefetchRows) * ldv, dv);
     for (int64_t r = 0; r < nr; ++r) axpby_into(acc + r * dv, acc + r * dv, 1.f, vv + j * ldv, p[r * lds + j], dv);
+  }
 }
 
 // o = o / sqrt(mean(o^2) + eps) * w: the DIFF head norm of one output row (RMSNorm over C d).
@@ -505,6 +518,32 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
       }
     }
   };
+  // Between the passes (C = 2 with several splits): each score row's softmax statistics over ALL
+  // splits, M = max_s m_s (NaN if any split saw a NaN) and L = sum_s l_s exp(m_s - M), once per
+  // (batch, kv group) row into `fin` (B h_kv, 2, rows), so a split's task needs one exp per row,
+  // not one per split (nsplit^2 exps per row otherwise: ~10% of a 2K-key decode).
+  auto fin = at::empty({C == 2 && nsplit > 1 ? s.B * s.h_kv : 0, 2, rows}, q.options());
+  float* finp = fin.data_ptr<float>();
+  auto merge_stats = [&](int64_t bg) {
+    const int64_t task0 = bg * nsplit;
+    float* Mp = finp + bg * 2 * rows;
+    float* Lp = Mp + rows;
+    for (int64_t rc = 0; rc < rows; ++rc) {
+      float M = kNegInf;
+      for (int64_t o = 0; o < nsplit; ++o) {
+        const float mo = statp[(task0 + o) * 2 * rows + rc];
+        M = std::isnan(mo) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, mo);
+      }
+      float L = 0.f;
+      if (M != kNegInf)
+        for (int64_t o = 0; o < nsplit; ++o) {
+          const float* st = statp + (task0 + o) * 2 * rows;
+          L += st[rows + rc] * std::exp(st[rc] - M);  // NaN stays NaN
+        }
+      Mp[rc] = M;
+      Lp[rc] = L;
+    }
+  };
   // Pass 2 over V: each split's rows weighted by their final softmax factors, the C maps of a
   // head summed into ONE row u = sum_c coef_c exp(m_c - M_c) / L_c P_c, then u V: a DIFF head
   // costs what an ordinary head costs here.
@@ -512,27 +551,24 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
   // probabilities right after the scores, and the last pass rescales them (classic flash-decoding).
   constexpr bool kOnePass = C == 1;
   auto value_task = [&](int64_t idx, float* ubuf) {
-    const int64_t sp = idx % nsplit, task0 = idx - sp, bk = std::min(kSplitK, S - sp * kSplitK);
+    const int64_t sp = idx % nsplit, bk = std::min(kSplitK, S - sp * kSplitK);
     const int64_t b = idx / (s.h_kv * nsplit), g = (idx / nsplit) % s.h_kv;
     const float* pb = probp + idx * rows * kSplitK;
+    const float* st = statp + idx * 2 * rows;
     if constexpr (kOnePass) ubuf = const_cast<float*>(pb);
     for (int64_t r = 0; r < R && !kOnePass; ++r) {
       float* u = ubuf + r * kSplitK;
       std::fill(u, u + bk, 0.f);
       for (int c = 0; c < C; ++c) {
         const int64_t rc = c * R + r;
-        float M = kNegInf;  // the row's maximum over all splits (NaN if any split saw a NaN)
-        for (int64_t o = 0; o < nsplit; ++o) {
-          const float mo = statp[(task0 + o) * 2 * rows + rc];
-          M = std::isnan(mo) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, mo);
+        float M = st[rc], L = st[rows + rc];  // one split: its own statistics are final
+        if (nsplit > 1) {
+          const float* f = finp + (b * s.h_kv + g) * 2 * rows;
+          M = f[rc];
+          L = f[rows + rc];
         }
         if (M == kNegInf) continue;  // the row sees no key: this map contributes zeros
-        float L = 0.f;
-        for (int64_t o = 0; o < nsplit; ++o) {
-          const float* st = statp + (task0 + o) * 2 * rows;
-          L += st[rows + rc] * std::exp(st[rc] - M);  // NaN stays NaN
-        }
-        const float w = coef[c] * std::exp(statp[idx * 2 * rows + rc] - M) / L;
+        const float w = coef[c] * std::exp(st[rc] - M) / L;
         if (w != 0.f || std::isnan(w)) axpby_into(u, u, 1.f, pb + rc * kSplitK, w, bk);
       }
     }
@@ -596,6 +632,10 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
     at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qbuf(rows * d);
       for (int64_t idx = begin; idx < end; ++idx) score_task(idx, qbuf.data());
+    });
+    at::parallel_for(0, s.B * s.h_kv, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows * nsplit, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t bg = begin; bg < end; ++bg) merge_stats(bg);
     });
     at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> ubuf(R * kSplitK);
