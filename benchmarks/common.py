@@ -40,9 +40,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(fns: list[Callable[[], None]], repeats: int, warmup: int = 1,
-                        device: torch.device = torch.device("cpu")) -> list[float]:
-    """Median seconds of each fn, run alternately (a, b, a, b, ...) so machine load hits all alike.
+def interleaved_times(fns: list[Callable[[], None]], repeats: int, warmup: int = 1,
+                      device: torch.device = torch.device("cpu")) -> list[list[float]]:
+    """Seconds of every run of each fn, run alternately (a, b, a, b, ...) so machine load hits all alike:
+    times[i][r] is fn i's run in round r, so times of one round can be paired.
 
     On CUDA the clock starts and stops on a synchronised device, so each time is the fn's GPU work
     too, not just the time to queue it."""
@@ -57,7 +58,34 @@ def interleaved_medians(fns: list[Callable[[], None]], repeats: int, warmup: int
             fn()
             sync(device)
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def interleaved_medians(fns: list[Callable[[], None]], repeats: int, warmup: int = 1,
+                        device: torch.device = torch.device("cpu")) -> list[float]:
+    """Median seconds of each fn over `interleaved_times`."""
+    return [statistics.median(t) for t in interleaved_times(fns, repeats, warmup, device)]
+
+
+def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(median, low, high): a distribution-free interval for the median of what xs were drawn from, between
+    two order statistics whose coverage (binomial, p = 1/2) is at least `confidence`; (median, None, None)
+    when there are too few values for one (fewer than 6 at 95%). Machine noise on a ratio of timings is
+    neither normal nor symmetric (a busy moment slows one arm of a round), so no t interval."""
+    from scipy.stats import binom
+
+    xs = sorted(xs)
+    n = len(xs)
+    med = statistics.median(xs)
+    # [xs[j], xs[n-1-j]] (0-based, sorted) covers the median with probability 1 - 2 P(Binomial(n, 1/2) <= j):
+    # the largest j that still reaches `confidence`
+    best = None
+    for j in range(n // 2):
+        if 1 - 2 * binom.cdf(j, n, 0.5) >= confidence:
+            best = j
+        else:
+            break
+    return (med, None, None) if best is None else (med, xs[best], xs[n - 1 - best])
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@ and (on CPU) transformers' Llama.
 For each prompt length and batch size, every arm generates greedily from a random prompt with its
 KV cache (`generate(..., temperature=0)`; for Llama, transformers' `generate(do_sample=False,
 use_cache=True)`), once for 1 new token and once for new_tokens. The arms run alternately in one
-process, so machine load hits all alike; figures are medians over repeats (on CUDA each timed call
-starts and ends on a synchronised GPU). Prefill ms is the 1-token call (the prompt's forward into a
+process, in rounds (each arm's two calls once per round), so machine load hits all alike; figures
+are medians over the rounds (on CUDA each timed call starts and ends on a synchronised GPU). Prefill ms is the 1-token call (the prompt's forward into a
 fresh cache: time to first token); decode tokens/s is batch * (new_tokens - 1) / (new_tokens call -
 1-token call), the rate of the single-token steps. Timing whole generate calls of every arm,
 transformers' included, measures what a user gets, with each library's own prefill (both compute
@@ -22,7 +22,10 @@ is not installed. The models are built with a context of the longest prompt plus
 (the presets' own max_position_embeddings may be shorter than the long prompts). `--precision
 bf16` builds every model in bf16 (DIFF's λ vectors stay fp32, as the model keeps them).
 
-Ratios: DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
+Ratios are taken round by round (both arms measured under the same load) and printed as the median
+per-round ratio with a distribution-free 95% interval for it (order statistics; from 6 rounds on);
+below the table each of the issue's targets gets 'met' or 'not met' at a row only where that interval
+lies wholly on one side of its line, else 'open'. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
 kind's best backend and on each backend both kinds run; prefill DIFF/T is a time ratio (lower is
 better for DIFF); T cpp/sdpa (when both run) compares our kernel's Transformer decode with SDPA's;
 ours/Llama is the best of our two models' decode over Llama's.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -45,7 +49,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEVICES, interleaved_medians, machine, resolve_device  # noqa: E402
+from common import DEVICES, interleaved_times, machine, median_interval, resolve_device  # noqa: E402
 
 BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
 DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
@@ -116,32 +120,85 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None else f"{a / b:.2f}"
+def _med(xs: list[float | None]) -> float | None:
+    """Median of the rounds that have a value (a round whose generate was no slower than its prefill has
+    no decode rate), None when none has."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
-def _best(values: dict[str, float | None], kind: str, backends, pick) -> float | None:
-    return pick((v for b in backends if (v := values.get(f"{kind} {b}")) is not None), default=None)
+def _per_round(a: list[float | None], b: list[float | None]) -> list[float]:
+    """a / b round by round (both arms ran in the same round, so load hits them alike)."""
+    return [x / y for x, y in zip(a, b) if x is not None and y is not None and y > 0]
+
+
+def _ratio(a: list[float | None] | None, b: list[float | None] | None) -> str:
+    """The median per-round ratio a/b, with its 95% interval (order statistics) where there are enough rounds."""
+    if a is None or b is None or not (xs := _per_round(a, b)):
+        return "-"
+    med, lo, hi = median_interval(xs)
+    return f"{med:.2f}" if lo is None else f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _best(values: dict[str, list], kind: str, backends, pick) -> list | None:
+    """The per-round values of `kind`'s best backend (by median: max for rates, min for times)."""
+    arms = [v for b in backends if (v := values.get(f"{kind} {b}")) is not None and _med(v) is not None]
+    return pick(arms, key=_med, default=None)
+
+
+def _ours_best(rate: dict[str, list], backends) -> list | None:
+    return max((r for k in ("T", "DIFF") if (r := _best(rate, k, backends, max)) is not None), key=_med, default=None)
 
 
 def _columns(names: list[str], backends: list[str]) -> list[tuple[str, Callable[[dict, dict], str]]]:
     """The table's columns for the arms that run (`names`, Llama last when it runs): (title, cell of
-    (prefill seconds, decode tokens/s) by arm name). One list makes both the header and every row."""
+    (prefill seconds, decode tokens/s), each by arm name as one value per round). One list makes both
+    the header and every row."""
     both = [b for b in backends if f"T {b}" in names and f"DIFF {b}" in names]
-    cols = [(f"prefill ms {n}", lambda pre, rate, n=n: _fmt(pre[n] * 1e3, ".1f")) for n in names]
+    cols = [(f"prefill ms {n}", lambda pre, rate, n=n: _fmt(_med(pre[n]) * 1e3, ".1f")) for n in names]
     cols += [("prefill DIFF/T (best)", lambda pre, rate: _ratio(_best(pre, "DIFF", backends, min),
                                                                _best(pre, "T", backends, min)))]
-    cols += [(f"decode tok/s {n}", lambda pre, rate, n=n: _fmt(rate[n], ",.0f")) for n in names]
+    cols += [(f"decode tok/s {n}", lambda pre, rate, n=n: _fmt(_med(rate[n]), ",.0f")) for n in names]
     cols += [("decode DIFF/T (best)", lambda pre, rate: _ratio(_best(rate, "DIFF", backends, max),
                                                               _best(rate, "T", backends, max)))]
     cols += [(f"decode DIFF/T {b}", lambda pre, rate, b=b: _ratio(rate[f"DIFF {b}"], rate[f"T {b}"])) for b in both]
     if "T cpp" in names and "T sdpa" in names:
         cols += [("decode T cpp/sdpa", lambda pre, rate: _ratio(rate["T cpp"], rate["T sdpa"]))]
     if LLAMA in names:
-        cols += [("decode ours/Llama", lambda pre, rate: _ratio(
-            max((r for k in ("T", "DIFF") if (r := _best(rate, k, backends, max)) is not None), default=None),
-            rate[LLAMA]))]
+        cols += [("decode ours/Llama", lambda pre, rate: _ratio(_ours_best(rate, backends), rate[LLAMA]))]
     return cols
+
+
+# The issue's targets, each a column of the table and the side of a line it must be on.
+TARGETS = (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0),
+           ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0))
+
+
+def _verdict(cell: str, side: str, line: float) -> str:
+    """'met' / 'not met' where the cell's whole interval is on one side of the line, 'open' where it spans
+    the line (or there are too few rounds for an interval)."""
+    nums = [float(x) for x in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+    if len(nums) < 3:
+        return "open"
+    lo, hi = nums[1], nums[2]
+    good, bad = (lo >= line, hi < line) if side == ">=" else (hi <= line, lo > line)
+    return "met" if good else "not met" if bad else "open"
+
+
+def _summary(rows: list[tuple[str, dict[str, str]]]) -> str:
+    """Per target, the rows where it is met, not met and open (by the 95% intervals of the table)."""
+    lines = ["", "Targets, by the 95% interval of each median per-round ratio ('open': the interval spans the "
+             "line, or fewer than 6 repeats):"]
+    for title, side, line in TARGETS:
+        if not rows or title not in rows[0][1]:
+            continue
+        groups: dict[str, list[str]] = {"met": [], "not met": [], "open": []}
+        for label, cells in rows:
+            if cells[title] != "-":
+                groups[_verdict(cells[title], side, line)].append(label)
+        parts = [f"{k} at {', '.join(v)}" for k, v in groups.items() if v]
+        lines.append(f"- {title} {side} {line:g}: {'; '.join(parts) or 'no data'}")
+    return "\n".join(lines)
 
 
 def _header(cols) -> str:
@@ -149,16 +206,21 @@ def _header(cols) -> str:
     return "| " + " | ".join(titles) + " |\n|" + "---|" * len(titles)
 
 
-def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int, device: torch.device) -> str:
+def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
+         device: torch.device) -> tuple[str, dict[str, str]]:
+    """One row of the table and its cells by title. Each round runs every arm's 1-token generate and then
+    its new_tokens generate, arm after arm, so each round gives every arm a prefill time and a decode
+    rate measured under the same load, and ratios are taken round by round."""
     prompt = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(T * 131 + B)).to(device)
     names = [a.name for a in arms]
-    pre = dict(zip(names, interleaved_medians([lambda a=a: a.generate(prompt, 1) for a in arms], repeats,
-                                              device=device)))
-    gen = dict(zip(names, interleaved_medians([lambda a=a: a.generate(prompt, new_tokens) for a in arms], repeats,
-                                              device=device)))
-    # None when noise made the median generate no slower than the median prefill (nothing to divide)
-    rate = {n: B * (new_tokens - 1) / (gen[n] - pre[n]) if gen[n] > pre[n] else None for n in names}
-    return "| " + " | ".join([str(T), str(B), *(cell(pre, rate) for _, cell in cols)]) + " |"
+    fns = [f for a in arms for f in (lambda a=a: a.generate(prompt, 1), lambda a=a: a.generate(prompt, new_tokens))]
+    times = interleaved_times(fns, repeats, device=device)
+    pre = {n: times[2 * i] for i, n in enumerate(names)}
+    # None for a round whose generate was no slower than its prefill (noise: nothing to divide)
+    rate = {n: [B * (new_tokens - 1) / (g - p) if g > p else None for p, g in zip(pre[n], times[2 * i + 1])]
+            for i, n in enumerate(names)}
+    cells = {title: cell(pre, rate) for title, cell in cols}
+    return "| " + " | ".join([str(T), str(B), *cells.values()]) + " |", cells
 
 
 def _parse() -> tuple[argparse.Namespace, torch.device]:
@@ -174,7 +236,9 @@ def _parse() -> tuple[argparse.Namespace, torch.device]:
     p.add_argument("--prompts", type=int, nargs="+", default=[64, 512, 2048, 4096], help="prompt lengths")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (at least 2)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (medians); one warm-up run first")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed rounds, every arm once per round (medians; ratios get a 95%% interval from 6 "
+                        "rounds on); one warm-up round first (default 7)")
     p.add_argument("--no-llama", action="store_true", help="leave out transformers' Llama (always out on CUDA)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every arm (default: PyTorch's own choice; CPU work only)")
@@ -224,11 +288,15 @@ def main() -> None:
     auto = [f"{n}={args.resolved[n]}" for n in configs if n.endswith(" auto")]
     notes = ([f"auto resolves to {', '.join(auto)}"] if auto else []) + notes
     print(f"# Greedy decoding, {args.preset}, {args.precision}, {args.new_tokens} new tokens, medians of "
-          f"{args.repeats}, on {device.type} ({machine(device)}){''.join('; ' + n for n in notes)}\n")
+          f"{args.repeats} rounds (ratios: median per-round ratio [95% interval]), on {device.type} ({machine(device)}){''.join('; ' + n for n in notes)}\n")
     print(_header(cols), flush=True)
+    rows = []
     for T in args.prompts:
         for B in args.batch:
-            print(_row(T, B, arms, cols, args.repeats, args.new_tokens, device), flush=True)
+            line, cells = _row(T, B, arms, cols, args.repeats, args.new_tokens, device)
+            print(line, flush=True)
+            rows.append((f"{T}/{B}", cells))
+    print(_summary(rows))
 
 
 if __name__ == "__main__":

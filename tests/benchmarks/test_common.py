@@ -60,3 +60,18 @@ def test_resolve_device(monkeypatch):
         common.resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert common.resolve_device("auto") == CUDA == common.resolve_device("cuda")
+
+
+def test_median_interval_is_the_order_statistics_a_binomial_gives():
+    """By hand: with 9 values [x1, x7] (0-based) covers the median with probability 1 - 2 (1 + 9) / 512 = 0.961 and
+    [x2, x6] with 1 - 2 (1 + 9 + 36) / 512 = 0.820; with 5 values even [min, max] covers it only 1 - 2 / 32 = 0.9375."""
+    import random
+
+    rng = random.Random(3)
+    xs = [rng.random() for _ in range(9)]  # unsorted: order must not matter
+    s = sorted(xs)
+    assert len(set(xs)) == 9 and xs != s
+    assert common.median_interval(xs) == (s[4], s[1], s[7])
+    assert common.median_interval(xs, confidence=0.8) == (s[4], s[2], s[6])
+    assert common.median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, None, None)
+    assert common.median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 6.0]) == (3.5, 1.0, 6.0)  # 1 - 2/64 = 0.969

@@ -85,3 +85,20 @@ def test_triton_runs_for_diff_only():
     cells = _cells(run.stdout)
     assert "decode tok/s DIFF triton" in cells and "decode tok/s T triton" not in cells
     assert "decode DIFF/T sdpa" in cells and "decode DIFF/T triton" not in cells
+
+
+def test_ratios_get_intervals_and_the_targets_a_verdict_that_follows_them():
+    run = _run("--device", "cpu", "--backends", "cpp", "sdpa", "--prompts", "8", "--batch", "1", "--new-tokens", "3",
+               "--repeats", "6", "--threads", "1", "--no-llama")
+    assert run.returncode == 0, run.stderr
+    cells = _cells(run.stdout)
+    for title, side, line in (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0),
+                              ("prefill DIFF/T (best)", "<=", 1.15)):
+        m = re.fullmatch(r"(\d+\.\d\d) \[(\d+\.\d\d), (\d+\.\d\d)\]", cells[title])
+        assert m, cells[title]
+        med, lo, hi = map(float, m.groups())
+        assert lo <= med <= hi
+        want = ("met" if (lo >= line if side == ">=" else hi <= line) else
+                "not met" if (hi < line if side == ">=" else lo > line) else "open")
+        summary = next(s for s in run.stdout.splitlines() if s.startswith(f"- {title} {side} {line:g}:"))
+        assert summary.endswith(f": {want} at 8/1"), (summary, cells[title])
