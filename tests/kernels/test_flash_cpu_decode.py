@@ -63,6 +63,25 @@ def test_ordinary_decode_matches_reference(shape, causal, padded, decode_calls):
     assert rel_err(out, mha_reference(q, k, v, causal=causal, key_padding_mask=mask)) <= 1e-5
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("S", [3, 7, 133, 517])
+def test_one_query_row_at_the_head_dims_with_register_loops(S, d, padded, decode_calls):
+    """One query row per head (MHA, T = 1: what decoding is) at the head dims the kernel's one-row loops
+    keep in registers (four keys per pass, the rest one by one: S = 3, 7, 133 and 517 leave 3, 3, 1 and 1
+    keys after the last group of four in some split), for both kinds, against the float64 reference."""
+    B, h = 2, 2
+    q, k, v = random_inputs(B, h, h, 1, S, d, seed=S + d)
+    mask = padding_mask(B, S, S + d) if padded else None
+    with torch.no_grad():
+        out = differential_attention(q, k, v, torch.tensor(0.6), causal=True, key_padding_mask=mask, backend="cpp")
+        ordinary = multihead_attention(q, k, k, causal=True, key_padding_mask=mask, backend="cpp")
+    assert decode_calls["diff"] == 1 and decode_calls["ordinary"] == 1
+    ref = diff_attention_reference(q, k, v, 0.6, causal=True, key_padding_mask=mask)
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(ordinary, mha_reference(q, k, k, causal=True, key_padding_mask=mask)) <= 1e-5
+
+
 def test_decode_equals_the_training_path():
     """Same inputs through both paths (the training path is forced by asking for a gradient)."""
     q, k, v = random_inputs(2, 4, 2, 3, 700, 32, seed=11)

@@ -401,7 +401,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_impl(
 constexpr int64_t kSplitK = 128;
 // Up to this many rows per task the products are written out below instead of calling BLAS: with
 // one or two rows they are vector-matrix products, where a BLAS call's fixed cost exceeds the
-// arithmetic (the loop is bound by reading K and V either way).
+// arithmetic. One row (decoding with MHA: every head) gets loops that keep the query, or the output
+// row, in registers: Q K^T four keys per pass with one joint horizontal reduction (AVX-512; d = 32,
+// 64, 128), P V with the accumulator never stored per value row. They made one decode call 1.1-2.4x
+// faster than the loops kept in memory (8 heads of d 32: 44 -> 18 us at 512 keys, 200 -> 175 us at
+// 2K keys, 430 -> 370 us at batch 8 x 512 keys; one thread): the cache of a small model fits in L2
+// and the old loops were bound by their shuffles and store-to-load chains, not by memory.
 constexpr int64_t kFewRows = 8;
 // Those loops ask for the key (value) row this many rows ahead: each split walks its K then its V
 // rows, and the hardware prefetcher alone restarts at each new stream; 3-7% faster where the
@@ -423,17 +428,95 @@ inline void prefetch_row(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(x + i, 0, 3);
 }
 
-inline void scores_few(const float* qb, int64_t nr, int64_t d, const float* kk, int64_t ldk, int64_t bk, float sc,
-                       float* s, int64_t lds) {
+inline void scores_few_generic(const float* qb, int64_t nr, int64_t d, const float* kk, int64_t ldk, int64_t bk,
+                               float sc, float* s, int64_t lds) {
   for (int64_t j = 0; j < bk; ++j) {
     if (j + kPrefetchRows < bk) prefetch_row(kk + (j + kPrefetchRows) * ldk, d);
     for (int64_t r = 0; r < nr; ++r) s[r * lds + j] = sc * dot(qb + r * d, kk + j * ldk, d);
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The sums of four 16-lane vectors, as 4 floats: pairs of lanes are added across the vectors first
+// (unpack + add), so the four horizontal sums take 8 shuffles instead of 4 each.
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 a0 a1 a1 ...
+  const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))));
+  const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));  // a0 a1 a2 a3
+}
+
+// s[j] = sc * q . k_j for one query row of NV 16-lane vectors (d = 16 NV): q in registers, four keys
+// per pass with their own accumulators, reduced together.
+template <int NV>
+inline void scores_row_avx512(const float* q, const float* kk, int64_t ldk, int64_t bk, float sc, float* s) {
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const __m128 scv = _mm_set1_ps(sc);
+  int64_t j = 0;
+  for (; j + 4 <= bk; j += 4) {
+    if (j + kPrefetchRows + 4 <= bk)
+      for (int u = 0; u < 4; ++u) prefetch_row(kk + (j + kPrefetchRows + u) * ldk, 16 * NV);
+    const float* k0 = kk + j * ldk;
+    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
+    __m512 a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + ldk));
+    __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 2 * ldk));
+    __m512 a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0 + 3 * ldk));
+    for (int i = 1; i < NV; ++i) {
+      a0 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k0 + 16 * i), a0);
+      a1 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k0 + ldk + 16 * i), a1);
+      a2 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k0 + 2 * ldk + 16 * i), a2);
+      a3 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k0 + 3 * ldk + 16 * i), a3);
+    }
+    _mm_storeu_ps(s + j, _mm_mul_ps(scv, hsum4(a0, a1, a2, a3)));
+  }
+  for (; j < bk; ++j) s[j] = sc * dot(q, kk + j * ldk, 16 * NV);
+}
+#endif
+
+// s (nr, lds) = sc * qb (nr, d) kk^T for keys kk (bk, d) with row stride ldk: each key read once.
+inline void scores_few(const float* qb, int64_t nr, int64_t d, const float* kk, int64_t ldk, int64_t bk, float sc,
+                       float* s, int64_t lds) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (nr == 1 && (d == 32 || d == 64 || d == 128)) {
+    if (d == 32) return scores_row_avx512<2>(qb, kk, ldk, bk, sc, s);
+    if (d == 64) return scores_row_avx512<4>(qb, kk, ldk, bk, sc, s);
+    return scores_row_avx512<8>(qb, kk, ldk, bk, sc, s);
+  }
+#endif
+  scores_few_generic(qb, nr, d, kk, ldk, bk, sc, s, lds);
+}
+
+// acc (dv) = p (bk) vv (bk, dv) for one row whose dv is NV vectors: the row stays in registers (no
+// store and reload of the accumulator per value row).
+template <int NV>
+inline void pv_row_regs(const float* p, const float* vv, int64_t ldv, int64_t bk, float* acc) {
+  Vec a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = Vec(0.f);
+  for (int64_t j = 0; j < bk; ++j) {
+    if (j + kPrefetchRows < bk) prefetch_row(vv + (j + kPrefetchRows) * ldv, NV * Vec::size());
+    const Vec pj(p[j]);
+    const float* vr = vv + j * ldv;
+    for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(Vec::loadu(vr + i * Vec::size()), pj, a[i]);
+  }
+  for (int i = 0; i < NV; ++i) a[i].store(acc + i * Vec::size());
+}
+
 // acc (nr, dv) = p (nr, lds) vv (bk, dv) for values vv with row stride ldv: each value row read once.
 inline void pv_few(const float* p, int64_t lds, int64_t nr, const float* vv, int64_t ldv, int64_t bk, int64_t dv,
                    float* acc) {
+  if (nr == 1 && dv % Vec::size() == 0) {
+    switch (dv / Vec::size()) {
+      case 1: return pv_row_regs<1>(p, vv, ldv, bk, acc);
+      case 2: return pv_row_regs<2>(p, vv, ldv, bk, acc);
+      case 4: return pv_row_regs<4>(p, vv, ldv, bk, acc);
+      case 8: return pv_row_regs<8>(p, vv, ldv, bk, acc);
+      default: break;
+    }
+  }
   std::fill(acc, acc + nr * dv, 0.f);
   for (int64_t j = 0; j < bk; ++j) {
     if (j + kPrefetchRows < bk) prefetch_row(vv + (j + kPrefetchRows) * ldv, dv);
