@@ -82,6 +82,25 @@ def test_one_query_row_at_the_head_dims_with_register_loops(S, d, padded, decode
     assert rel_err(ordinary, mha_reference(q, k, k, causal=True, key_padding_mask=mask)) <= 1e-5
 
 
+def test_a_decoding_step_with_odd_strides_is_read_right(decode_calls):
+    """Without gradients the decode ops get the operands as they are (no Python stride checks) and copy rows
+    they cannot read in place themselves: expanded (stride-0) key rows, T = 1 with stride(-2) = 1 < d
+    ("contiguous" to PyTorch) and d = 1 with stride(-2) = 2 all match the float64 reference."""
+    q, k, v = random_inputs(2, 2, 1, 1, 9, 32, seed=11)
+    k_row, v_row = k[:, :, :1].expand(2, 2, 9, 32), v[:, :, :1].expand(2, 1, 9, 64)  # every key the same
+    q1 = torch.randn(2, 4, 32, 1).transpose(-1, -2)
+    assert q1.is_contiguous() and q1.stride(-2) < q1.shape[-1]
+    d1 = [torch.randn(2, 3, n, 2)[..., :1] for n in (1, 5, 5)]  # d = 1 with stride(-1) = 1, stride(-2) = 2
+    with torch.no_grad():
+        out = differential_attention(q, k_row, v_row, torch.tensor(0.3), backend="cpp")
+        out1 = differential_attention(q1, k, v, torch.tensor(0.3), backend="cpp")
+        out_d1 = multihead_attention(*d1, backend="cpp")
+    assert decode_calls["diff"] == 2 and decode_calls["ordinary"] == 1
+    assert rel_err(out, diff_attention_reference(q, k_row.contiguous(), v_row.contiguous(), 0.3)) <= 1e-5
+    assert rel_err(out1, diff_attention_reference(q1, k, v, 0.3)) <= 1e-5
+    assert rel_err(out_d1, mha_reference(*d1)) <= 1e-5
+
+
 def test_decode_equals_the_training_path():
     """Same inputs through both paths (the training path is forced by asking for a gradient)."""
     q, k, v = random_inputs(2, 4, 2, 3, 700, 32, seed=11)

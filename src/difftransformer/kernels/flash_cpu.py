@@ -175,12 +175,29 @@ def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
             and _no_grad_wanted(inputs))
 
 
+def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
+    """The common decoding step, which goes to the decode op without `_prepare`: no gradient at all, no
+    padding mask, fp32 operands and few query rows (`decode_path_applies`); the decode ops copy rows
+    they cannot read in place themselves. The op and its arguments are those of the full route; only
+    ~2 µs of Python per call go (a call per layer per generated token)."""
+    if torch.is_grad_enabled() or key_padding_mask is not None:
+        return False
+    qs = q.shape
+    return (q.dtype == k.dtype == v.dtype == torch.float32
+            and qs[2] * (qs[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS)
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether the kernel reads t's (length, dim) rows as they are (`_dense_rows`; the C++ `rows_dense`)."""
+    stride = t.stride()
+    return stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31
+
+
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
     so its rows must be dense, must not overlap (no broadcast length axis) and their stride must
     fit in 32 bits. Otherwise copy. (`.contiguous()` would keep odd strides of size-1 dims.)"""
-    stride = t.stride()  # one call: this runs for every input of every decoding step
-    if (stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31) or t.numel() == 0:
+    if _in_place(t) or t.numel() == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -271,6 +288,12 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
     RMSNorm of each head's output row (DIFF's head norm), applied inside the decode path's combine
     pass for fp32 inputs (the layer then runs no separate norm op), else after the kernel.
     """
+    if (_decode_as_is(q, k, v, key_padding_mask) and isinstance(lam, torch.Tensor) and lam.dtype == torch.float32
+            and (out_norm is None or (out_norm[0].dtype == torch.float32 and out_norm[0].is_contiguous()))):
+        _require()
+        return torch.ops.difftransformer_cpu.diff_flash_decode(
+            q, k, v, lam, bool(causal), float(q.shape[-1] ** -0.5 if scale is None else scale), None,
+            None if out_norm is None else out_norm[0], 0.0 if out_norm is None else float(out_norm[1]))
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == torch.float32):
@@ -291,6 +314,10 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
 
 def flash_attention_cpu(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None):
     """softmax(Q K^T s) V for every head on CPU, GQA included: q (B, H, T, d), k/v (B, H_kv, S, d)."""
+    if _decode_as_is(q, k, v, key_padding_mask):
+        _require()
+        return torch.ops.difftransformer_cpu.flash_decode(q, k, v, bool(causal),
+                                                          float(q.shape[-1] ** -0.5 if scale is None else scale), None)
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if decode_path_applies(q, k, q, k, v):

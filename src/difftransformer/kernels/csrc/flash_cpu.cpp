@@ -816,17 +816,23 @@ at::Tensor diff_flash_infer(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// The decode ops read any strides: a tensor whose rows the kernel cannot read in place is copied
+// here, so the Python side of a decoding step needs no stride checks of its own (~1.5 us a call).
+inline at::Tensor readable(const at::Tensor& x) { return rows_dense(x) ? x : x.clone(at::MemoryFormat::Contiguous); }
+
 at::Tensor diff_flash_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
                              bool causal, double scale, const std::optional<at::Tensor>& key_mask,
                              const std::optional<at::Tensor>& norm_weight, double norm_eps) {
   const float coef[2] = {1.f, -lam.item<float>()};
-  return flash_decode_impl<2>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, norm_weight, norm_eps);
+  return flash_decode_impl<2>(readable(q), readable(k), readable(v), coef, causal, static_cast<float>(scale), key_mask,
+                              norm_weight, norm_eps);
 }
 
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                         const std::optional<at::Tensor>& key_mask) {
   const float coef[1] = {1.f};
-  return flash_decode_impl<1>(q, k, v, coef, causal, static_cast<float>(scale), key_mask, std::nullopt, 0.0);
+  return flash_decode_impl<1>(readable(q), readable(k), readable(v), coef, causal, static_cast<float>(scale), key_mask,
+                              std::nullopt, 0.0);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_flash_fwd(const at::Tensor& q, const at::Tensor& k,
