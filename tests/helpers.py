@@ -209,18 +209,25 @@ class UniformLM(torch.nn.Module):
 
 
 def count_op_calls(monkeypatch, **ops: str) -> dict[str, int]:
-    """Wrap ops of torch.ops.difftransformer_cpu (key=op name) so their calls are counted in the returned
-    dict under each key: a test knows the kernel path it meant to test ran."""
+    """Wrap ops of torch.ops.difftransformer_cpu (key=op name), and the same functions of the extension
+    module where it has them (a decoding step calls those directly), so their calls are counted in the
+    returned dict under each key: a test knows the kernel path it meant to test ran."""
+    from difftransformer.kernels import flash_cpu
+
     calls = dict.fromkeys(ops, 0)
-    ns = torch.ops.difftransformer_cpu
+    flash_cpu.is_available()
+    places = [torch.ops.difftransformer_cpu, flash_cpu._state.get("module")]
     for key, name in ops.items():
-        op = getattr(ns, name)
+        for place in places:
+            if place is None or not hasattr(place, name):
+                continue
+            op = getattr(place, name)
 
-        def counted(*args, _op=op, _key=key):
-            calls[_key] += 1
-            return _op(*args)
+            def counted(*args, _op=op, _key=key):
+                calls[_key] += 1
+                return _op(*args)
 
-        monkeypatch.setattr(ns, name, counted)
+            monkeypatch.setattr(place, name, counted)
     return calls
 
 

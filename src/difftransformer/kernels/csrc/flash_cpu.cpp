@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -903,4 +904,14 @@ TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
   m.impl("diff_flash_decode", &diff_flash_decode);
   m.impl("flash_decode", &flash_decode);
   m.impl("diff_flash_infer", &diff_flash_infer);
+}
+
+// The decode ops as plain Python functions too (flash_cpu.py's `_decode_functions`): a decoding step
+// calls one per layer per token, and a call through torch.ops boxes every argument (IValues, the
+// dispatcher's lookup, the result converted back). Measured inside a Transformer's decoding step
+// (cpu-small, one thread, an extra call of 8 heads x 1 key per layer): 27 us per call through
+// torch.ops, 14 us as a plain function, 16 us for SDPA's; alone 4.8, 3.2 and 5.8 us.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("flash_decode", &flash_decode);
+  m.def("diff_flash_decode", &diff_flash_decode);
 }
