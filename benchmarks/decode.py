@@ -25,7 +25,9 @@ bf16` builds every model in bf16 (DIFF's λ vectors stay fp32, as the model keep
 Ratios are taken round by round (both arms measured under the same load) and printed as the median
 per-round ratio with a distribution-free 95% interval for it (order statistics; from 6 rounds on);
 below the table each of the issue's targets gets 'met' or 'not met' at a row only where that interval
-lies wholly on one side of its line, else 'open'. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
+(unrounded) lies wholly on one side of its line, else 'open'. The coverage is nominal: it takes rounds
+as independent (consecutive rounds on a loaded machine are not quite), and "best" picks each kind's
+faster backend from the same rounds. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
 kind's best backend and on each backend both kinds run; prefill DIFF/T is a time ratio (lower is
 better for DIFF); T cpp/sdpa (when both run) compares our kernel's Transformer decode with SDPA's;
 ours/Llama is the best of our two models' decode over Llama's.
@@ -44,7 +46,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -132,12 +134,23 @@ def _per_round(a: list[float | None], b: list[float | None]) -> list[float]:
     return [x / y for x, y in zip(a, b) if x is not None and y is not None and y > 0]
 
 
-def _ratio(a: list[float | None] | None, b: list[float | None] | None) -> str:
+class Ratio(NamedTuple):
+    """A median per-round ratio and its 95% interval (None, None with too few rounds); prints as a cell."""
+
+    med: float
+    lo: float | None
+    hi: float | None
+
+    def __str__(self) -> str:
+        m, lo, hi = self
+        return f"{m:.2f}" if lo is None else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _ratio(a: list[float | None] | None, b: list[float | None] | None) -> Ratio | str:
     """The median per-round ratio a/b, with its 95% interval (order statistics) where there are enough rounds."""
     if a is None or b is None or not (xs := _per_round(a, b)):
         return "-"
-    med, lo, hi = median_interval(xs)
-    return f"{med:.2f}" if lo is None else f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
+    return Ratio(*median_interval(xs))
 
 
 def _best(values: dict[str, list], kind: str, backends, pick) -> list | None:
@@ -174,18 +187,17 @@ TARGETS = (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0
            ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0))
 
 
-def _verdict(cell: str, side: str, line: float) -> str:
-    """'met' / 'not met' where the cell's whole interval is on one side of the line, 'open' where it spans
-    the line (or there are too few rounds for an interval)."""
-    nums = [float(x) for x in cell.replace("[", " ").replace("]", " ").replace(",", " ").split()]
-    if len(nums) < 3:
+def _verdict(ratio: Ratio, side: str, line: float) -> str:
+    """'met' / 'not met' where the whole interval (unrounded) is on one side of the line, 'open' where it
+    spans the line (or there are too few rounds for an interval)."""
+    lo, hi = ratio.lo, ratio.hi
+    if lo is None:
         return "open"
-    lo, hi = nums[1], nums[2]
     good, bad = (lo >= line, hi < line) if side == ">=" else (hi <= line, lo > line)
     return "met" if good else "not met" if bad else "open"
 
 
-def _summary(rows: list[tuple[str, dict[str, str]]]) -> str:
+def _summary(rows: list[tuple[str, dict]]) -> str:
     """Per target, the rows where it is met, not met and open (by the 95% intervals of the table)."""
     lines = ["", "Targets, by the 95% interval of each median per-round ratio ('open': the interval spans the "
              "line, or fewer than 6 repeats):"]
@@ -194,7 +206,7 @@ def _summary(rows: list[tuple[str, dict[str, str]]]) -> str:
             continue
         groups: dict[str, list[str]] = {"met": [], "not met": [], "open": []}
         for label, cells in rows:
-            if cells[title] != "-":
+            if isinstance(cells[title], Ratio):
                 groups[_verdict(cells[title], side, line)].append(label)
         parts = [f"{k} at {', '.join(v)}" for k, v in groups.items() if v]
         lines.append(f"- {title} {side} {line:g}: {'; '.join(parts) or 'no data'}")
@@ -207,7 +219,7 @@ def _header(cols) -> str:
 
 
 def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
-         device: torch.device) -> tuple[str, dict[str, str]]:
+         device: torch.device) -> tuple[str, dict]:
     """One row of the table and its cells by title. Each round runs every arm's 1-token generate and then
     its new_tokens generate, arm after arm, so each round gives every arm a prefill time and a decode
     rate measured under the same load, and ratios are taken round by round."""
@@ -220,7 +232,7 @@ def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
     rate = {n: [B * (new_tokens - 1) / (g - p) if g > p else None for p, g in zip(pre[n], times[2 * i + 1])]
             for i, n in enumerate(names)}
     cells = {title: cell(pre, rate) for title, cell in cols}
-    return "| " + " | ".join([str(T), str(B), *cells.values()]) + " |", cells
+    return "| " + " | ".join([str(T), str(B), *map(str, cells.values())]) + " |", cells
 
 
 def _parse() -> tuple[argparse.Namespace, torch.device]:

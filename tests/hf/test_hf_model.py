@@ -487,3 +487,8 @@ def test_the_in_place_cache_layer_refuses_another_batch():
     with pytest.raises(ValueError, match="batch, heads and dim must match"):
         layer.update(torch.randn(2, 2, 1, 4), torch.randn(2, 1, 1, 6))
     assert layer.get_seq_length() == 4  # nothing written by the refused updates
+    empty_first = _InPlaceLayer()  # an empty first update leaves no cached length to compare with
+    empty_first.update(torch.randn(2, 2, 0, 4), torch.randn(2, 1, 0, 8))
+    k1, v1 = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 8)
+    keys, values = empty_first.update(k1, v1)
+    assert keys.shape == (1, 2, 1, 4) and torch.equal(keys, k1) and torch.equal(values, v1)  # not broadcast

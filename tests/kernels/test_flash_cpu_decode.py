@@ -65,11 +65,11 @@ def test_ordinary_decode_matches_reference(shape, causal, padded, decode_calls):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("S", [3, 7, 133, 517])
+@pytest.mark.parametrize("S", [3, 6, 7, 133, 517])
 def test_one_query_row_at_the_head_dims_with_register_loops(S, d, padded, decode_calls):
     """One query row per head (MHA, T = 1: what decoding is) at the head dims the kernel's one-row loops
-    keep in registers (four keys per pass, the rest one by one: S = 3, 7, 133 and 517 leave 3, 3, 1 and 1
-    keys after the last group of four in some split), for both kinds, against the float64 reference."""
+    keep in registers (four keys per pass, the rest one by one: S = 3, 6, 7, 133 and 517 leave 3, 2, 3, 1
+    and 1 keys after the last group of four in some split), for both kinds, against the float64 reference."""
     B, h = 2, 2
     q, k, v = random_inputs(B, h, h, 1, S, d, seed=S + d)
     mask = padding_mask(B, S, S + d) if padded else None
@@ -99,6 +99,43 @@ def test_a_decoding_step_with_odd_strides_is_read_right(decode_calls):
     assert rel_err(out, diff_attention_reference(q, k_row.contiguous(), v_row.contiguous(), 0.3)) <= 1e-5
     assert rel_err(out1, diff_attention_reference(q1, k, v, 0.3)) <= 1e-5
     assert rel_err(out_d1, mha_reference(*d1)) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 100], ids=["decode", "infer"])
+def test_no_cached_key_at_all_gives_zeros(T):
+    """S = 0 (an empty cache, full attention): every row sees no key, so the output is zeros, with the
+    fused head norm too (the DIFF decode path wrote through an unallocated buffer here: a crash)."""
+    q, k, v = random_inputs(2, 2, 1, T, 0, 32, seed=T)
+    with torch.no_grad():
+        diff = differential_attention(q, k, v, torch.tensor(0.5), causal=False, backend="cpp")
+        normed = differential_attention(q, k, v, torch.tensor(0.5), causal=False, backend="cpp",
+                                        out_norm=(torch.rand(64) + 0.5, 1e-5))
+        ordinary = multihead_attention(q, k, k, causal=False, backend="cpp")
+    assert diff.shape == normed.shape == (2, 2, T, 64) and ordinary.shape == (2, 4, T, 32)
+    assert not diff.any() and not normed.any() and not ordinary.any()
+
+
+def test_modes_and_traces_see_the_decode_op():
+    """A decoding step skips the dispatcher only when nothing must see the op: under a dispatch mode (here
+    one that records op names) the call goes through torch.ops and the mode sees it, with the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = random_inputs(1, 2, 2, 1, 40, 32, seed=4)
+    with torch.no_grad():
+        plain = differential_attention(q, k, v, torch.tensor(0.4), backend="cpp")
+        with Names() as names:
+            seen = differential_attention(q, k, v, torch.tensor(0.4), backend="cpp")
+    assert any("diff_flash_decode" in n for n in names.seen), names.seen
+    assert torch.equal(plain, seen)
 
 
 def test_decode_equals_the_training_path():

@@ -188,14 +188,21 @@ def _decode_functions():
 
 def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
     """The common decoding step, which goes to the decode function without `_prepare` or the
-    dispatcher: no gradient at all, not traced by torch.compile (which needs the torch op), no padding
-    mask, fp32 operands and few query rows (`decode_path_applies`); the decode ops copy rows they
-    cannot read in place themselves. Same C++ function and arguments as the full route."""
-    if torch.is_grad_enabled() or key_padding_mask is not None or torch.compiler.is_compiling():
+    dispatcher: no gradient at all, nothing that must see the op (torch.compile, torch.jit.trace, a
+    torch function or dispatch mode such as FlopCounterMode), no padding mask, fp32 operands and few
+    query rows (`decode_path_applies`); the decode ops copy rows they cannot read in place
+    themselves. Same C++ function and arguments as the full route."""
+    if (torch.is_grad_enabled() or key_padding_mask is not None or torch.compiler.is_compiling()
+            or torch.jit.is_tracing() or _intercepted()):
         return False
     qs = q.shape
     return (q.dtype == k.dtype == v.dtype == torch.float32
             and qs[2] * (qs[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS)
+
+
+def _intercepted() -> bool:
+    """Whether a torch function mode or a dispatch mode is active: such a mode must see the op call."""
+    return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _in_place(t: torch.Tensor) -> bool:

@@ -536,9 +536,9 @@ inline void rms_norm_row(float* o, int64_t n, const float* w, double eps) {
 // The optional head-norm weight of the forward-only paths, checked: nullptr when absent.
 inline const float* norm_weight_ptr(const std::optional<at::Tensor>& norm_weight, int64_t dv) {
   if (!norm_weight.has_value()) return nullptr;
-  TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() && norm_weight->dim() == 1 &&
-                  norm_weight->size(0) == dv,
-              "flash_cpu: norm_weight must be a contiguous float32 vector of the output's width C d");
+  TORCH_CHECK(norm_weight->device().is_cpu() && norm_weight->scalar_type() == at::kFloat &&
+                  norm_weight->is_contiguous() && norm_weight->dim() == 1 && norm_weight->size(0) == dv,
+              "flash_cpu: norm_weight must be a contiguous float32 CPU vector of the output's width C d");
   return norm_weight->data_ptr<float>();
 }
 
@@ -551,6 +551,7 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
   auto out = new_out(s, dv, q.options());
   if (out.numel() == 0) return out;
   const float* nw = norm_weight_ptr(norm_weight, dv);
+  if (S == 0) return out.zero_();  // no key at all: every row sees none (zeros; their head norm is zeros)
   const int64_t nsplit = (S + kSplitK - 1) / kSplitK, ntask = s.B * s.h_kv * nsplit;
   const int64_t rows = C * R;  // score rows of one (batch, kv group) task: map-major, then head, then query
   // probs: each task's exp(score - its row max), (rows, kSplitK); stats: its m and l per row;
@@ -912,6 +913,7 @@ TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
 // (cpu-small, one thread, an extra call of 8 heads x 1 key per layer): 27 us per call through
 // torch.ops, 14 us as a plain function, 16 us for SDPA's; alone 4.8, 3.2 and 5.8 us.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_decode", &flash_decode);
-  m.def("diff_flash_decode", &diff_flash_decode);
+  // the GIL is released while the kernel runs, as a call through torch.ops does
+  m.def("flash_decode", &flash_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("diff_flash_decode", &diff_flash_decode, py::call_guard<py::gil_scoped_release>());
 }
