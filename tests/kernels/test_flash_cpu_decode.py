@@ -138,6 +138,25 @@ def test_modes_and_traces_see_the_decode_op():
     assert torch.equal(plain, seen)
 
 
+def test_decode_result_does_not_depend_on_the_thread_count():
+    """With 3 (batch, kv group) pairs and several splits, one thread runs each pair's splits in one task and
+    two threads share the splits (fewer pairs than twice the threads): the same computations in the same
+    order, so the outputs are bitwise equal, for DIFF (with its merged statistics) and ordinary attention."""
+    q, k, v = random_inputs(3, 2, 1, 1, 300, 32, seed=21)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                outs.append((differential_attention(q, k, v, torch.tensor(0.45), backend="cpp"),
+                             multihead_attention(q, k, k, backend="cpp")))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert rel_err(outs[0][0], diff_attention_reference(q, k, v, 0.45)) <= 1e-5
+
+
 def test_decode_equals_the_training_path():
     """Same inputs through both paths (the training path is forced by asking for a gradient)."""
     q, k, v = random_inputs(2, 4, 2, 3, 700, 32, seed=11)

@@ -713,7 +713,19 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
         value_task(idx, nullptr);
       }
     });
-  } else {
+  } else if (s.B * s.h_kv >= 2 * at::get_num_threads()) {
+    // Enough (batch, kv group) pairs to keep every thread busy: one task runs a pair's splits through
+    // both passes, so its probabilities (nsplit x rows x kSplitK floats) are still in L1 for pass 2.
+    // The same computations in the same order as below: the result does not depend on the choice.
+    at::parallel_for(0, s.B * s.h_kv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qbuf(rows * d), ubuf(R * kSplitK);
+      for (int64_t bg = begin; bg < end; ++bg) {
+        for (int64_t sp = 0; sp < nsplit; ++sp) score_task(bg * nsplit + sp, qbuf.data());
+        merge_stats(bg);
+        for (int64_t sp = 0; sp < nsplit; ++sp) value_task(bg * nsplit + sp, ubuf.data());
+      }
+    });
+  } else {  // few pairs (batch 1, long context): the splits are the work to share between threads
     at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qbuf(rows * d);
       for (int64_t idx = begin; idx < end; ++idx) score_task(idx, qbuf.data());
