@@ -12,6 +12,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +87,24 @@ def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, f
         else:
             break
     return (med, None, None) if best is None else (med, xs[best], xs[n - 1 - best])
+
+
+
+class MedianInterval(NamedTuple):
+    """A median with its 95% interval from `median_interval` (lo, hi None with too few values); prints as
+    a table cell: "0.97 [0.93, 1.01]", or "0.97" alone."""
+
+    med: float
+    lo: float | None
+    hi: float | None
+
+    @classmethod
+    def of(cls, xs: list[float]) -> "MedianInterval":
+        return cls(*median_interval(xs))
+
+    def __str__(self) -> str:
+        m, lo, hi = self
+        return f"{m:.2f}" if lo is None else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 @contextlib.contextmanager

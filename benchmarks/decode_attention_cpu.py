@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import interleaved_times, machine, median_interval  # noqa: E402
+from common import MedianInterval, interleaved_times, machine  # noqa: E402
 
 
 def _cached(B: int, heads: int, S: int, dim: int, g: torch.Generator) -> torch.Tensor:
@@ -55,11 +55,6 @@ def _calls(B: int, S: int, h: int, d: int, n: int):
     return [run(lambda: multihead_attention(qt, kt, vt, backend="cpp")),
             run(lambda: multihead_attention(qt, kt, vt, backend="sdpa")),
             run(lambda: differential_attention(qd, kd, vd, lam, backend="cpp", out_norm=norm))]
-
-
-def _ratio(xs: list[float]) -> str:
-    med, lo, hi = median_interval(xs)
-    return f"{med:.2f}" if lo is None else f"{med:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def main() -> None:
@@ -92,8 +87,8 @@ def main() -> None:
                 for xs in interleaved_times(_calls(B, S, h, d, args.calls), args.repeats))
             best = min((t_cpp, t_sdpa), key=statistics.median)
             print(f"| {B} | {S} | {statistics.median(t_cpp) * 1e6:.1f} | {statistics.median(t_sdpa) * 1e6:.1f} | "
-                  f"{statistics.median(diff) * 1e6:.1f} | {_ratio([a / b for a, b in zip(t_cpp, t_sdpa)])} | "
-                  f"{_ratio([a / b for a, b in zip(diff, best)])} |", flush=True)
+                  f"{statistics.median(diff) * 1e6:.1f} | {MedianInterval.of([a / b for a, b in zip(t_cpp, t_sdpa)])} | "
+                  f"{MedianInterval.of([a / b for a, b in zip(diff, best)])} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,8 @@ class _InPlaceLayer(DynamicLayer):
         kbuf, vbuf = self._kbuf, self._vbuf
         untouched = returned is not None and returned[0] is keys and returned[1] is values  # our views, as returned
         views = untouched or (n and kbuf is not None and keys.data_ptr() == kbuf.data_ptr()
-                              and values.data_ptr() == vbuf.data_ptr() and _same_sizes(kbuf, keys)
-                              and _same_sizes(vbuf, values))
-        # (the buffers' own sizes too: after an empty first update n is 0 and nothing above compared them)
+                              and values.data_ptr() == vbuf.data_ptr())
+        # the buffers' sizes against the new rows' (after an empty first update nothing above compared them)
         if not (views and total <= kbuf.shape[-2] and _same_sizes(kbuf, key_states)
                 and _same_sizes(vbuf, value_states)):
             kbuf = self._kbuf = _grown(keys, n, key_states, total)
@@ -243,14 +242,15 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             return inputs
         last = slice(None) if next_sequence_length is None else slice(-next_sequence_length, None)
         if inputs_embeds is not None and is_first_iteration:
-            inputs = {"input_ids": None, "inputs_embeds": inputs_embeds[:, last]}
+            step = inputs_embeds[:, last]
+            inputs = {"input_ids": None, "inputs_embeds": step}
         else:
-            inputs = {"input_ids": input_ids[:, last]}
-        T = (inputs["input_ids"] if inputs_embeds is None or not is_first_iteration else inputs["inputs_embeds"]).shape[1]
+            step = input_ids[:, last]
+            inputs = {"input_ids": step}
         if past_key_values is not None:
             inputs["past_key_values"] = past_key_values
         if (position_ids := kwargs.pop("position_ids", None)) is not None:
-            inputs["position_ids"] = position_ids[..., -T:]
+            inputs["position_ids"] = position_ids[..., -step.shape[1]:]
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         for key, value in kwargs.items():

@@ -59,7 +59,7 @@ def _build() -> None:
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     flags = ["-O3", "-fopenmp", "-DNDEBUG", *_capability_flags()]
     # A Python module as well as a library of torch ops: the decode ops are also plain functions of it
-    # (`_decode_functions`); loading it registers the ops (TORCH_LIBRARY) as a library would.
+    # (`_decode_op`); loading it registers the ops (TORCH_LIBRARY) as a library would.
     _state["module"] = cpp_extension.load(
                        name="difftransformer_flash_cpu", sources=[str(_SOURCE)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=True,
@@ -165,10 +165,15 @@ def _no_grad_wanted(inputs) -> bool:
     return not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
 
 
+def _few_rows(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a kv group's query rows, n_rep * T, fit the decode path (<= DECODE_MAX_ROWS)."""
+    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS
+
+
 def decode_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
     """True when `csrc/flash_cpu.cpp`'s decode path computes this call (the rule above): q (B, C h,
     T, d) and k (B, C h_kv, S, d); `inputs`: every tensor a gradient could flow to (q, k, v, lam)."""
-    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS and _no_grad_wanted(inputs)
+    return _few_rows(q, k) and _no_grad_wanted(inputs)
 
 
 def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
@@ -178,31 +183,29 @@ def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
             and _no_grad_wanted(inputs))
 
 
-def _decode_functions():
-    """The extension's decode ops as plain Python functions (pybind11): the same C++ functions as
-    `torch.ops.difftransformer_cpu.flash_decode` / `diff_flash_decode`, called without the
-    dispatcher, which boxes every argument into an IValue and the result back (inside a model's
-    decoding step that cost ~13 µs more per call than SDPA's call; a step makes one per layer)."""
-    return _state["module"]
-
-
-def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
-    """The common decoding step, which goes to the decode function without `_prepare` or the
-    dispatcher: no gradient at all, nothing that must see the op (torch.compile, torch.jit.trace, a
-    torch function or dispatch mode such as FlopCounterMode), no padding mask, fp32 operands and few
-    query rows (`decode_path_applies`); the decode ops copy rows they cannot read in place
-    themselves. Same C++ function and arguments as the full route."""
-    if (torch.is_grad_enabled() or key_padding_mask is not None or torch.compiler.is_compiling()
-            or torch.jit.is_tracing() or _intercepted()):
-        return False
-    qs = q.shape
-    return (q.dtype == k.dtype == v.dtype == torch.float32
-            and qs[2] * (qs[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS)
+def _decode_op(name: str):
+    """The decode op `name` ('flash_decode' or 'diff_flash_decode') as this call should reach it: the
+    extension module's plain function (pybind11), the same C++ function as torch.ops' without the
+    dispatcher, which boxes every argument into an IValue and the result back (inside a model's decoding
+    step that cost ~13 µs more per call than SDPA's call; a step makes one per layer); torch.ops' op when
+    something must see the call: torch.compile, torch.jit.trace, a torch function or dispatch mode."""
+    _require()
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _intercepted():
+        return getattr(torch.ops.difftransformer_cpu, name)
+    return getattr(_state["module"], name)
 
 
 def _intercepted() -> bool:
     """Whether a torch function mode or a dispatch mode is active: such a mode must see the op call."""
     return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
+    """A decoding step with nothing for `_prepare` to do, which goes straight to the decode op: no gradient
+    at all, no padding mask, fp32 operands and few query rows (`decode_path_applies`); the decode ops copy
+    rows they cannot read in place themselves. ~2 µs of Python less per call."""
+    return (not torch.is_grad_enabled() and key_padding_mask is None
+            and q.dtype == k.dtype == v.dtype == torch.float32 and _few_rows(q, k))
 
 
 def _in_place(t: torch.Tensor) -> bool:
@@ -284,11 +287,14 @@ class FlashAttentionCPU(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
 def _prepare(q, k, v, key_padding_mask, scale):
     _require()
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool).contiguous()
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    return _dense_rows(_fp32(q)), _dense_rows(_fp32(k)), _dense_rows(_fp32(v)), mask, scale
+    return _dense_rows(_fp32(q)), _dense_rows(_fp32(k)), _dense_rows(_fp32(v)), mask, _scale(q, scale)
 
 
 def _rms_norm(out: torch.Tensor, out_norm) -> torch.Tensor:
@@ -308,17 +314,16 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
     """
     if (_decode_as_is(q, k, v, key_padding_mask) and isinstance(lam, torch.Tensor) and lam.dtype == torch.float32
             and (out_norm is None or (out_norm[0].dtype == torch.float32 and out_norm[0].is_contiguous()))):
-        _require()
-        return _decode_functions().diff_flash_decode(
-            q, k, v, lam, bool(causal), float(q.shape[-1] ** -0.5 if scale is None else scale), None,
-            None if out_norm is None else out_norm[0], 0.0 if out_norm is None else float(out_norm[1]))
+        return _decode_op("diff_flash_decode")(q, k, v, lam, bool(causal), _scale(q, scale), None,
+                                               None if out_norm is None else out_norm[0],
+                                               0.0 if out_norm is None else float(out_norm[1]))
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == torch.float32):
         lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
     weight = None if out_norm is None else out_norm[0]
     inputs = (q, k, v, lam, weight)
-    forward_only = (torch.ops.difftransformer_cpu.diff_flash_decode if decode_path_applies(q, k, *inputs) else
+    forward_only = (_decode_op("diff_flash_decode") if decode_path_applies(q, k, *inputs) else
                     torch.ops.difftransformer_cpu.diff_flash_infer if infer_path_applies(q, k, *inputs) else None)
     if forward_only is not None:
         fused = weight is not None and dtype == torch.float32  # fp16/bf16: round, then norm, as unfused
@@ -333,11 +338,9 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
 def flash_attention_cpu(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None):
     """softmax(Q K^T s) V for every head on CPU, GQA included: q (B, H, T, d), k/v (B, H_kv, S, d)."""
     if _decode_as_is(q, k, v, key_padding_mask):
-        _require()
-        return _decode_functions().flash_decode(q, k, v, bool(causal),
-                                                          float(q.shape[-1] ** -0.5 if scale is None else scale), None)
+        return _decode_op("flash_decode")(q, k, v, bool(causal), _scale(q, scale), None)
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if decode_path_applies(q, k, q, k, v):
-        return _cast_back(torch.ops.difftransformer_cpu.flash_decode(q, k, v, bool(causal), scale, mask), dtype)
+        return _cast_back(_decode_op("flash_decode")(q, k, v, bool(causal), scale, mask), dtype)
     return _cast_back(FlashAttentionCPU.apply(q, k, v, mask, bool(causal), scale), dtype)

@@ -423,7 +423,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// s (nr, lds) = sc * qb (nr, d) kk^T for keys kk (bk, d) with row stride ldk: each key read once.
 // Ask for the cache lines of row x (n floats) to be loaded (a hint: no fault, no effect on results).
 inline void prefetch_row(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(x + i, 0, 3);
@@ -533,6 +532,20 @@ inline void rms_norm_row(float* o, int64_t n, const float* w, double eps) {
   for (int64_t j = 0; j < n; ++j) o[j] = o[j] * inv * w[j];
 }
 
+// A score row's softmax statistics over all of its splits, from each split's (m_s, l_s) in `stat`
+// (split o's at stat + o * stride: m at [0], l at [rows]): M = max_s m_s (NaN if any split saw a NaN)
+// and L = sum_s l_s exp(m_s - M) (NaN stays NaN); L = 0 when the row sees no key (M = -inf).
+inline void merged_stats(const float* stat, int64_t nsplit, int64_t stride, int64_t rows, float& M, float& L) {
+  M = kNegInf;
+  for (int64_t o = 0; o < nsplit; ++o) {
+    const float mo = stat[o * stride];
+    M = std::isnan(mo) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, mo);
+  }
+  L = 0.f;
+  if (M != kNegInf)
+    for (int64_t o = 0; o < nsplit; ++o) L += stat[o * stride + rows] * std::exp(stat[o * stride] - M);
+}
+
 // The optional head-norm weight of the forward-only paths, checked: nullptr when absent.
 inline const float* norm_weight_ptr(const std::optional<at::Tensor>& norm_weight, int64_t dv) {
   if (!norm_weight.has_value()) return nullptr;
@@ -606,28 +619,17 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
   // Between the passes (C = 2 with several splits): each score row's softmax statistics over ALL
   // splits, M = max_s m_s (NaN if any split saw a NaN) and L = sum_s l_s exp(m_s - M), once per
   // (batch, kv group) row into `fin` (B h_kv, 2, rows), so a split's task needs one exp per row,
-  // not one per split (nsplit^2 exps per row otherwise: ~10% of a 2K-key decode).
-  auto fin = at::empty({C == 2 && nsplit > 1 ? s.B * s.h_kv : 0, 2, rows}, q.options());
-  float* finp = fin.data_ptr<float>();
+  // not one per split (nsplit^2 exps per row otherwise: ~3% of a 2K-key decode call).
+  at::Tensor fin;
+  float* finp = nullptr;
+  if (C == 2 && nsplit > 1) {
+    fin = at::empty({s.B * s.h_kv, 2, rows}, q.options());
+    finp = fin.data_ptr<float>();
+  }
   auto merge_stats = [&](int64_t bg) {
-    const int64_t task0 = bg * nsplit;
     float* Mp = finp + bg * 2 * rows;
-    float* Lp = Mp + rows;
-    for (int64_t rc = 0; rc < rows; ++rc) {
-      float M = kNegInf;
-      for (int64_t o = 0; o < nsplit; ++o) {
-        const float mo = statp[(task0 + o) * 2 * rows + rc];
-        M = std::isnan(mo) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, mo);
-      }
-      float L = 0.f;
-      if (M != kNegInf)
-        for (int64_t o = 0; o < nsplit; ++o) {
-          const float* st = statp + (task0 + o) * 2 * rows;
-          L += st[rows + rc] * std::exp(st[rc] - M);  // NaN stays NaN
-        }
-      Mp[rc] = M;
-      Lp[rc] = L;
-    }
+    for (int64_t rc = 0; rc < rows; ++rc)
+      merged_stats(statp + bg * nsplit * 2 * rows + rc, nsplit, 2 * rows, rows, Mp[rc], Mp[rows + rc]);
   };
   // Pass 2 over V: each split's rows weighted by their final softmax factors, the C maps of a
   // head summed into ONE row u = sum_c coef_c exp(m_c - M_c) / L_c P_c, then u V: a DIFF head
@@ -668,17 +670,10 @@ at::Tensor flash_decode_impl(const at::Tensor& q, const at::Tensor& k, const at:
     const int64_t r = (i % s.n_rep) * T + t, task0 = (b * s.h_kv + g) * nsplit;
     float* o = outp + so.at(b, i, t);
     if constexpr (kOnePass) {  // each split's share times exp(m_s - M) / L
-      float M = kNegInf, L = 0.f;
-      for (int64_t sp = 0; sp < nsplit; ++sp) {
-        const float ms = statp[(task0 + sp) * 2 * rows + r];
-        M = std::isnan(ms) || std::isnan(M) ? std::numeric_limits<float>::quiet_NaN() : std::max(M, ms);
-      }
+      float M, L;
+      merged_stats(statp + task0 * 2 * rows + r, nsplit, 2 * rows, rows, M, L);
       std::fill(o, o + dv, 0.f);
       if (M != kNegInf) {  // else the row sees no key: zeros
-        for (int64_t sp = 0; sp < nsplit; ++sp) {
-          const float* st = statp + (task0 + sp) * 2 * rows;
-          L += st[rows + r] * std::exp(st[r] - M);  // NaN stays NaN
-        }
         for (int64_t sp = 0; sp < nsplit; ++sp) {
           const float w = std::exp(statp[(task0 + sp) * 2 * rows + r] - M) / L;
           if (w != 0.f || std::isnan(w)) axpby_into(o, o, 1.f, partp + ((task0 + sp) * R + r) * dv, w, dv);
@@ -919,7 +914,7 @@ TORCH_LIBRARY_IMPL(difftransformer_cpu, CPU, m) {
   m.impl("diff_flash_infer", &diff_flash_infer);
 }
 
-// The decode ops as plain Python functions too (flash_cpu.py's `_decode_functions`): a decoding step
+// The decode ops as plain Python functions too (flash_cpu.py's `_decode_op`): a decoding step
 // calls one per layer per token, and a call through torch.ops boxes every argument (IValues, the
 // dispatcher's lookup, the result converted back). Measured inside a Transformer's decoding step
 // (cpu-small, one thread, an extra call of 8 heads x 1 key per layer): 27 us per call through
