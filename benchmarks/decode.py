@@ -1,15 +1,17 @@
 """Decoding speed: DIFF LM vs its matched Transformer LM on each attention backend, on CPU or CUDA,
 and (on CPU) transformers' Llama.
 
-For each prompt length and batch size, every arm generates greedily from a random prompt with its
-KV cache (`generate(..., temperature=0)`; for Llama, transformers' `generate(do_sample=False,
-use_cache=True)`), once for 1 new token and once for new_tokens. The arms run alternately in one
-process, in rounds (each arm's two calls once per round), so machine load hits all alike; figures
-are medians over the rounds (on CUDA each timed call starts and ends on a synchronised GPU). Prefill ms is the 1-token call (the prompt's forward into a
-fresh cache: time to first token); decode tokens/s is batch * (new_tokens - 1) / (new_tokens call -
-1-token call), the rate of the single-token steps. Timing whole generate calls of every arm,
-transformers' included, measures what a user gets, with each library's own prefill (both compute
-only the last position's logits there).
+For each prompt length and batch size, every arm generates new_tokens tokens greedily from a random
+prompt with its KV cache (`generate(..., temperature=0)`; for Llama, transformers' `generate(do_sample=False,
+use_cache=True)`), and a forward pre-hook on the model splits each generate call in two: prefill ms runs
+from the call to the start of the model's second forward (the prompt's forward into a fresh cache and
+its first token: time to first token), decode tokens/s is batch * (new_tokens - 1) over the rest (the
+single-token steps, each forward with its sampling). One call gives both, so a prefill's noise never
+enters the decode rate (a difference of two calls' times carried it, and at long prompts the prefill is
+most of a call). The arms run alternately in one process, in rounds (each arm's call once per round),
+so machine load hits all alike; figures are medians over the rounds (on CUDA the clock reads a
+synchronised GPU). Timing whole generate calls of every arm, transformers' included, measures what a
+user gets, with each library's own loop and prefill (both compute only the last position's logits there).
 
 Arms: the Transformer (T) and DIFF on each of `--backends`: by default the fused C++ kernel (`cpp`,
 what 'auto' picks on CPU) and PyTorch's SDPA (`sdpa`) on CPU, and `auto` on CUDA (the fused Triton
@@ -45,13 +47,13 @@ import argparse
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+import time
 from typing import Callable, NamedTuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEVICES, interleaved_times, machine, median_interval, resolve_device  # noqa: E402
+from common import DEVICES, machine, median_interval, resolve_device, sync  # noqa: E402
 
 BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
 DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
@@ -59,10 +61,33 @@ KINDS = (("transformer", "T"), ("diff", "DIFF"))
 LLAMA = "Llama (HF)"
 
 
-@dataclass
 class Arm:
-    name: str
-    generate: Callable[[torch.Tensor, int], object]  # (prompt, n) -> greedy generation of n new tokens
+    """A model and how it generates greedily (prompt, n) -> n new tokens, timed phase by phase (`timed`)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, generate: Callable[[torch.Tensor, int], object],
+                 device: torch.device):
+        self.name, self.generate, self.device = name, generate, device
+        self.forwards, self.split = 0, 0.0
+        model.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module, args) -> None:
+        self.forwards += 1
+        if self.forwards == 2:  # the first single-token step begins: the prompt and its token are done
+            sync(self.device)
+            self.split = time.perf_counter()
+
+    def timed(self, prompt: torch.Tensor, n: int) -> tuple[float, float]:
+        """(prefill s, decode s) of one generate of n >= 2 new tokens: up to the model's second forward, and
+        from it to the end (n - 1 single-token steps)."""
+        self.forwards = 0
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.generate(prompt, n)
+        sync(self.device)
+        t1 = time.perf_counter()
+        if self.forwards != n:  # one forward per new token, or the split above is not the prefill's end
+            raise RuntimeError(f"{self.name}: generate of {n} tokens ran {self.forwards} forward calls, not {n}")
+        return self.split - t0, t1 - self.split
 
 
 def _config(preset: str, kind: str, backend: str, context: int):
@@ -87,7 +112,7 @@ def _ours(cfg, name: str, device: torch.device, dtype: torch.dtype) -> Arm:
     def generate(prompt, n):
         return model.generate(prompt, n, temperature=0)
 
-    return Arm(name, generate)
+    return Arm(name, model, generate, device)
 
 
 def _llama(preset: str, context: int, dtype: torch.dtype) -> Arm | None:
@@ -115,23 +140,16 @@ def _llama(preset: str, context: int, dtype: torch.dtype) -> Arm | None:
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
                               min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
 
-    return Arm(LLAMA, generate)
+    return Arm(LLAMA, model, generate, torch.device("cpu"))
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
-def _med(xs: list[float | None]) -> float | None:
-    """Median of the rounds that have a value (a round whose generate was no slower than its prefill has
-    no decode rate), None when none has."""
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _per_round(a: list[float | None], b: list[float | None]) -> list[float]:
+def _per_round(a: list[float], b: list[float]) -> list[float]:
     """a / b round by round (both arms ran in the same round, so load hits them alike)."""
-    return [x / y for x, y in zip(a, b) if x is not None and y is not None and y > 0]
+    return [x / y for x, y in zip(a, b)]
 
 
 class Ratio(NamedTuple):
@@ -146,16 +164,16 @@ class Ratio(NamedTuple):
         return f"{m:.2f}" if lo is None else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def _ratio(a: list[float | None] | None, b: list[float | None] | None) -> Ratio | str:
+def _ratio(a: list[float] | None, b: list[float] | None) -> Ratio | str:
     """The median per-round ratio a/b, with its 95% interval (order statistics) where there are enough rounds."""
-    if a is None or b is None or not (xs := _per_round(a, b)):
+    if a is None or b is None:
         return "-"
-    return Ratio(*median_interval(xs))
+    return Ratio(*median_interval(_per_round(a, b)))
 
 
 def _best(values: dict[str, list], kind: str, backends, pick) -> list | None:
     """The per-round values of `kind`'s best backend (by median: max for rates, min for times)."""
-    arms = [v for b in backends if (v := values.get(f"{kind} {b}")) is not None and _med(v) is not None]
+    arms = [v for b in backends if (v := values.get(f"{kind} {b}")) is not None]
     return pick(arms, key=_med, default=None)
 
 
@@ -168,10 +186,10 @@ def _columns(names: list[str], backends: list[str]) -> list[tuple[str, Callable[
     (prefill seconds, decode tokens/s), each by arm name as one value per round). One list makes both
     the header and every row."""
     both = [b for b in backends if f"T {b}" in names and f"DIFF {b}" in names]
-    cols = [(f"prefill ms {n}", lambda pre, rate, n=n: _fmt(_med(pre[n]) * 1e3, ".1f")) for n in names]
+    cols = [(f"prefill ms {n}", lambda pre, rate, n=n: f"{_med(pre[n]) * 1e3:.1f}") for n in names]
     cols += [("prefill DIFF/T (best)", lambda pre, rate: _ratio(_best(pre, "DIFF", backends, min),
                                                                _best(pre, "T", backends, min)))]
-    cols += [(f"decode tok/s {n}", lambda pre, rate, n=n: _fmt(_med(rate[n]), ",.0f")) for n in names]
+    cols += [(f"decode tok/s {n}", lambda pre, rate, n=n: f"{_med(rate[n]):,.0f}") for n in names]
     cols += [("decode DIFF/T (best)", lambda pre, rate: _ratio(_best(rate, "DIFF", backends, max),
                                                               _best(rate, "T", backends, max)))]
     cols += [(f"decode DIFF/T {b}", lambda pre, rate, b=b: _ratio(rate[f"DIFF {b}"], rate[f"T {b}"])) for b in both]
@@ -220,17 +238,19 @@ def _header(cols) -> str:
 
 def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
          device: torch.device) -> tuple[str, dict]:
-    """One row of the table and its cells by title. Each round runs every arm's 1-token generate and then
-    its new_tokens generate, arm after arm, so each round gives every arm a prefill time and a decode
-    rate measured under the same load, and ratios are taken round by round."""
+    """One row of the table and its cells by title. Each round runs every arm's generate once, arm after
+    arm (after one warm-up round), so each round gives every arm a prefill time and a decode rate measured
+    under the same load, and ratios are taken round by round."""
     prompt = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(T * 131 + B)).to(device)
-    names = [a.name for a in arms]
-    fns = [f for a in arms for f in (lambda a=a: a.generate(prompt, 1), lambda a=a: a.generate(prompt, new_tokens))]
-    times = interleaved_times(fns, repeats, device=device)
-    pre = {n: times[2 * i] for i, n in enumerate(names)}
-    # None for a round whose generate was no slower than its prefill (noise: nothing to divide)
-    rate = {n: [B * (new_tokens - 1) / (g - p) if g > p else None for p, g in zip(pre[n], times[2 * i + 1])]
-            for i, n in enumerate(names)}
+    for arm in arms:
+        arm.timed(prompt, new_tokens)
+    pre: dict[str, list] = {a.name: [] for a in arms}
+    rate: dict[str, list] = {a.name: [] for a in arms}
+    for _ in range(repeats):
+        for arm in arms:
+            p, d = arm.timed(prompt, new_tokens)
+            pre[arm.name].append(p)
+            rate[arm.name].append(B * (new_tokens - 1) / d)
     cells = {title: cell(pre, rate) for title, cell in cols}
     return "| " + " | ".join([str(T), str(B), *map(str, cells.values())]) + " |", cells
 

@@ -4,9 +4,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = 18  # prompt, batch, 5 prefill times, 1 ratio, 5 decode rates, 5 ratios
@@ -28,6 +30,44 @@ def test_decode_benchmark_prints_a_row_per_prompt_and_batch():
     rows = [line.split("|")[1:-1] for line in lines if line[:5] in ("| 8 |", "| 16 ")]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("8", "1"), ("8", "2"), ("16", "1"), ("16", "2")]
     assert all(len(r) == COLUMNS for r in rows), run.stdout
+
+
+def _decode_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return decode
+
+
+class _SleepyLM(torch.nn.Module):
+    """A model whose first forward takes `first` s and every later one `step` s; generate makes n forwards
+    (or `extra` more), the way a library's greedy loop does."""
+
+    def __init__(self, first: float, step: float, extra: int = 0):
+        super().__init__()
+        self.first, self.step, self.extra, self.calls = first, step, extra, 0
+
+    def forward(self, ids):
+        time.sleep(self.first if self.calls == 0 else self.step)
+        self.calls += 1
+
+    def generate(self, prompt, n):
+        self.calls = 0
+        for _ in range(n + self.extra):
+            self(prompt)
+
+
+def test_one_generate_call_is_split_at_the_second_forward():
+    decode = _decode_module()
+    lm = _SleepyLM(first=0.08, step=0.01)
+    arm = decode.Arm("x", lm, lm.generate, torch.device("cpu"))
+    prefill, rest = arm.timed(torch.zeros(1, 3), 6)
+    assert 0.08 <= prefill < 0.08 + 0.05 and 5 * 0.01 <= rest < 5 * 0.01 + 0.05, (prefill, rest)
+    lm2 = _SleepyLM(first=0.0, step=0.0, extra=1)
+    with pytest.raises(RuntimeError, match="generate of 4 tokens ran 5 forward calls, not 4"):
+        decode.Arm("y", lm2, lm2.generate, torch.device("cpu")).timed(torch.zeros(1, 3), 4)
 
 
 def test_decode_benchmark_refuses_too_few_new_tokens():
@@ -88,8 +128,6 @@ def test_triton_runs_for_diff_only():
 
 
 def test_ratios_get_intervals_and_the_targets_a_verdict_that_follows_them():
-    # 16 new tokens: a round whose generate is no slower than its prefill has no rate, and fewer than 6 rates
-    # would leave no interval
     run = _run("--device", "cpu", "--backends", "cpp", "sdpa", "--prompts", "8", "--batch", "1", "--new-tokens", "16",
                "--repeats", "8", "--threads", "1", "--no-llama")
     assert run.returncode == 0, run.stderr
