@@ -138,6 +138,50 @@ def test_modes_and_traces_see_the_decode_op():
     assert torch.equal(plain, seen)
 
 
+def test_a_plain_decoding_step_goes_straight_to_the_kernel_and_anything_else_takes_the_general_route(
+        monkeypatch, decode_calls):
+    """The public functions' short route for a decoding step (fp32 CPU, 'cpp' or 'auto', no grad, no padding, no
+    maps) reaches the kernel's decode function without resolving a backend, with the general route's result
+    and its errors; any call the rule leaves out (float λ, a strided norm weight, float64, padding, grad,
+    a backend other than cpp/auto) resolves a backend as before."""
+    from difftransformer.attention import functional
+
+    resolved = []
+    real = functional.resolve_backend
+    monkeypatch.setattr(functional, "resolve_backend", lambda *a, **kw: resolved.append(a[0]) or real(*a, **kw))
+    q, k, v = random_inputs(2, 4, 2, 1, 70, 16, seed=21)
+    lam, w = torch.tensor(0.4), torch.rand(32) + 0.5
+    ref = diff_attention_reference(q, k, v, 0.4)
+    ref_normed = ref / torch.sqrt(ref.square().mean(-1, keepdim=True) + 1e-5) * w.double()
+    with torch.no_grad():
+        for backend in ("cpp", "auto"):
+            assert rel_err(differential_attention(q, k, v, lam, backend=backend), ref) <= 1e-5
+            assert rel_err(differential_attention(q, k, v, lam, backend=backend, out_norm=(w, 1e-5)), ref_normed) <= 1e-5
+            assert rel_err(multihead_attention(q, k, k, backend=backend), mha_reference(q, k, k)) <= 1e-5
+        assert resolved == [] and decode_calls == {"diff": 4, "ordinary": 2}
+        # the general route, same results
+        assert rel_err(differential_attention(q, k, v, 0.4, backend="cpp"), ref) <= 1e-5  # λ a float
+        strided = torch.stack([w, w], 1)[:, 0]
+        assert not strided.is_contiguous()
+        assert rel_err(differential_attention(q, k, v, lam, backend="cpp", out_norm=(strided, 1e-5)), ref_normed) <= 1e-5
+        differential_attention(q.double(), k.double(), v.double(), lam.double(), backend="auto")
+        differential_attention(q, k, v, lam, backend="cpp", key_padding_mask=torch.ones(2, 70, dtype=torch.bool))
+        multihead_attention(q, k, k, backend="sdpa")
+        assert resolved == ["cpp", "cpp", "auto", "cpp", "sdpa"]
+        # the short route keeps the general route's errors
+        with pytest.raises(ValueError, match=r"k must be \(batch=2, 2\*h_kv, S, d=16\)"):
+            differential_attention(q, k[..., :8], v, lam, backend="cpp")
+        with pytest.raises(ValueError, match="the same batch B and q/k dim d"):
+            multihead_attention(q, k[:1], k[:1], backend="cpp")
+        with pytest.raises(ValueError, match="q, k, v must be on one device"):
+            differential_attention(q, k.to("meta"), v, lam, backend="cpp")
+        with pytest.raises(ValueError, match=r"out_norm's weight must have shape \(2d,\) = \(32,\)"):
+            differential_attention(q, k, v, lam, backend="cpp", out_norm=(w[:16], 1e-5))
+    q.requires_grad_(True)
+    differential_attention(q, k, v, lam, backend="cpp").sum().backward()  # under grad: the training path
+    assert q.grad is not None and decode_calls["diff"] == 7 and resolved[-1] == "cpp"  # 3 decode calls above took the general route
+
+
 def test_decode_result_does_not_depend_on_the_thread_count():
     """With 3 (batch, kv group) pairs and several splits, one thread runs each pair's splits in one task and
     two threads share the splits (fewer pairs than twice the threads): the same computations in the same

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.attention.backends import resolve_backend
-from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu, flash_attention_cpu
+from difftransformer.kernels import flash_cpu
+from difftransformer.kernels.flash_cpu import DECODE_MAX_ROWS, diff_flash_attention_cpu, flash_attention_cpu
 from difftransformer.norm import compute_dtype
 
 
@@ -105,6 +106,21 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
                         f"convert them with .float() (or .to(torch.bfloat16), ...)")
 
 
+def _direct_cpu_decode(q, k, v, key_padding_mask, backend: str, plain: bool):
+    """The fused CPU kernel's module (`flash_cpu.direct_decode_module`) when this call may go straight to its
+    decode function once its shapes are checked and its rows are few (n_rep * T <= DECODE_MAX_ROWS), else
+    None. It may when: backend 'cpp' or 'auto' (which takes cpp for fp32 CPU tensors whenever the kernel is
+    built), fp32 q, k, v on the CPU, no key padding, no maps or score hook (plain), no gradient. The same
+    kernel and result as the general route (`_check_operands`, `resolve_backend`, `flash_attention_cpu`),
+    with attribute checks only: a decoding step makes this call once per layer and token, where the general
+    route's Python cost ~20 µs of a small model's ~0.6 ms per layer."""
+    f32 = torch.float32
+    if (plain and key_padding_mask is None and (backend == "cpp" or backend == "auto") and q.is_cpu and k.is_cpu
+            and v.is_cpu and q.dtype is f32 and k.dtype is f32 and v.dtype is f32 and not torch.is_grad_enabled()):
+        return flash_cpu.direct_decode_module()
+    return None
+
+
 def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {q.dim()}, {k.dim()}, {v.dim()} dims")
@@ -141,14 +157,24 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     output as `RMSNorm` does. Given here rather than applied by the caller so the cpp backend can
     fuse it into its decode path (one op less per layer and token).
     """
-    _check_operands(q, k, v, key_padding_mask)
+    direct = _direct_cpu_decode(q, k, v, key_padding_mask, backend, not return_maps and score_hook is None)
+    if direct is None:
+        _check_operands(q, k, v, key_padding_mask)
     h, h_kv, T = _check_diff_shapes(q, k, v, lam)
-    B, S, d = q.shape[0], k.shape[2], q.shape[-1]
-    _check_key_padding_mask(key_padding_mask, B, S)
+    d = q.shape[-1]
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
     scale = d ** -0.5 if scale is None else scale
-    if out_norm is not None and tuple(out_norm[0].shape) != (2 * d,):
+    weight = None if out_norm is None else out_norm[0]
+    if weight is not None and weight.shape != (2 * d,):
         raise ValueError(f"out_norm's weight must have shape (2d,) = ({2 * d},), one entry per output "
-                         f"feature of a head; got {tuple(out_norm[0].shape)}")
+                         f"feature of a head; got {tuple(weight.shape)}")
+    # the decode function takes λ and the norm weight as fp32 CPU tensors (λ 0-d, checked above; weight dense)
+    if (direct is not None and T * (h // h_kv) <= DECODE_MAX_ROWS and isinstance(lam, torch.Tensor)
+            and lam.dtype is torch.float32 and lam.is_cpu and (weight is None or (
+                weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()))):
+        return direct.diff_flash_decode(q, k, v, lam, bool(causal), float(scale), None, weight,
+                                        0.0 if weight is None else float(out_norm[1]))
     f = compute_dtype(q)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # as_tensor + to: ~2 us
         lam = torch.as_tensor(lam, device=q.device).to(f)
@@ -268,16 +294,21 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
 
     Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook: see the
     module doc (maps = 1; runs the eager backend)."""
-    _check_operands(q, k, v, key_padding_mask)
-    qs, ks = q.shape, k.shape  # read once: this runs per layer per decoding step
-    if (len(qs) != 4 or len(ks) != 4 or v.shape[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
+    direct = _direct_cpu_decode(q, k, v, key_padding_mask, backend, not return_maps and score_hook is None)
+    if direct is None:
+        _check_operands(q, k, v, key_padding_mask)
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once: this runs per layer per decoding step
+    if (len(qs) != 4 or len(ks) != 4 or vs[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
             or qs[1] % ks[1]):
         raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d): the same batch B and q/k dim d, "
                          f"H % H_kv == 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, d = qs
     H_kv, S = ks[1], ks[2]
-    _check_key_padding_mask(key_padding_mask, B, S)
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
+    if direct is not None and vs[3] == d and T * (H // H_kv) <= DECODE_MAX_ROWS:
+        return direct.flash_decode(q, k, v, bool(causal), float(scale), None)
     which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
                             has_padding=key_padding_mask is not None, dtype=q.dtype, ordinary=True)
     if which == "eager":

@@ -190,14 +190,42 @@ def _decode_op(name: str):
     step that cost ~13 µs more per call than SDPA's call; a step makes one per layer); torch.ops' op when
     something must see the call: torch.compile, torch.jit.trace, a torch function or dispatch mode."""
     _require()
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _intercepted():
-        return getattr(torch.ops.difftransformer_cpu, name)
-    return getattr(_state["module"], name)
+    return getattr(_state["module"] if _plain_calls() else torch.ops.difftransformer_cpu, name)
+
+
+def _plain_calls() -> bool:
+    """Whether nothing must see an op call now (`_decode_op`): no torch.compile trace, no torch.jit.trace,
+    no torch function or dispatch mode."""
+    return not (torch.compiler.is_compiling() or _is_tracing() or _intercepted())
 
 
 def _intercepted() -> bool:
     """Whether a torch function mode or a dispatch mode is active: such a mode must see the op call."""
-    return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
+    return _function_mode() or _dispatch_depth() > 0
+
+
+def direct_decode_module():
+    """The extension module whose decode functions (`flash_decode`, `diff_flash_decode`) a caller that has
+    checked its call may run as plain functions now, or None: not loaded yet (this never builds it; the
+    first call of a public function does) or something must see op calls (`_plain_calls`).
+
+    For `difftransformer.attention.functional`'s decoding-step route, which checks what the functions
+    need (fp32 CPU q, k, v, n_rep * T <= DECODE_MAX_ROWS, no key padding, no gradient; λ a 0-d fp32
+    tensor, the norm weight None or a contiguous fp32 (2d,) tensor) and calls
+    flash_decode(q, k, v, causal, scale, None) or diff_flash_decode(q, k, v, lam, causal, scale, None,
+    norm_weight, norm_eps); the kernel checks shapes and dtypes again. Few Python calls on purpose: in a
+    decoding step each function the interpreter enters costs ~1 µs (the model's matrix products have
+    evicted it from the CPU's caches)."""
+    # `_plain_calls`, inlined: this runs once per layer and token
+    if (_state.get("ok") is not True or torch.compiler.is_compiling() or _is_tracing() or _function_mode()
+            or _dispatch_depth()):
+        return None
+    return _state["module"]
+
+
+_is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its Python frame
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
