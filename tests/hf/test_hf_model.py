@@ -225,6 +225,88 @@ def test_step_inputs_equal_transformers_generic_method(case):
         assert (torch.equal(got, want) if torch.is_tensor(want) else got is want or got == want), key
 
 
+@pytest.mark.parametrize("case", ["mask", "padded", "no_mask", "positions", "token_types", "no_cache", "two_tokens"])
+def test_step_update_equals_transformers_generic_method(case):
+    """The wrapper's _update_model_kwargs_for_generation gives what transformers' own gives (the reference: same
+    keys, same tensors), and keeps a mask without padding marked as such across steps, never one with padding."""
+    from transformers import GenerationMixin
+    from difftransformer.hf.modeling import _padding_free
+
+    _, hf = pair("diff")
+    torch.manual_seed(2)
+    ids, cache = torch.randint(0, VOCAB, (2, 6)), DynamicCache()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, past_key_values=cache if case != "no_cache" else None,
+                 use_cache=case != "no_cache")
+    kwargs = dict(attention_mask=mask, past_key_values=None, use_cache=True, logits_to_keep=1)
+    if case == "padded":
+        mask[1, :3] = 0
+    elif case == "no_mask":
+        del kwargs["attention_mask"]
+    elif case == "positions":
+        kwargs["position_ids"] = torch.arange(6).expand(2, 6) * 3
+    elif case == "token_types":
+        kwargs["token_type_ids"] = torch.randint(0, 2, (2, 6))
+    n = 2 if case == "two_tokens" else 1
+    theirs = GenerationMixin._update_model_kwargs_for_generation(
+        hf, out, {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}, num_new_tokens=n)
+    ours = hf._update_model_kwargs_for_generation(out, dict(kwargs), num_new_tokens=n)  # forward marked `mask`
+    assert ours.keys() == theirs.keys()
+    for key, want in theirs.items():
+        got = ours[key]
+        assert (torch.equal(got, want) if torch.is_tensor(want) else got is want), key
+    assert (ours["past_key_values"] is cache) == (case != "no_cache")
+    if "attention_mask" in ours:
+        grown = ours["attention_mask"]
+        marked = grown.__dict__.get("_difftransformer_no_padding") == grown._version
+        assert marked == (case != "padded") and _padding_free(grown) == (case != "padded")
+        if case != "padded":  # a write in place unmarks it: the next read looks at the values again
+            grown[0, 0] = 0
+            assert not _padding_free(grown)
+
+
+def test_a_marked_mask_written_in_place_is_read_again():
+    """forward reads a mask marked as padding-free (by an earlier forward or a generate step) without looking
+    at its values, unless it was written since: then the padding counts, as with a fresh mask."""
+    _, hf = pair("diff")
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    with torch.no_grad():
+        plain = hf(ids, attention_mask=mask).logits
+        assert mask.__dict__.get("_difftransformer_no_padding") == mask._version  # read once, marked
+        assert torch.equal(hf(ids, attention_mask=mask).logits, plain)
+        mask[1, :2] = 0
+        padded = hf(ids, attention_mask=mask).logits
+        fresh = hf(ids, attention_mask=mask.clone()).logits
+    assert torch.equal(padded, fresh) and not torch.allclose(padded[1], plain[1])
+    with torch.inference_mode():  # inference tensors keep no version: read every time, never marked
+        m = torch.ones(2, 6, dtype=torch.long)
+        assert torch.equal(hf(ids, attention_mask=m).logits, plain) and "_difftransformer_no_padding" not in m.__dict__
+
+
+def test_outputs_are_transformers_causal_lm_outputs():
+    """forward's output class only builds faster: an instance of CausalLMOutputWithPast with the same keys,
+    tuple, indexing, pickling and pytree flattening as one built by transformers from the same fields."""
+    import torch.utils._pytree as pytree
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    _, hf = pair("diff")
+    ids = ids_of(PROMPTS[1])
+    for kwargs in (dict(use_cache=True), dict(labels=ids, use_cache=False), dict(output_hidden_states=True)):
+        with torch.no_grad():
+            out = hf(ids, **kwargs)
+        ref = CausalLMOutputWithPast(**{k: getattr(out, k) for k in ("loss", "logits", "past_key_values",
+                                                                     "hidden_states", "attentions")})
+        assert isinstance(out, CausalLMOutputWithPast) and list(out.keys()) == list(ref.keys())
+        assert all(a is b for a, b in zip(out.to_tuple(), ref.to_tuple())) and out[0] is ref[0]
+        assert out["logits"] is out.logits and hf(ids, return_dict=False, **kwargs)[0].shape == out[0].shape
+        assert pytree.tree_flatten(out)[1].context == pytree.tree_flatten(ref)[1].context
+        assert list(pickle.loads(pickle.dumps(out)).keys()) == list(out.keys())
+    out.attentions = torch.zeros(1)  # a field set afterwards becomes a key, as in ModelOutput
+    assert "attentions" in out.keys() and out["attentions"] is out.attentions
+
+
 def test_generate_from_inputs_embeds_equals_generate_from_ids():
     _, hf = pair("diff")
     ids = ids_of(PROMPTS[1])

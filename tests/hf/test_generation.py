@@ -1,0 +1,140 @@
+"""The wrapper's lean decoding loop (difftransformer.hf.generation) against transformers' own `_sample`.
+
+transformers' loop is the reference: each case runs `generate()` twice from the same seed, once through
+`lean_sample` and once with it switched off, and the tokens must be equal: greedy and sampling, EOS stops
+with finished rows padded, a batch where every row stops early, left padding, logits processors that
+write into their input, max_length instead of max_new_tokens. The calls the lean loop leaves out
+(streamer, returned scores, custom stopping criteria, embeddings) must run transformers' loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
+
+from difftransformer.hf import DiffTransformerForCausalLM, modeling  # noqa: E402
+from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not modeling._TRANSFORMERS_5, reason="transformers 4.x keeps its own loop")
+
+VOCAB = 64
+
+
+def wrapper(seed: int = 0, **config_kwargs) -> DiffTransformerForCausalLM:
+    torch.manual_seed(seed)
+    cfg = DiffTransformerConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=1, attention="diff", max_position_embeddings=64,
+                                initializer_range=0.2)
+    return DiffTransformerForCausalLM.from_native(DiffTransformerLM(cfg).eval(), **config_kwargs).eval()
+
+
+@pytest.fixture
+def lean_calls(monkeypatch) -> list:
+    """One entry per run of lean_sample."""
+    calls = []
+    real = modeling.lean_sample
+    monkeypatch.setattr(modeling, "lean_sample", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def both(hf, lean_calls, monkeypatch, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate(**kwargs) through the lean loop and through transformers' loop, each from torch seed `seed`."""
+    real = modeling.lean_sample_applies
+    lean_calls.clear()
+    torch.manual_seed(seed)
+    lean = hf.generate(**kwargs)
+    ran = len(lean_calls)
+    monkeypatch.setattr(modeling, "lean_sample_applies", lambda *a, **kw: False)
+    torch.manual_seed(seed)
+    theirs = hf.generate(**kwargs)
+    monkeypatch.setattr(modeling, "lean_sample_applies", real)
+    assert ran == 1 and len(lean_calls) == 1, "the lean loop did not run (or ran for the reference)"
+    return lean, theirs
+
+
+def _eos_of(hf, ids: torch.Tensor, after: int) -> int:
+    """A token greedy decoding emits for row 0 at step `after` or later, and not before (so an EOS there stops
+    that row early, and no earlier)."""
+    new = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    fresh = [t for i, t in enumerate(new) if i >= after and t not in new[:i]]
+    assert fresh, f"pick another prompt: row 0 emits only {new}"
+    return fresh[0]
+
+
+CASES = {
+    "greedy": dict(do_sample=False, max_new_tokens=9),
+    "greedy_max_length": dict(do_sample=False, max_length=15),
+    "sampling": dict(do_sample=True, max_new_tokens=9, temperature=0.9, top_k=20, top_p=0.95),
+    "processors": dict(do_sample=False, max_new_tokens=9, repetition_penalty=1.3, no_repeat_ngram_size=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lean_loop_gives_transformers_tokens(case, lean_calls, monkeypatch):
+    hf = wrapper()
+    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
+    lean, theirs = both(hf, lean_calls, monkeypatch, seed=11, input_ids=ids, **CASES[case])
+    assert lean.shape == theirs.shape and torch.equal(lean, theirs)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_eos_stops_rows_and_pads_them_as_transformers_does(sample, lean_calls, monkeypatch):
+    """An EOS that row 0 emits early: that row is padded with the pad id afterwards while the others go on,
+    with left-padded prompts (attention mask) and a processor that needs the EOS (min_new_tokens)."""
+    hf = wrapper()
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0
+    eos = _eos_of(hf, ids, 2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0,
+                  do_sample=sample, min_new_tokens=2)
+    lean, theirs = both(hf, lean_calls, monkeypatch, seed=3, **kwargs)
+    assert torch.equal(lean, theirs)
+    if not sample:  # the stop really happened: row 0 emits EOS before the end, then only pads
+        new = lean[0, 7:].tolist()
+        assert eos in new[:-1] and set(new[new.index(eos) + 1:]) == {0}, new
+
+
+def test_a_batch_where_every_row_stops_ends_early(lean_calls, monkeypatch):
+    hf = wrapper()
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    eos = _eos_of(hf, ids, 1)
+    lean, theirs = both(hf, lean_calls, monkeypatch, input_ids=ids, max_new_tokens=10, eos_token_id=eos,
+                        pad_token_id=0, do_sample=False)
+    assert torch.equal(lean, theirs) and lean.shape == (1, 5 + 2)
+
+
+class _Never(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("case", ["streamer", "scores", "criteria", "embeds", "no_cache"])
+def test_other_calls_run_transformers_loop(case, lean_calls):
+    hf = wrapper()
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False)
+    if case == "streamer":
+        class _Tok:
+            def decode(self, tokens, **kw):
+                return ""
+        kwargs["streamer"] = TextStreamer(_Tok())
+    elif case == "scores":
+        kwargs.update(return_dict_in_generate=True, output_scores=True)
+    elif case == "criteria":
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_Never()])
+    elif case == "embeds":
+        kwargs = dict(inputs_embeds=hf.embed_tokens(ids).detach(), max_new_tokens=3, do_sample=False)
+    elif case == "no_cache":
+        kwargs["use_cache"] = False
+    out = hf.generate(**kwargs)
+    assert len(lean_calls) == 0
+    plain = hf.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert len(lean_calls) == 1
+    got = out.sequences if case == "scores" else out
+    want = plain[:, 5:] if case == "embeds" else plain
+    assert torch.equal(got, want)
