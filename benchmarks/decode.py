@@ -6,7 +6,8 @@ prompt with its KV cache (`generate(..., temperature=0)`; for Llama, transformer
 use_cache=True)`), and a forward pre-hook on the model splits each generate call in two: prefill ms runs
 from the call to the start of the model's second forward (the prompt's forward into a fresh cache and
 its first token: time to first token), decode tokens/s is batch * (new_tokens - 1) over the rest (the
-single-token steps, each forward with its sampling). One call gives both, so a prefill's noise never
+single-token steps, each forward with its sampling; the split falls after the first step's input
+preparation, a few µs that prefill carries instead). One call gives both, so a prefill's noise never
 enters the decode rate (a difference of two calls' times carried it, and at long prompts the prefill is
 most of a call). The arms run alternately in one process, in rounds (each arm's call once per round),
 so machine load hits all alike; figures are medians over the rounds (on CUDA the clock reads a

@@ -14,12 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
+from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
 
 from difftransformer.hf import DiffTransformerForCausalLM, modeling  # noqa: E402
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not modeling._TRANSFORMERS_5, reason="transformers 4.x keeps its own loop")
 
 VOCAB = 64
 
@@ -113,7 +111,7 @@ class _Never(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("case", ["streamer", "scores", "criteria", "embeds", "no_cache"])
+@pytest.mark.parametrize("case", ["streamer", "scores", "criteria", "two_limits", "embeds", "no_cache"])
 def test_other_calls_run_transformers_loop(case, lean_calls):
     hf = wrapper()
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -127,6 +125,9 @@ def test_other_calls_run_transformers_loop(case, lean_calls):
         kwargs.update(return_dict_in_generate=True, output_scores=True)
     elif case == "criteria":
         kwargs["stopping_criteria"] = StoppingCriteriaList([_Never()])
+    elif case == "two_limits":  # two length limits of the caller's: transformers stops at the first one reached
+        kwargs.update(max_new_tokens=6, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(5 + 6),
+                                                                                MaxLengthCriteria(5 + 3)]))
     elif case == "embeds":
         kwargs = dict(inputs_embeds=hf.embed_tokens(ids).detach(), max_new_tokens=3, do_sample=False)
     elif case == "no_cache":

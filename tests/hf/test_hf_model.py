@@ -194,8 +194,6 @@ def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
     assert not torch.equal(out, hf.generate(ids, max_new_tokens=4, do_sample=False))
 
 
-@pytest.mark.skipif(not __import__("difftransformer.hf.modeling", fromlist=["x"])._TRANSFORMERS_5,
-                    reason="transformers 4.x: the wrapper uses transformers' own method")
 @pytest.mark.parametrize("case", ["decode", "no_cache", "positions", "embeds_first", "embeds_later", "extras"])
 def test_step_inputs_equal_transformers_generic_method(case):
     """The wrapper's lean prepare_inputs_for_generation gives the model what transformers' generic method gives
@@ -225,12 +223,12 @@ def test_step_inputs_equal_transformers_generic_method(case):
         assert (torch.equal(got, want) if torch.is_tensor(want) else got is want or got == want), key
 
 
-@pytest.mark.parametrize("case", ["mask", "padded", "no_mask", "positions", "token_types", "no_cache", "two_tokens"])
+@pytest.mark.parametrize("case", ["mask", "padded", "no_mask", "mask_none", "positions", "token_types", "no_cache",
+                                  "two_tokens"])
 def test_step_update_equals_transformers_generic_method(case):
     """The wrapper's _update_model_kwargs_for_generation gives what transformers' own gives (the reference: same
-    keys, same tensors), and keeps a mask without padding marked as such across steps, never one with padding."""
+    keys, same tensors)."""
     from transformers import GenerationMixin
-    from difftransformer.hf.modeling import _padding_free
 
     _, hf = pair("diff")
     torch.manual_seed(2)
@@ -244,6 +242,8 @@ def test_step_update_equals_transformers_generic_method(case):
         mask[1, :3] = 0
     elif case == "no_mask":
         del kwargs["attention_mask"]
+    elif case == "mask_none":
+        kwargs["attention_mask"] = None
     elif case == "positions":
         kwargs["position_ids"] = torch.arange(6).expand(2, 6) * 3
     elif case == "token_types":
@@ -251,38 +251,12 @@ def test_step_update_equals_transformers_generic_method(case):
     n = 2 if case == "two_tokens" else 1
     theirs = GenerationMixin._update_model_kwargs_for_generation(
         hf, out, {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}, num_new_tokens=n)
-    ours = hf._update_model_kwargs_for_generation(out, dict(kwargs), num_new_tokens=n)  # forward marked `mask`
+    ours = hf._update_model_kwargs_for_generation(out, dict(kwargs), num_new_tokens=n)
     assert ours.keys() == theirs.keys()
     for key, want in theirs.items():
         got = ours[key]
         assert (torch.equal(got, want) if torch.is_tensor(want) else got is want), key
     assert (ours["past_key_values"] is cache) == (case != "no_cache")
-    if "attention_mask" in ours:
-        grown = ours["attention_mask"]
-        marked = grown.__dict__.get("_difftransformer_no_padding") == grown._version
-        assert marked == (case != "padded") and _padding_free(grown) == (case != "padded")
-        if case != "padded":  # a write in place unmarks it: the next read looks at the values again
-            grown[0, 0] = 0
-            assert not _padding_free(grown)
-
-
-def test_a_marked_mask_written_in_place_is_read_again():
-    """forward reads a mask marked as padding-free (by an earlier forward or a generate step) without looking
-    at its values, unless it was written since: then the padding counts, as with a fresh mask."""
-    _, hf = pair("diff")
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    with torch.no_grad():
-        plain = hf(ids, attention_mask=mask).logits
-        assert mask.__dict__.get("_difftransformer_no_padding") == mask._version  # read once, marked
-        assert torch.equal(hf(ids, attention_mask=mask).logits, plain)
-        mask[1, :2] = 0
-        padded = hf(ids, attention_mask=mask).logits
-        fresh = hf(ids, attention_mask=mask.clone()).logits
-    assert torch.equal(padded, fresh) and not torch.allclose(padded[1], plain[1])
-    with torch.inference_mode():  # inference tensors keep no version: read every time, never marked
-        m = torch.ones(2, 6, dtype=torch.long)
-        assert torch.equal(hf(ids, attention_mask=m).logits, plain) and "_difftransformer_no_padding" not in m.__dict__
 
 
 def test_outputs_are_transformers_causal_lm_outputs():
@@ -305,6 +279,14 @@ def test_outputs_are_transformers_causal_lm_outputs():
         assert list(pickle.loads(pickle.dumps(out)).keys()) == list(out.keys())
     out.attentions = torch.zeros(1)  # a field set afterwards becomes a key, as in ModelOutput
     assert "attentions" in out.keys() and out["attentions"] is out.attentions
+    # ModelOutput's other forms (accelerate's send_to_device / convert_to_fp32 and DataParallel's gather rebuild
+    # outputs from a dict or from (key, value) pairs)
+    cls, t = type(out), torch.randn(3)
+    for made, ref in ((cls({"loss": t, "logits": t}), CausalLMOutputWithPast({"loss": t, "logits": t})),
+                      (cls(iter([("logits", t), ("attentions", (t,))])),
+                       CausalLMOutputWithPast(iter([("logits", t), ("attentions", (t,))])))):
+        assert list(made.keys()) == list(ref.keys()) and made.logits is t and made[0] is ref[0]
+        assert (made.loss is None) == (ref.loss is None) and (made.attentions is None) == (ref.attentions is None)
 
 
 def test_generate_from_inputs_embeds_equals_generate_from_ids():
@@ -517,6 +499,19 @@ def test_the_core_package_imports_without_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "pip install 'difftransformer[hf]'" in done.stdout
+
+
+def test_transformers_4_is_refused_on_import_with_the_fix():
+    code = ("import transformers\n"
+            "transformers.__version__ = '4.57.3'\n"
+            "try:\n"
+            "    import difftransformer.hf\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("difftransformer.hf needs transformers >= 5, found 4.57.3")
+    assert done.stdout.strip().endswith("pip install 'difftransformer[hf]'")
 
 
 def test_the_in_place_cache_layer_behaves_as_transformers_own():

@@ -22,10 +22,15 @@ without it (docs/architecture.md), and nothing else imports this one.
 from __future__ import annotations
 
 try:
-    import transformers  # noqa: F401
+    import transformers
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError("difftransformer.hf needs the transformers package (>= 4.56); install it with "
+    raise ImportError("difftransformer.hf needs the transformers package (>= 5); install it with "
                       "pip install 'difftransformer[hf]'") from e
+
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the message is the point
+    raise ImportError(f"difftransformer.hf needs transformers >= 5, found {transformers.__version__}: the wrapper "
+                      f"builds on transformers 5's cache layers and generation steps (4.x's have other interfaces). "
+                      f"pip install 'difftransformer[hf]'")
 
 from transformers import AutoConfig, AutoModelForCausalLM
 

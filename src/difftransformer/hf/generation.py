@@ -13,9 +13,12 @@ prefill, the model's `prepare_inputs_for_generation` and `_update_model_kwargs_f
 processors, the EOS criterion, padding finished rows with the pad id), so it gives the same tokens, and
 the same samples from the same seed (tests compare the two); it only leaves out what such a call does not
 need: the logits copy when no processor could write into them, the stopping-criteria list for the
-length (a host-side count) and the read-back when no EOS id can stop a row. Any other call
-(`lean_sample_applies` is False) runs transformers' loop. transformers 5 only: the wrapper keeps 4.x's
-loop as it is.
+length (a host-side count) and the read-back when no EOS id can stop a row. Two warnings of transformers'
+loop are not given here, neither of which can concern these calls: the length criterion's reminder that
+the text has passed max_position_embeddings (this model refuses such a step with an error instead) and
+the notice that a `compile_config` cannot compile the forward (no compiled forward exists for a
+DynamicCache, which is the only cache admitted). Any other call (`lean_sample_applies` is False) runs
+transformers' loop.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ _PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", "past_key_v
 def lean_sample_applies(generation_config, synced_gpus: bool, streamer, stopping_criteria, model_kwargs: dict) -> bool:
     """Whether `lean_sample` runs this `_sample` call: no multi-GPU sync, no streamer, no returned dict (scores,
     caches), no assistant, no chunked prefill, token ids (not embeddings) with only the plain step inputs, the
-    DynamicCache generate() made, and stopping criteria that are the length limit and the EOS ids only."""
+    DynamicCache generate() made, and stopping criteria that are one length limit and EOS ids only."""
     return (not synced_gpus and streamer is None and not generation_config.return_dict_in_generate
             and not generation_config.is_assistant and generation_config.prefill_chunk_size is None
             and type(model_kwargs.get("past_key_values")) is DynamicCache and model_kwargs.get("use_cache") is True
-            and model_kwargs.keys() <= _PLAIN_MODEL_KWARGS and stopping_criteria.max_length is not None
+            and model_kwargs.keys() <= _PLAIN_MODEL_KWARGS
+            and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1  # its max_length is the limit
             and all(type(c) is MaxLengthCriteria or type(c) is EosTokenCriteria for c in stopping_criteria))
 
 

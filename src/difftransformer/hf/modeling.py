@@ -41,7 +41,6 @@ import torch
 from torch import nn
 from safetensors import SafetensorError
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import __version__ as _TRANSFORMERS_VERSION
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
@@ -54,7 +53,6 @@ from difftransformer.model.serialization import WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
 log = logging.get_logger(__name__)
-_TRANSFORMERS_5 = int(_TRANSFORMERS_VERSION.split(".")[0]) >= 5
 
 
 # what transformers' _update_model_kwargs_for_generation extends besides the cache and the attention mask
@@ -68,11 +66,16 @@ class DiffTransformerCausalLMOutput(CausalLMOutputWithPast):
     it), only built faster. ModelOutput's construction looks the dataclass fields up again for each field it
     sets and once more to check them (~10 µs per output, ~30 µs inside a 5 M model's decoding step, where the
     interpreter's data is out of the CPU caches); here the field names are known once, and a field that is not
-    None becomes a key as ModelOutput makes it one. Built only with keywords, as `forward` does (ModelOutput's
-    other forms, a dict or an iterator of pairs as the first field, are not meant for a model's own output)."""
+    None becomes a key as ModelOutput makes it one. ModelOutput's other forms, a dict or an iterator of
+    (key, value) pairs as the only argument (accelerate's `send_to_device` / `convert_to_fp32` and
+    `nn.DataParallel`'s gather rebuild outputs so), go through ModelOutput's own construction."""
 
-    def __post_init__(self) -> None:  # every field was set (and keyed) by __setattr__ below
-        pass
+    def __post_init__(self) -> None:
+        # Keyword construction: every field was set, and keyed, by __setattr__ below, as ModelOutput's own
+        # __setattr__ would have. A first field that is not a tensor may be ModelOutput's dict / pairs form:
+        # its own check sorts that out from the same state.
+        if self.loss is not None and not isinstance(self.loss, torch.Tensor):
+            super().__post_init__()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if value is not None and name in _OUTPUT_FIELDS:
@@ -200,9 +203,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderBlock"]
     _skip_keys_device_placement = ["past_key_values"]
-    # transformers 5 maps a tied key to its source; 4.x lists the tied keys
-    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"} if _TRANSFORMERS_5 else ["lm_head.weight"]
-    _supports_cache_class = True  # transformers 4.x
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}  # a tied key and its source
     _supports_static_cache = False
 
     def __init__(self, config: DiffTransformerHFConfig):
@@ -258,15 +259,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         ids; it cost ~20-30 µs of each ~2.6 ms decoding step of a 5 M model. Two differences that change
         nothing here: token-type ids are passed whole (forward ignores them) and the ids are a view, not a
         contiguous copy (the embedding takes any strides). As transformers does, the tensors move to the model's
-        device when the step's input is on another. transformers 4.x keeps its own method."""
-        if not _TRANSFORMERS_5:  # 4.x makes position_ids from the mask here: drop them unless given
-            given = kwargs.get("position_ids") is not None
-            inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
-                                                           attention_mask=attention_mask,
-                                                           inputs_embeds=inputs_embeds, **kwargs)
-            if not given:
-                inputs.pop("position_ids", None)
-            return inputs
+        device when the step's input is on another."""
         last = slice(None) if next_sequence_length is None else slice(-next_sequence_length, None)
         if inputs_embeds is not None and is_first_iteration:
             step = inputs_embeds[:, last]
@@ -293,7 +286,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' greedy search and multinomial sampling; the plain calls (`generation.lean_sample_applies`:
         token ids, length and EOS stops, any processors, no streamer or returned scores) run the same loop
         without its per-step overhead (`generation.lean_sample`: the same tokens, ~0.1 ms less per token)."""
-        if _TRANSFORMERS_5 and lean_sample_applies(generation_config, synced_gpus, streamer, stopping_criteria,
+        if lean_sample_applies(generation_config, synced_gpus, streamer, stopping_criteria,
                                                    model_kwargs):
             return lean_sample(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
@@ -301,23 +294,18 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict[str, Any], is_encoder_decoder: bool = False,
                                             num_new_tokens: int = 1) -> dict[str, Any]:
-        """transformers' update of the step inputs after a step: the cache from the outputs, token types and
-        position ids extended (transformers' own method does those), and the 2-D attention mask grown here by
-        `num_new_tokens` columns of ones, as transformers grows it, a mask without padding marked as still
-        having none (`_padding_free`) so forward does not read it again at every step. With nothing but the
-        cache and the mask to update (generate() on token ids), transformers' method is not entered: its
-        checks for every model's inputs cost ~5 µs of a small model's step."""
-        mask = model_kwargs.pop("attention_mask", None)
+        """transformers' update of the step inputs after a step, done here when only the cache and the 2-D
+        attention mask change (generate() on token ids): the cache from the outputs, the
+        mask grown by `num_new_tokens` columns of ones, as transformers' method does (tested equal to it);
+        its checks for every other model's inputs cost ~5 µs of a small model's step. Anything else takes
+        transformers' method."""
         if is_encoder_decoder or any(model_kwargs.get(k) is not None for k in _OTHER_STEP_INPUTS):
-            model_kwargs = super()._update_model_kwargs_for_generation(
+            return super()._update_model_kwargs_for_generation(
                 outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens)
-        elif "past_key_values" in outputs:
+        if "past_key_values" in outputs:
             model_kwargs["past_key_values"] = outputs.past_key_values
-        if mask is not None:
-            grown = torch.cat([mask, mask.new_ones((mask.shape[0], num_new_tokens))], dim=-1)
-            if not mask.is_inference() and mask.__dict__.get(_NO_PADDING) == mask._version:
-                _mark_padding_free(grown)
-            model_kwargs["attention_mask"] = grown
+        if (mask := model_kwargs.get("attention_mask")) is not None:
+            model_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], num_new_tokens))], dim=-1)
         return model_kwargs
 
     # -- the native model, both ways (shared parameters) ----------------------------------
@@ -517,28 +505,5 @@ def _key_mask(attention_mask: torch.Tensor | None, B: int, S: int) -> torch.Tens
         raise ValueError(f"attention_mask must be the 2-D (batch, cached + new tokens) = ({B}, {S}) padding mask, "
                          f"1 for tokens and 0 for padding; got shape {tuple(attention_mask.shape)}. 4-D masks "
                          f"(custom attention patterns) are not supported: attention here is causal with key padding")
-    return None if _padding_free(attention_mask) else attention_mask.bool()
-
-
-# An attention mask found to be all ones carries this attribute: its version counter then. The version moves
-# with every in-place write, so a mask changed since reads as unknown and is looked at again.
-_NO_PADDING = "_difftransformer_no_padding"
-
-
-def _padding_free(mask: torch.Tensor) -> bool:
-    """Whether a 2-D attention mask is all ones. Each step of generate() passes the previous step's mask with a
-    column of ones appended (`_update_model_kwargs_for_generation`, which marks it when the previous one was
-    marked), so a mask without padding is read once per generation instead of once per step (`.all()` and its
-    read-back cost ~15 µs of a 5 M model's step). Inference-mode tensors keep no version: always read."""
-    known = mask.__dict__.get(_NO_PADDING) if not mask.is_inference() else None
-    if known is not None and known == mask._version:
-        return True
-    if not bool(mask.all()):
-        return False
-    _mark_padding_free(mask)
-    return True
-
-
-def _mark_padding_free(mask: torch.Tensor) -> None:
-    if not mask.is_inference():
-        setattr(mask, _NO_PADDING, mask._version)
+    mask = attention_mask.bool()
+    return None if bool(mask.all()) else mask
