@@ -485,33 +485,29 @@ def test_inputs_the_wrapper_cannot_serve_are_refused():
         hf.generate(ids, max_new_tokens=2, cache_implementation="static")
 
 
-def test_the_core_package_imports_without_transformers():
-    code = ("import importlib, pkgutil, sys\n"
-            "sys.modules['transformers'] = None  # import transformers now fails\n"
-            "import difftransformer\n"
-            "for m in pkgutil.walk_packages(difftransformer.__path__, 'difftransformer.'):\n"
-            "    if not m.name.startswith(('difftransformer.hf', 'difftransformer.__main__')):\n"
-            "        importlib.import_module(m.name)\n"
-            "try:\n"
-            "    import difftransformer.hf\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
+def _import_hf_after(setup: str) -> str:
+    """What `import difftransformer.hf` prints as its ImportError in a fresh process after `setup` ran ('' if none)."""
+    code = setup + "try:\n    import difftransformer.hf\nexcept ImportError as e:\n    print(e)\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "pip install 'difftransformer[hf]'" in done.stdout
+    return done.stdout.strip()
+
+
+def test_the_core_package_imports_without_transformers():
+    printed = _import_hf_after(
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['transformers'] = None  # import transformers now fails\n"
+        "import difftransformer\n"
+        "for m in pkgutil.walk_packages(difftransformer.__path__, 'difftransformer.'):\n"
+        "    if not m.name.startswith(('difftransformer.hf', 'difftransformer.__main__')):\n"
+        "        importlib.import_module(m.name)\n")
+    assert "pip install 'difftransformer[hf]'" in printed
 
 
 def test_transformers_4_is_refused_on_import_with_the_fix():
-    code = ("import transformers\n"
-            "transformers.__version__ = '4.57.3'\n"
-            "try:\n"
-            "    import difftransformer.hf\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().startswith("difftransformer.hf needs transformers >= 5, found 4.57.3")
-    assert done.stdout.strip().endswith("pip install 'difftransformer[hf]'")
+    printed = _import_hf_after("import transformers\ntransformers.__version__ = '4.57.3'\n")
+    assert printed.startswith("difftransformer.hf needs transformers >= 5, found 4.57.3")
+    assert printed.endswith("pip install 'difftransformer[hf]'")
 
 
 def test_the_in_place_cache_layer_behaves_as_transformers_own():
