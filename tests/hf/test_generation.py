@@ -139,3 +139,24 @@ def test_other_calls_run_transformers_loop(case, lean_calls):
     got = out.sequences if case == "scores" else out
     want = plain[:, 5:] if case == "embeds" else plain
     assert torch.equal(got, want)
+
+
+def test_a_transformers_without_the_internals_it_uses_runs_transformers_loop(monkeypatch):
+    """lean_sample uses transformers 5's generation internals; where one is missing (another version) the call
+    is left to transformers' own loop rather than failing."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from transformers.cache_utils import DynamicCache
+
+    from difftransformer.hf.generation import lean_sample_applies
+
+    hf = wrapper()
+    config = GenerationConfig(max_new_tokens=3)
+    config._pad_token_tensor = None
+    kwargs = dict(past_key_values=DynamicCache(), use_cache=True, attention_mask=None)
+    criteria = StoppingCriteriaList([MaxLengthCriteria(9)])
+    assert lean_sample_applies(hf, config, False, None, criteria, kwargs)
+    assert not lean_sample_applies(SimpleNamespace(), config, False, None, criteria, kwargs)  # no _prefill
+    del config._pad_token_tensor
+    assert not lean_sample_applies(hf, config, False, None, criteria, kwargs)

@@ -31,10 +31,21 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 _PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"})
 
 
-def lean_sample_applies(generation_config, synced_gpus: bool, streamer, stopping_criteria, model_kwargs: dict) -> bool:
+# What lean_sample uses of transformers' generation internals (5.x): where one is missing (another version), the
+# call runs transformers' own loop instead of failing.
+_INTERNALS = ("_prefill", "_optimize_model_for_decode", "_update_model_kwargs_for_generation")
+_CONFIG_FIELDS = ("_pad_token_tensor", "is_assistant", "prefill_chunk_size", "return_dict_in_generate", "do_sample")
+
+
+def lean_sample_applies(model, generation_config, synced_gpus: bool, streamer, stopping_criteria,
+                        model_kwargs: dict) -> bool:
     """Whether `lean_sample` runs this `_sample` call: no multi-GPU sync, no streamer, no returned dict (scores,
     caches), no assistant, no chunked prefill, token ids (not embeddings) with only the plain step inputs, the
-    DynamicCache generate() made, and stopping criteria that are one length limit and EOS ids only."""
+    DynamicCache generate() made, stopping criteria that are one length limit and EOS ids only, and the
+    generation internals it uses where it expects them."""
+    if not (all(hasattr(model, name) for name in _INTERNALS)
+            and all(hasattr(generation_config, name) for name in _CONFIG_FIELDS)):
+        return False
     return (not synced_gpus and streamer is None and not generation_config.return_dict_in_generate
             and not generation_config.is_assistant and generation_config.prefill_chunk_size is None
             and type(model_kwargs.get("past_key_values")) is DynamicCache and model_kwargs.get("use_cache") is True

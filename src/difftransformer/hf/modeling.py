@@ -286,8 +286,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' greedy search and multinomial sampling; the plain calls (`generation.lean_sample_applies`:
         token ids, length and EOS stops, any processors, no streamer or returned scores) run the same loop
         without its per-step overhead (`generation.lean_sample`: the same tokens, ~0.1 ms less per token)."""
-        if lean_sample_applies(generation_config, synced_gpus, streamer, stopping_criteria,
-                                                   model_kwargs):
+        if lean_sample_applies(self, generation_config, synced_gpus, streamer, stopping_criteria, model_kwargs):
             return lean_sample(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
