@@ -92,7 +92,7 @@ def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, f
 
 class MedianInterval(NamedTuple):
     """A median with its 95% interval from `median_interval` (lo, hi None with too few values); prints as
-    a table cell: "0.97 [0.93, 1.01]", or "0.97" alone."""
+    a table cell: "0.97 [0.93, 1.01]", or "0.97" alone (`cell(digits)` for other precisions)."""
 
     med: float
     lo: float | None
@@ -102,9 +102,21 @@ class MedianInterval(NamedTuple):
     def of(cls, xs: list[float]) -> "MedianInterval":
         return cls(*median_interval(xs))
 
-    def __str__(self) -> str:
+    def cell(self, digits: int = 2) -> str:
         m, lo, hi = self
-        return f"{m:.2f}" if lo is None else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+        return f"{m:.{digits}f}" if lo is None else f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+    def __str__(self) -> str:
+        return self.cell()
+
+    def verdict(self, side: str, line: float) -> str:
+        """A target 'value >= line' (side '>=') or 'value <= line' (side '<='): 'met' / 'not met' where the
+        whole interval (unrounded) is on one side of the line, 'open' where it spans the line or there are
+        too few values for an interval."""
+        if self.lo is None:
+            return "open"
+        good, bad = (self.lo >= line, self.hi < line) if side == ">=" else (self.hi <= line, self.lo > line)
+        return "met" if good else "not met" if bad else "open"
 
 
 @contextlib.contextmanager

@@ -49,12 +49,12 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEVICES, machine, median_interval, resolve_device, sync  # noqa: E402
+from common import DEVICES, MedianInterval, machine, resolve_device, sync  # noqa: E402
 
 BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
 DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
@@ -153,23 +153,11 @@ def _per_round(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b)]
 
 
-class Ratio(NamedTuple):
-    """A median per-round ratio and its 95% interval (None, None with too few rounds); prints as a cell."""
-
-    med: float
-    lo: float | None
-    hi: float | None
-
-    def __str__(self) -> str:
-        m, lo, hi = self
-        return f"{m:.2f}" if lo is None else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
-
-
-def _ratio(a: list[float] | None, b: list[float] | None) -> Ratio | str:
+def _ratio(a: list[float] | None, b: list[float] | None) -> MedianInterval | str:
     """The median per-round ratio a/b, with its 95% interval (order statistics) where there are enough rounds."""
     if a is None or b is None:
         return "-"
-    return Ratio(*median_interval(_per_round(a, b)))
+    return MedianInterval.of(_per_round(a, b))
 
 
 def _best(values: dict[str, list], kind: str, backends, pick) -> list | None:
@@ -206,16 +194,6 @@ TARGETS = (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0
            ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0))
 
 
-def _verdict(ratio: Ratio, side: str, line: float) -> str:
-    """'met' / 'not met' where the whole interval (unrounded) is on one side of the line, 'open' where it
-    spans the line (or there are too few rounds for an interval)."""
-    lo, hi = ratio.lo, ratio.hi
-    if lo is None:
-        return "open"
-    good, bad = (lo >= line, hi < line) if side == ">=" else (hi <= line, lo > line)
-    return "met" if good else "not met" if bad else "open"
-
-
 def _summary(rows: list[tuple[str, dict]]) -> str:
     """Per target, the rows where it is met, not met and open (by the 95% intervals of the table)."""
     lines = ["", "Targets, by the 95% interval of each median per-round ratio ('open': the interval spans the "
@@ -225,8 +203,8 @@ def _summary(rows: list[tuple[str, dict]]) -> str:
             continue
         groups: dict[str, list[str]] = {"met": [], "not met": [], "open": []}
         for label, cells in rows:
-            if isinstance(cells[title], Ratio):
-                groups[_verdict(cells[title], side, line)].append(label)
+            if isinstance(cells[title], MedianInterval):
+                groups[cells[title].verdict(side, line)].append(label)
         parts = [f"{k} at {', '.join(v)}" for k, v in groups.items() if v]
         lines.append(f"- {title} {side} {line:g}: {'; '.join(parts) or 'no data'}")
     return "\n".join(lines)

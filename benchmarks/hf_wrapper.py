@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import interleaved_times, machine, median_interval  # noqa: E402
+from common import MedianInterval, interleaved_times, machine  # noqa: E402
 
 
 def main() -> None:
@@ -79,29 +79,14 @@ def main() -> None:
 
         f = interleaved_times([fwd_native, fwd_wrapped], args.repeats)
         g = interleaved_times([gen_native, gen_wrapped], args.repeats)
-        fr, gr = _ratio(f), _ratio(g)
-        verdicts.append((f"{preset} {kind}", _verdict(gr), _verdict(fr)))
+        fr, gr = (MedianInterval.of([w / nat for nat, w in zip(*t)]) for t in (f, g))  # per-round wrapper / native
+        verdicts.append((f"{preset} {kind}", gr.verdict("<=", 1.05), fr.verdict("<=", 1.05)))
         fn, fw, gn, gw = (statistics.median(t) for t in (*f, *g))
-        print(f"| {preset} | {kind} | {fn * 1e3:.1f} | {fw * 1e3:.1f} | {_cell(fr)} | {gn / n * 1e3:.2f} | "
-              f"{gw / n * 1e3:.2f} | {_cell(gr)} |", flush=True)
+        print(f"| {preset} | {kind} | {fn * 1e3:.1f} | {fw * 1e3:.1f} | {fr.cell(3)} | {gn / n * 1e3:.2f} | "
+              f"{gw / n * 1e3:.2f} | {gr.cell(3)} |", flush=True)
     print("\nWithin 5% of native (ratio <= 1.05), by the 95% interval of each ratio:")
     for label, gen, fwd in verdicts:
         print(f"- {label}: generate {gen}, forward {fwd}")
-
-
-def _ratio(times: list[list[float]]) -> tuple[float, float | None, float | None]:
-    """The median per-round wrapper / native time ratio and its 95% interval (None, None below 6 rounds)."""
-    return median_interval([w / n for n, w in zip(*times)])
-
-
-def _cell(r) -> str:
-    med, lo, hi = r
-    return f"{med:.3f}" if lo is None else f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
-
-
-def _verdict(r, line: float = 1.05) -> str:
-    _, lo, hi = r
-    return "open" if lo is None else "met" if hi <= line else "not met" if lo > line else "open"
 
 
 if __name__ == "__main__":

@@ -75,3 +75,18 @@ def test_median_interval_is_the_order_statistics_a_binomial_gives():
     assert common.median_interval(xs, confidence=0.8) == (s[4], s[2], s[6])
     assert common.median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, None, None)
     assert common.median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 6.0]) == (3.5, 1.0, 6.0)  # 1 - 2/64 = 0.969
+
+
+def test_a_target_verdict_reads_the_whole_interval_on_the_unrounded_bounds():
+    """By hand: 'met' only when the whole interval is on the target's side of the line (>= line for '>=',
+    <= line for '<='), 'not met' only when it is wholly on the other, 'open' otherwise or without an interval."""
+    MI = common.MedianInterval
+    assert MI(1.0, 0.96, 1.02).verdict(">=", 0.95) == "met"
+    assert MI(1.0, 0.949, 1.02).verdict(">=", 0.95) == "open"  # prints as [0.95, 1.02]: the digits hide it
+    assert MI(0.9, 0.85, 0.9499).verdict(">=", 0.95) == "not met"
+    assert MI(1.03, 1.02, 1.05).verdict("<=", 1.05) == "met"
+    assert MI(1.06, 1.0501, 1.07).verdict("<=", 1.05) == "not met"
+    assert MI(1.05, 1.04, 1.06).verdict("<=", 1.05) == "open"
+    assert MI(1.0, None, None).verdict(">=", 0.5) == "open"
+    assert str(MI(1.0, 0.949, 1.02)) == "1.00 [0.95, 1.02]" and MI(1.0, 0.949, 1.02).cell(3) == "1.000 [0.949, 1.020]"
+    assert MI(1.25, None, None).cell(1) == "1.2" and MI(0.5, None, None).cell() == "0.50"

@@ -223,42 +223,6 @@ def test_step_inputs_equal_transformers_generic_method(case):
         assert (torch.equal(got, want) if torch.is_tensor(want) else got is want or got == want), key
 
 
-@pytest.mark.parametrize("case", ["mask", "padded", "no_mask", "mask_none", "positions", "token_types", "no_cache",
-                                  "two_tokens"])
-def test_step_update_equals_transformers_generic_method(case):
-    """The wrapper's _update_model_kwargs_for_generation gives what transformers' own gives (the reference: same
-    keys, same tensors)."""
-    from transformers import GenerationMixin
-
-    _, hf = pair("diff")
-    torch.manual_seed(2)
-    ids, cache = torch.randint(0, VOCAB, (2, 6)), DynamicCache()
-    mask = torch.ones(2, 6, dtype=torch.long)
-    with torch.no_grad():
-        out = hf(ids, attention_mask=mask, past_key_values=cache if case != "no_cache" else None,
-                 use_cache=case != "no_cache")
-    kwargs = dict(attention_mask=mask, past_key_values=None, use_cache=True, logits_to_keep=1)
-    if case == "padded":
-        mask[1, :3] = 0
-    elif case == "no_mask":
-        del kwargs["attention_mask"]
-    elif case == "mask_none":
-        kwargs["attention_mask"] = None
-    elif case == "positions":
-        kwargs["position_ids"] = torch.arange(6).expand(2, 6) * 3
-    elif case == "token_types":
-        kwargs["token_type_ids"] = torch.randint(0, 2, (2, 6))
-    n = 2 if case == "two_tokens" else 1
-    theirs = GenerationMixin._update_model_kwargs_for_generation(
-        hf, out, {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}, num_new_tokens=n)
-    ours = hf._update_model_kwargs_for_generation(out, dict(kwargs), num_new_tokens=n)
-    assert ours.keys() == theirs.keys()
-    for key, want in theirs.items():
-        got = ours[key]
-        assert (torch.equal(got, want) if torch.is_tensor(want) else got is want), key
-    assert (ours["past_key_values"] is cache) == (case != "no_cache")
-
-
 def test_outputs_are_transformers_causal_lm_outputs():
     """forward's output class only builds faster: an instance of CausalLMOutputWithPast with the same keys,
     tuple, indexing, pickling and pytree flattening as one built by transformers from the same fields."""

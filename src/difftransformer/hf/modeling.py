@@ -55,8 +55,6 @@ from difftransformer.norm import RMSNorm
 log = logging.get_logger(__name__)
 
 
-# what transformers' _update_model_kwargs_for_generation extends besides the cache and the attention mask
-_OTHER_STEP_INPUTS = ("token_type_ids", "mm_token_type_ids", "position_ids")
 _OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast))
 
 
@@ -290,22 +288,6 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             return lean_sample(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict[str, Any], is_encoder_decoder: bool = False,
-                                            num_new_tokens: int = 1) -> dict[str, Any]:
-        """transformers' update of the step inputs after a step, done here when only the cache and the 2-D
-        attention mask change (generate() on token ids): the cache from the outputs, the
-        mask grown by `num_new_tokens` columns of ones, as transformers' method does (tested equal to it);
-        its checks for every other model's inputs cost ~5 µs of a small model's step. Anything else takes
-        transformers' method."""
-        if is_encoder_decoder or any(model_kwargs.get(k) is not None for k in _OTHER_STEP_INPUTS):
-            return super()._update_model_kwargs_for_generation(
-                outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens)
-        if "past_key_values" in outputs:
-            model_kwargs["past_key_values"] = outputs.past_key_values
-        if (mask := model_kwargs.get("attention_mask")) is not None:
-            model_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], num_new_tokens))], dim=-1)
-        return model_kwargs
 
     # -- the native model, both ways (shared parameters) ----------------------------------
     @classmethod

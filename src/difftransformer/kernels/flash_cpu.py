@@ -165,15 +165,10 @@ def _no_grad_wanted(inputs) -> bool:
     return not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
 
 
-def _few_rows(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a kv group's query rows, n_rep * T, fit the decode path (<= DECODE_MAX_ROWS)."""
-    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS
-
-
 def decode_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
     """True when `csrc/flash_cpu.cpp`'s decode path computes this call (the rule above): q (B, C h,
     T, d) and k (B, C h_kv, S, d); `inputs`: every tensor a gradient could flow to (q, k, v, lam)."""
-    return _few_rows(q, k) and _no_grad_wanted(inputs)
+    return q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= DECODE_MAX_ROWS and _no_grad_wanted(inputs)
 
 
 def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
@@ -185,29 +180,21 @@ def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
 
 def _decode_op(name: str):
     """The decode op `name` ('flash_decode' or 'diff_flash_decode') as this call should reach it: the
-    extension module's plain function (pybind11), the same C++ function as torch.ops' without the
-    dispatcher, which boxes every argument into an IValue and the result back (inside a model's decoding
-    step that cost ~13 µs more per call than SDPA's call; a step makes one per layer); torch.ops' op when
-    something must see the call: torch.compile, torch.jit.trace, a torch function or dispatch mode."""
+    extension module's plain function (pybind11, `direct_decode_module`), the same C++ function as
+    torch.ops' without the dispatcher, which boxes every argument into an IValue and the result back (inside
+    a model's decoding step that cost ~13 µs more per call than SDPA's call; a step makes one per layer);
+    torch.ops' op when something must see the call: torch.compile, torch.jit.trace, a torch function or
+    dispatch mode."""
     _require()
-    return getattr(_state["module"] if _plain_calls() else torch.ops.difftransformer_cpu, name)
-
-
-def _plain_calls() -> bool:
-    """Whether nothing must see an op call now (`_decode_op`): no torch.compile trace, no torch.jit.trace,
-    no torch function or dispatch mode."""
-    return not (torch.compiler.is_compiling() or _is_tracing() or _intercepted())
-
-
-def _intercepted() -> bool:
-    """Whether a torch function mode or a dispatch mode is active: such a mode must see the op call."""
-    return _function_mode() or _dispatch_depth() > 0
+    module = direct_decode_module()
+    return getattr(torch.ops.difftransformer_cpu if module is None else module, name)
 
 
 def direct_decode_module():
     """The extension module whose decode functions (`flash_decode`, `diff_flash_decode`) a caller that has
     checked its call may run as plain functions now, or None: not loaded yet (this never builds it; the
-    first call of a public function does) or something must see op calls (`_plain_calls`).
+    first call of a public function does) or something must see op calls: a torch.compile trace, a
+    torch.jit.trace, a torch function or dispatch mode.
 
     For `difftransformer.attention.functional`'s decoding-step route, which checks what the functions
     need (fp32 CPU q, k, v, n_rep * T <= DECODE_MAX_ROWS, no key padding, no gradient; λ a 0-d fp32
@@ -216,7 +203,6 @@ def direct_decode_module():
     norm_weight, norm_eps); the kernel checks shapes and dtypes again. Few Python calls on purpose: in a
     decoding step each function the interpreter enters costs ~1 µs (the model's matrix products have
     evicted it from the CPU's caches)."""
-    # `_plain_calls`, inlined: this runs once per layer and token
     if (_state.get("ok") is not True or torch.compiler.is_compiling() or _is_tracing() or _function_mode()
             or _dispatch_depth()):
         return None
@@ -228,25 +214,12 @@ _function_mode = torch._C._is_torch_function_mode_enabled
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
-def _decode_as_is(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask) -> bool:
-    """A decoding step with nothing for `_prepare` to do, which goes straight to the decode op: no gradient
-    at all, no padding mask, fp32 operands and few query rows (`decode_path_applies`); the decode ops copy
-    rows they cannot read in place themselves. ~2 µs of Python less per call."""
-    return (not torch.is_grad_enabled() and key_padding_mask is None
-            and q.dtype == k.dtype == v.dtype == torch.float32 and _few_rows(q, k))
-
-
-def _in_place(t: torch.Tensor) -> bool:
-    """Whether the kernel reads t's (length, dim) rows as they are (`_dense_rows`; the C++ `rows_dense`)."""
-    stride = t.stride()
-    return stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31
-
-
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
     so its rows must be dense, must not overlap (no broadcast length axis) and their stride must
     fit in 32 bits. Otherwise copy. (`.contiguous()` would keep odd strides of size-1 dims.)"""
-    if _in_place(t) or t.numel() == 0:
+    stride = t.stride()  # one call: this runs for every input of every decoding step
+    if (stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31) or t.numel() == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -315,14 +288,11 @@ class FlashAttentionCPU(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return float(q.shape[-1] ** -0.5 if scale is None else scale)
-
-
 def _prepare(q, k, v, key_padding_mask, scale):
     _require()
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool).contiguous()
-    return _dense_rows(_fp32(q)), _dense_rows(_fp32(k)), _dense_rows(_fp32(v)), mask, _scale(q, scale)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    return _dense_rows(_fp32(q)), _dense_rows(_fp32(k)), _dense_rows(_fp32(v)), mask, scale
 
 
 def _rms_norm(out: torch.Tensor, out_norm) -> torch.Tensor:
@@ -340,11 +310,6 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
     RMSNorm of each head's output row (DIFF's head norm), applied inside the decode path's combine
     pass for fp32 inputs (the layer then runs no separate norm op), else after the kernel.
     """
-    if (_decode_as_is(q, k, v, key_padding_mask) and isinstance(lam, torch.Tensor) and lam.dtype == torch.float32
-            and (out_norm is None or (out_norm[0].dtype == torch.float32 and out_norm[0].is_contiguous()))):
-        return _decode_op("diff_flash_decode")(q, k, v, lam, bool(causal), _scale(q, scale), None,
-                                               None if out_norm is None else out_norm[0],
-                                               0.0 if out_norm is None else float(out_norm[1]))
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == torch.float32):
@@ -365,8 +330,6 @@ def diff_flash_attention_cpu(q, k, v, lam, *, causal: bool = True, key_padding_m
 
 def flash_attention_cpu(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None):
     """softmax(Q K^T s) V for every head on CPU, GQA included: q (B, H, T, d), k/v (B, H_kv, S, d)."""
-    if _decode_as_is(q, k, v, key_padding_mask):
-        return _decode_op("flash_decode")(q, k, v, bool(causal), _scale(q, scale), None)
     dtype = q.dtype
     q, k, v, mask, scale = _prepare(q, k, v, key_padding_mask, scale)
     if decode_path_applies(q, k, q, k, v):
