@@ -32,6 +32,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_TMP_NAME = re.compile(r".+\.[0-9a-f]{8}\.tmp")  # what _new_tmp names its files
+
+
 def _new_tmp(path: Path) -> Path:
     """A fresh file beside `path` (same filesystem, so os.replace is atomic), unique so that concurrent
     writers never share one, and created with the umask's permissions (mkstemp would force 0600)."""
@@ -231,9 +234,22 @@ def check_folder_kind(folder: str | Path, kind: str) -> None:
             raise ForeignFolderError(f"{folder} holds {other}; {kind} is not written into it: choose another folder")
 
 
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Delete `_new_tmp`'s files directly in `folder` (none of them is a complete file: see folder_lock)."""
+    if folder.is_dir():
+        for tmp in folder.glob("*.tmp"):
+            if _TMP_NAME.fullmatch(tmp.name) and tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
-def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: str | None = None) -> Iterator[None]:
+def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: str | None = None,
+                owns: tuple[str, ...] = ()) -> Iterator[None]:
     """Hold the exclusive lock of `folder` (created if missing) while the block runs.
+
+    On taking it, the temporary files `atomic_path` leaves when its writer is killed between creating one
+    and renaming it into place are deleted from `folder` and from its subfolders named in `owns` (those
+    the holder alone writes): with the lock held nobody else can be writing them.
 
     A second process that asks for it fails at once with FolderInUseError naming the holder (pid,
     host, command, start time). The lock is an advisory flock on `folder/.lock`: the operating
@@ -277,6 +293,8 @@ def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: s
                                f"or {purpose}") from None
     _held[key] = (fd, 1)
     try:
+        for place in (folder, *(folder / sub for sub in owns)):
+            _remove_stale_temporaries(place)
         import datetime as dt
         import socket
         import sys

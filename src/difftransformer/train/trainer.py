@@ -215,7 +215,8 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     model_config.backend_on(env.device)  # a backend that cannot run on this device fails before any write
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
-    lock = folder_lock(run.path, purpose="train into another out_dir", kind="a training run")
+    lock = folder_lock(run.path, purpose="train into another out_dir", kind="a training run",
+                       owns=(run.checkpoints.name,))
     with lock if env.is_main else contextlib.nullcontext():
         run.check_layout()
         return _train(run, model_config, cfg, env, init_state, resume)
