@@ -11,6 +11,7 @@ import platform
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -181,6 +182,34 @@ def cuda_step_peak_mib(step: Callable[[], None], device: torch.device) -> float:
     step()
     sync(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def kernel_times(fn: Callable[[], None], iters: int) -> dict[str, tuple[float, float]]:
+    """{kernel name: (GPU ms per call, launches per call)} of `iters` calls of fn under
+    torch.profiler, the most expensive first. Without CUDA (the CPU smoke tests) the profiler sees
+    no kernels, and the CPU time of aten and difftransformer(_cpu) operators stands in for them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with warnings.catch_warnings(), profile(activities=activities) as prof:
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA or e.self_device_time_total <= 0:
+                continue
+            us = e.self_device_time_total
+        else:
+            if not e.key.startswith(("aten::", "difftransformer")) or e.self_cpu_time_total <= 0:
+                continue
+            us = e.self_cpu_time_total
+        rows[e.key] = (us / 1e3 / iters, e.count / iters)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
 def machine(device: torch.device = torch.device("cpu")) -> str:

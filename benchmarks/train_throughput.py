@@ -19,6 +19,9 @@ fused C++ kernels for both, if they build. The header names what each arm actual
     python benchmarks/train_throughput.py                        # cpu-small on CPU (gpu-small on CUDA), T=256, batch 8
     python benchmarks/train_throughput.py --preset cpu-medium --seq-len 512 --backend sdpa
     python benchmarks/train_throughput.py --device cuda --preset gpu-small --seq-len 2048 --batch 8 --precision bf16
+
+With --trace N it then profiles N more steps of each arm (torch.profiler) and prints each kernel's
+time per step in both arms, the largest differences first: where DIFF's extra step time goes.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (DEVICES, cuda_step_peak_mib, interleaved_medians, machine, peak_memory_mib,  # noqa: E402
-                    resolve_device)
+from common import (DEVICES, cuda_step_peak_mib, interleaved_medians, kernel_times, machine,  # noqa: E402
+                    peak_memory_mib, resolve_device)
 
 ARMS = (("transformer", "Transformer"), ("diff", "DIFF"))
 
@@ -116,6 +119,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
                         "with atomics (one pass, run-to-run rounding differences)")
     p.add_argument("--compile", action="store_true", help="torch.compile each arm's model")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                   help="then profile this many steps of each arm and print the kernels whose time differs most")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads (no effect on CUDA's work)")
     args = p.parse_args()
     try:
@@ -124,8 +129,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
         p.error(str(e))
     args.device = device.type  # a plain string: args is pickled into the CPU memory probe's process
     args.preset = args.preset or ("gpu-small" if device.type == "cuda" else "cpu-small")
-    if min(args.seq_len, args.batch, args.repeats, args.threads) < 1:
-        p.error("--seq-len, --batch, --repeats and --threads must be positive")
+    if min(args.seq_len, args.batch, args.repeats, args.threads) < 1 or args.trace < 0:
+        p.error("--seq-len, --batch, --repeats and --threads must be positive, --trace at least 0")
     try:
         resolved = {name: arm_backend(args, a, device) for a, name in ARMS}
     except ValueError as e:
@@ -152,6 +157,22 @@ def main() -> None:
         print(f"| {name} | {step.num_params / 1e6:.2f}M | {t * 1e3:.1f} | {tokens / t:,.0f} | {m:.0f} | {r:.0f} |")
     print(f"\nDIFF/Transformer: throughput {t_base / t_diff:.3f}x, peak memory {mem[1] / max(mem[0], 1e-9):.3f}x, "
           f"peak + resident {(mem[1] + res[1]) / max(mem[0] + res[0], 1e-9):.3f}x")
+    if args.trace:
+        print_trace([kernel_times(step, args.trace) for step in steps], (t_base, t_diff))
+
+
+def print_trace(kernels: list[dict[str, tuple[float, float]]], step_s: tuple[float, float], rows: int = 30) -> None:
+    """Each kernel's ms per step in both arms (from `kernel_times`), the largest differences first."""
+    base, diff = kernels
+    busy = [sum(ms for ms, _ in k.values()) for k in kernels]
+    print(f"\n## Kernels per step: Transformer {busy[0]:.1f} ms busy of {step_s[0] * 1e3:.1f}, "
+          f"DIFF {busy[1]:.1f} ms of {step_s[1] * 1e3:.1f}\n")
+    print("| kernel | Transformer ms | DIFF ms | DIFF - T ms | launches T / DIFF |")
+    print("|---|---|---|---|---|")
+    names = sorted(set(base) | set(diff), key=lambda n: -abs(diff.get(n, (0, 0))[0] - base.get(n, (0, 0))[0]))
+    for name in names[:rows]:
+        (tb, nb), (td, nd) = base.get(name, (0.0, 0)), diff.get(name, (0.0, 0))
+        print(f"| {name[:100]} | {tb:.3f} | {td:.3f} | {td - tb:+.3f} | {nb:g} / {nd:g} |")
 
 
 if __name__ == "__main__":

@@ -90,3 +90,19 @@ def test_a_target_verdict_reads_the_whole_interval_on_the_unrounded_bounds():
     assert MI(1.0, None, None).verdict(">=", 0.5) == "open"
     assert str(MI(1.0, 0.949, 1.02)) == "1.00 [0.95, 1.02]" and MI(1.0, 0.949, 1.02).cell(3) == "1.000 [0.949, 1.020]"
     assert MI(1.25, None, None).cell(1) == "1.2" and MI(0.5, None, None).cell() == "0.50"
+
+
+def test_kernel_times_counts_each_operator_per_call():
+    """Two matrix products and one add per call, profiled over 3 calls: 2 and 1 launches per call
+    (on CPU the operators stand in for kernels), every time positive, the most expensive first."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def fn():
+        torch.mm(a, b)
+        torch.mm(b, a)
+        torch.add(a, b)
+
+    times = common.kernel_times(fn, 3)
+    assert times["aten::mm"][1] == 2 and times["aten::add"][1] == 1
+    assert all(ms > 0 for ms, _ in times.values())
+    assert list(times.values()) == sorted(times.values(), key=lambda t: -t[0])

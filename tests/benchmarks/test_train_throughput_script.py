@@ -41,6 +41,31 @@ def test_cpu_run_prints_both_arms_and_consistent_ratios():
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values()), run.stdout  # peak, resident MiB
 
 
+def test_trace_lists_kernels_of_both_arms_with_their_differences():
+    """--trace: one row per operator (CPU: operators stand in for kernels), the DIFF - T column the
+    difference of the two printed times, rows ordered by its size; DIFF's own attention op is there."""
+    run = _run("--device", "cpu", *TINY, "--trace", "1")
+    assert run.returncode == 0, run.stderr
+    assert "## Kernels per step: Transformer" in run.stdout, run.stdout
+    section = run.stdout.split("## Kernels per step")[1]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| kernel")]
+    assert 5 <= len(rows) <= 30, section
+    deltas = []
+    for name, t, d, delta, launches in rows:
+        assert abs(float(d) - float(t) - float(delta)) <= 1.5e-3, (name, t, d, delta)
+        assert re.fullmatch(r"[\d.]+ / [\d.]+", launches), launches
+        deltas.append(abs(float(delta)))
+    assert deltas == sorted(deltas, reverse=True), section
+    if "DIFF cpp" in run.stdout:  # DIFF's fused C++ op runs in DIFF's steps only
+        assert any(r[0].startswith("difftransformer_cpu::diff") and float(r[1]) == 0 < float(r[2]) for r in rows)
+
+
+def test_negative_trace_is_a_one_line_error():
+    run = _run("--device", "cpu", *TINY, "--trace", "-1")
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "--trace at least 0" in run.stderr
+
+
 def test_cuda_without_a_gpu_is_a_one_line_error():
     run = _run("--device", "cuda", *TINY, CUDA_VISIBLE_DEVICES="")
     assert run.returncode == 2 and "Traceback" not in run.stderr

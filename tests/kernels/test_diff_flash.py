@@ -241,45 +241,106 @@ def test_random_shapes_match_reference(B, h_kv, n_rep, T, S, d, causal, lam, see
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph(backend):
+def test_torch_compile_fullgraph(backend, with_norm):
     """Dynamo traces the autograd.Function around the two opaque custom ops (no graph break), and
-    the compiled forward and backward equal eager ones, lambda's reparameterisation included:
-    bit for bit under aot_eager; under inductor, which compiles lambda's own arithmetic and may
-    round it differently, to fp32 rounding."""
+    the compiled forward and backward equal eager ones, lambda's reparameterisation (and the fused
+    head norm's weight, scaled as the layer scales it) included: bit for bit under aot_eager; under
+    inductor, which compiles that arithmetic itself and may round it differently, to fp32 rounding."""
     if backend == "inductor" and CPP_KERNEL_DISABLED:
         pytest.skip("inductor on CPU needs the C++ compiler this run was told not to use")
     q, k, v, do = make_inputs(1, 2, 1, 20, 20, 32, torch.float32, seed=6, strided=True)
     lq = (0.1 * torch.randn(32, generator=torch.Generator().manual_seed(1))).to(DEVICE).requires_grad_()
+    w = (torch.rand(64, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEVICE).requires_grad_()
 
-    def f(q, k, v, lq):
+    def f(q, k, v, lq, w):
         lam = torch.exp((lq * lq).sum()) - 0.5
-        return diff_flash_attention(q, k, v, lam, causal=True)
+        return diff_flash_attention(q, k, v, lam, causal=True, out_norm=(w * 0.8, 1e-5) if with_norm else None)
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend=backend, fullgraph=True)
-    want = f(q, k, v, lq)
-    want_grads = torch.autograd.grad(want, (q, k, v, lq), do)
-    got = compiled(q, k, v, lq)
-    got_grads = torch.autograd.grad(got, (q, k, v, lq), do)
+    leaves = (q, k, v, lq, w) if with_norm else (q, k, v, lq)
+    want = f(q, k, v, lq, w)
+    want_grads = torch.autograd.grad(want, leaves, do)
+    got = compiled(q, k, v, lq, w)
+    got_grads = torch.autograd.grad(got, leaves, do)
     tol = dict(rtol=0, atol=0) if backend == "aot_eager" else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_custom_ops_pass_opcheck(with_norm):
     """Schemas, fake (meta) implementations and strides agree with the real kernels."""
     q, k, v, _ = make_inputs(1, 2, 1, 20, 20, 32, torch.float32, seed=8, strided=True)
     q, k, v = q.detach(), k.detach(), v.detach()
     lam = torch.tensor(0.4, device=DEVICE)
+    weight = torch.rand(64, device=DEVICE) + 0.5 if with_norm else None
     ops = torch.ops.difftransformer
-    torch.library.opcheck(ops.diff_flash_fwd.default, (q, k, v, lam, True, 0.2))
-    out, o2, lse1, lse2 = ops.diff_flash_fwd(q, k, v, lam, True, 0.2)
+    torch.library.opcheck(ops.diff_flash_fwd.default, (q, k, v, lam, weight, True, 0.2, 1e-5))
+    out, o2, lse1, lse2, y, rstd = ops.diff_flash_fwd(q, k, v, lam, weight, True, 0.2, 1e-5)
+    assert (y.shape, rstd.shape) == (((1, 2, 20, 64), (1, 2, 20)) if with_norm else ((0,), (0,)))
     do = torch.randn_like(out)
     for deterministic in (True, False):
-        torch.library.opcheck(ops.diff_flash_bwd.default, (do, q, k, v, lam, out, o2, lse1, lse2, True, 0.2,
-                                                           deterministic))
+        torch.library.opcheck(ops.diff_flash_bwd.default, (do, q, k, v, lam, out, o2, lse1, lse2, weight, rstd, True,
+                                                           0.2, deterministic))
+
+
+def head_norm_reference(q, k, v, lam, weight, eps, causal):
+    """RMSNorm(A1 V - lam A2 V) * weight per head row, float64, from float64 leaves."""
+    z = diff_attention_reference(q, k, v, lam, causal=causal)
+    return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("case", [(2, 2, 1, 37, 37, 32, True), (1, 2, 2, 20, 45, 16, False), (1, 2, 2, 50, 20, 32, True),
+                                  (1, 4, 2, 23, 41, 96, True)])
+def test_fused_head_norm_matches_reference(case, deterministic):
+    """out_norm=(weight, eps): the output, and the gradients of q, k, v, lam and the weight, equal
+    float64 RMSNorm(A1 V - lam A2 V) * weight, rows that see no key (T > S, causal) included."""
+    B, h, h_kv, T, S, d, causal = case
+    q, k, v, _ = make_inputs(B, h, h_kv, T, S, d, torch.float32, seed=T + S, strided=True)
+    g = torch.Generator().manual_seed(d)
+    weight = (torch.rand(2 * d, generator=g) + 0.5).to(DEVICE).requires_grad_()
+    lam = torch.tensor(-0.6, device=DEVICE, requires_grad=True)
+    y = diff_flash_attention(q, k, v, lam, causal=causal, deterministic=deterministic, out_norm=(weight, 1e-5))
+    dy = torch.randn(y.shape, generator=g).to(DEVICE)
+    grads = torch.autograd.grad(y, (q, k, v, lam, weight), dy)
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v, lam, weight)]
+    want = head_norm_reference(*leaves[:4], leaves[4], 1e-5, causal)
+    want_grads = torch.autograd.grad(want, leaves, dy.cpu().double())
+    for name, got, ref in zip(("y", "dq", "dk", "dv", "dlam", "dweight"), (y, *grads), (want, *want_grads)):
+        assert got.shape == ref.shape, name
+        err = max_rel_err(got, ref)
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_head_norm_equals_unfused_in_half_precision(dtype):
+    """In bf16/fp16 the fused norm rounds where the unfused one does (the kernel's output to the
+    input dtype, the normalised rows back to it), so the two agree to a few units of that dtype."""
+    q, k, v, _ = make_inputs(1, 2, 1, 40, 40, 32, dtype, seed=12, strided=True)
+    weight = (torch.rand(64, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE).requires_grad_()
+    lam = torch.tensor(0.7, device=DEVICE, requires_grad=True)
+    y = diff_flash_attention(q, k, v, lam, causal=True, out_norm=(weight, 1e-5))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    grads = torch.autograd.grad(y, (q, k, v, lam, weight), dy)
+    z = diff_flash_attention(q, k, v, lam, causal=True)
+    unfused = torch.nn.functional.rms_norm(z.float(), (64,), weight, 1e-5).to(dtype)
+    unfused_grads = torch.autograd.grad(unfused, (q, k, v, lam, weight), dy)
+    assert y.dtype == dtype and y.stride() == z.stride()
+    for name, got, want in zip(("y", "dq", "dk", "dv", "dlam", "dweight"), (y, *grads), (unfused, *unfused_grads)):
+        err = max_rel_err(got, want.detach().cpu().double())
+        assert err <= 2e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_fused_head_norm_rejects_a_bad_weight():
+    q, k, v, _ = make_inputs(1, 2, 1, 8, 8, 32, torch.float32, seed=9)
+    lam = torch.tensor(0.5, device=DEVICE)
+    with pytest.raises(ValueError, match=r"out_norm's weight must be a floating \(2d,\) = \(64,\) tensor"):
+        diff_flash_attention(q, k, v, lam, out_norm=(torch.ones(32, device=DEVICE), 1e-5))
 
 
 def test_rejects_bad_shapes():
@@ -331,3 +392,23 @@ def test_gpu_long_sequence_bf16(d, deterministic):
     terms = (do.float() * o2.detach()).abs().sum()
     err = ((grads[3].float() - ref_grads[3]).abs() / terms).item()
     assert err < 1e-3, f"dlam: error {err:.1e} of the terms' magnitude"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_fused_head_norm_bf16(d):
+    """At a training-like length in bf16, the fused head norm equals the unfused one (the kernel's
+    output through F.rms_norm in fp32), gradients of q, k, v, lam and the weight included."""
+    q, k, v, _ = make_inputs(2, 4, 4, 1024, 1024, d, torch.bfloat16, seed=11, strided=True)
+    weight = (torch.rand(2 * d, device=DEVICE) + 0.5).requires_grad_()
+    lam = torch.tensor(0.7, device=DEVICE, requires_grad=True)
+    y = diff_flash_attention(q, k, v, lam, causal=True, out_norm=(weight, 1e-5))
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (q, k, v, lam, weight), dy)
+    z = diff_flash_attention(q, k, v, lam, causal=True)
+    unfused = torch.nn.functional.rms_norm(z.float(), (2 * d,), weight, 1e-5).to(torch.bfloat16)
+    unfused_grads = torch.autograd.grad(unfused, (q, k, v, lam, weight), dy)
+    for name, got, want in zip(("y", "dq", "dk", "dv", "dlam", "dweight"), (y, *grads), (unfused, *unfused_grads)):
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1.0)).item()
+        assert err < 2e-2, f"{name}: error {err:.1e}"

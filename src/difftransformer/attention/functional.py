@@ -155,8 +155,9 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     score_hook: see the module doc (runs the eager backend).
     out_norm: None, or (weight (2d,), eps): the output rows go through RMSNorm with this weight
     (DIFF's head norm, its constant folded into the weight), computed in `compute_dtype` of the
-    output as `RMSNorm` does. Given here rather than applied by the caller so the cpp backend can
-    fuse it into its decode path (one op less per layer and token).
+    output as `RMSNorm` does. Given here rather than applied by the caller so that the cpp backend
+    can fuse it into its decode path (one op less per layer and token) and the triton backend into
+    its kernels (no passes over memory of its own in training).
     """
     direct = _direct_cpu_decode(q, k, v, key_padding_mask, backend, not return_maps and score_hook is None)
     if direct is None:
@@ -192,8 +193,8 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
                                         out_norm=out_norm)
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
-    out = diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic)
-    return _apply_out_norm(out, out_norm)
+    return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic,
+                                out_norm=out_norm)
 
 
 def _apply_out_norm(out: torch.Tensor, out_norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:

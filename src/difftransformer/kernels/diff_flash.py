@@ -59,13 +59,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # small spills (BLOCK_N 64) against clean mma.sync (BLOCK_N 32); the autotuner settles it on the GPU.
 # Exact fp32 products run on CUDA cores, where tiles larger than these spill tens of kilobytes.
 FWD_TILES = {64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
-             128: [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
+             128: [(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
              "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 1)]}
 BWD_KV_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)],
                 128: [(16, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
                 "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
 BWD_Q_TILES = {64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
-               128: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 16, 8, 2), (128, 16, 8, 2), (64, 64, 8, 2)],
+               128: [(64, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 16, 8, 2), (128, 16, 8, 2), (64, 64, 8, 2)],
                "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 2), (16, 16, 8, 1)]}
 # The one-pass key-block kernel (deterministic=False) also holds a dQ tile per step, which makes
 # 64-query steps use wgmma at d = 128 with only ~16 bytes spilled.
@@ -219,13 +219,15 @@ def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
 
 @_autotune(FWD_TILES)
 @triton.jit
-def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
+def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2, W, Y, RSTD,
                      sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-                     so_b, so_h, so_t, so_d, H, N_REP, T, S, qk_scale, LEN_BUCKET,
+                     so_b, so_h, so_t, so_d, H, N_REP, T, S, qk_scale, eps, LEN_BUCKET,
                      HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr, NORM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query block, head, batch): writes out, O2n = A2 V and both LSEs."""
+    """One program per (query block, head, batch): writes out, O2n = A2 V and both LSEs. With NORM
+    also Y = RMSNorm(out) * W (W: 2d weights, out rounded to the output dtype first, as an unfused
+    norm would read it) and each row's 1 / rms in RSTD; Y and Out share strides."""
     pid_m = tl.program_id(0)
     b, i, bh = _batch_head(H)
     g = i // N_REP
@@ -269,8 +271,17 @@ def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
     out = o1 - lam * o2
     o_ptrs = b * so_b + i * so_h + offs_m[:, None] * so_t + offs_dv[None, :] * so_d
     o_mask = m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
-    tl.store(Out + o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+    out = out.to(Out.dtype.element_ty)
+    tl.store(Out + o_ptrs, out, mask=o_mask)
     tl.store(O2 + o_ptrs, o2.to(O2.dtype.element_ty), mask=o_mask)
+    if NORM:
+        # The head norm: each row holds one head's 2d outputs of one token, so its statistics are
+        # on chip. Padded columns are 0 and do not count in the mean.
+        z = out.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(z * z, 1) / (2 * HEAD_D) + eps)
+        w = tl.load(W + offs_dv, mask=offs_dv < 2 * HEAD_D, other=0.0).to(tl.float32)
+        tl.store(Y + o_ptrs, (z * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=o_mask)
+        tl.store(RSTD + bh * T + offs_m, rstd, mask=m_ok)
     # Natural-log LSE of the scaled scores, log(l) + m converted from log2 units; -inf when empty.
     lse1 = tl.where(l1 == 0.0, float("-inf"), (m1 + tl.log2(l1_safe)) * 0.6931471805599453)
     lse2 = tl.where(l2 == 0.0, float("-inf"), (m2 + tl.log2(l2_safe)) * 0.6931471805599453)
@@ -283,21 +294,38 @@ def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2,
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, O2, DO, Lam, D1, R2,
+def _bwd_preprocess_kernel(Out, O2, DO, Lam, D1, R2, W, RSTD, DZ, DW,
                            so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T,
-                           HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Row dots: R2 = rowsum(dO * O2n) and D1 = rowsum(dO * O1n), with O1n = out + lam * O2n."""
+                           HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           NORM: tl.constexpr):
+    """Row dots: R2 = rowsum(dO * O2n) and D1 = rowsum(dO * O1n), with O1n = out + lam * O2n.
+
+    With NORM, DO is the gradient of Y = RMSNorm(out) * W: this first takes it through the norm,
+    dO = rstd * (g - zh * mean(g * zh)) with zh = out * rstd and g = DO * W, stores dO (in DZ,
+    rounded to the input dtype, strides of Out) for the key and query passes, and writes this
+    program's share of dW = sum over rows of DO * zh to its own row of DW (summed by the host in
+    a fixed order: deterministic)."""
     pid_m = tl.program_id(0)
     b, i, bh = _batch_head(H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < T
-    mask = m_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
+    dv_ok = offs_dv < 2 * HEAD_D
+    mask = m_ok[:, None] & dv_ok[None, :]
     o_ptrs = b * so_b + i * so_h + offs_m[:, None] * so_t + offs_dv[None, :] * so_d
     out = tl.load(Out + o_ptrs, mask=mask, other=0.0).to(tl.float32)
     o2 = tl.load(O2 + o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sdo_b + i * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :] * sdo_d,
                  mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.load(RSTD + bh * T + offs_m, mask=m_ok, other=0.0)
+        w = tl.load(W + offs_dv, mask=dv_ok, other=0.0).to(tl.float32)
+        zh = out * rstd[:, None]
+        g = do * w[None, :]
+        dz = (rstd[:, None] * (g - zh * (tl.sum(g * zh, 1) / (2 * HEAD_D))[:, None])).to(DZ.dtype.element_ty)
+        tl.store(DZ + o_ptrs, dz, mask=mask)
+        tl.store(DW + (bh * tl.num_programs(0) + pid_m) * (2 * HEAD_D) + offs_dv, tl.sum(do * zh, 0), mask=dv_ok)
+        do = dz.to(tl.float32)
     lam = tl.load(Lam).to(tl.float32)
     r2 = tl.sum(do * o2, 1)
     d1 = tl.sum(do * out, 1) + lam * r2
@@ -542,11 +570,14 @@ def _meta(q, d, T, S, causal):
 # below run them; kernels/resources.py compiles exactly these for a GPU it does not have.
 
 
-def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale):
+def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale, norm=None):
+    """norm: None, or (weight (2d,), y shaped and strided like out, rstd shaped like lse1, eps)."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
-    args = (q, k, v, lam, out, o2, lse1, lse2, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            h, h // h_kv, T, S, scale * _LOG2E)
-    return _diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
+    weight, y, rstd, eps = (out, out, lse1, 0.0) if norm is None else norm  # never touched without NORM
+    args = (q, k, v, lam, out, o2, lse1, lse2, weight, y, rstd, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), h, h // h_kv, T, S, scale * _LOG2E, float(eps))
+    return (_diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args,
+            dict(_meta(q, d, T, S, causal), NORM=norm is not None))
 
 
 def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale, dq_sum=None):
@@ -575,46 +606,71 @@ def _device_guard(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=())
-def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
-                    causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T))."""
+# The kernels read every operand through its own strides, so under torch.compile Inductor may pass
+# whatever layout its producers wrote (RoPE's fused kernel, a projection's view) instead of copying
+# each operand into the eager layout first, which is what a custom op's default constraint does.
+_ANY_LAYOUT = (torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ()
+
+
+def _norm_outputs(q, weight, h, d):
+    """(y, rstd) for the fused head norm: like out and like an LSE; empty (0,) tensors without one."""
+    B, _, T, _ = q.shape
+    if weight is None:
+        return q.new_empty(0), q.new_empty(0, dtype=torch.float32)
+    return token_major_empty(q, h, 2 * d), q.new_empty(B, h, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=(), tags=_ANY_LAYOUT)
+def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor | None,
+                    causal: bool, scale: float, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T)), and with a
+    norm weight y = RMSNorm(out) * weight and its rows' 1 / rms (fp32, (B, h, T)); else two empty tensors."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     out, o2 = token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d)
     lse1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(lse1)
+    y, rstd = _norm_outputs(q, weight, h, d)
     if out.numel() == 0:
-        return out, o2, lse1, lse2
-    kernel, grid, args, meta = fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale)
+        return out, o2, lse1, lse2, y, rstd
+    norm = None if weight is None else (weight, y, rstd, eps)
+    kernel, grid, args, meta = fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale, norm)
     with _device_guard(q):
         kernel[grid](*args, **meta)
-    return out, o2, lse1, lse2
+    return out, o2, lse1, lse2, y, rstd
 
 
 @_diff_flash_fwd.register_fake
-def _(q, k, v, lam, causal, scale):
+def _(q, k, v, lam, weight, causal, scale, eps):
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     lse = q.new_empty(B, h, T, dtype=torch.float32)
-    return token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d), lse, torch.empty_like(lse)
+    return (token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d), lse, torch.empty_like(lse),
+            *_norm_outputs(q, weight, h, d))
 
 
-@torch.library.custom_op("difftransformer::diff_flash_bwd", mutates_args=())
+@torch.library.custom_op("difftransformer::diff_flash_bwd", mutates_args=(), tags=_ANY_LAYOUT)
 def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
                     out: torch.Tensor, o2: torch.Tensor, lse1: torch.Tensor, lse2: torch.Tensor,
-                    causal: bool, scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                             torch.Tensor]:
-    """Returns dq, dk, dv, dlam."""
+                    weight: torch.Tensor | None, rstd: torch.Tensor, causal: bool, scale: float, deterministic: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv, dlam and, with a norm weight (do is then the gradient of y), dweight
+    (else an empty tensor)."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_sum = None if deterministic else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
     r2 = torch.zeros_like(d1)
+    pre_m = 16 if _INTERPRET else 64
+    dw_rows = None if weight is None else torch.zeros(B * h * triton.cdiv(T, pre_m), 2 * d, device=q.device,
+                                                      dtype=torch.float32)
     with _device_guard(q):
         if d1.numel():
-            pre_m = 16 if _INTERPRET else 64
+            dz = do if weight is None else torch.empty_like(out)
             _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), h, B)](
-                out, o2, do, lam, d1, r2, *out.stride(), *do.stride(), h, T,
-                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, triton.next_power_of_2(2 * d)))
+                out, o2, do, lam, d1, r2, out if weight is None else weight, r2 if weight is None else rstd, dz,
+                r2 if weight is None else dw_rows, *out.stride(), *do.stride(), h, T,
+                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, triton.next_power_of_2(2 * d)), NORM=weight is not None)
+            do = dz
         if dk.numel():
             kernel, grid, args, meta = bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
                                                        dq_sum)
@@ -626,39 +682,48 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             kernel[grid](*args, **meta)
     # d out / d lam = -O2n, so dlam = -sum(dO * O2n): a fixed-order torch reduction of the row dots.
     dlam = -r2.sum()
-    return dq, dk, dv, dlam
+    dw = lam.new_empty(0) if weight is None else dw_rows.sum(0).to(weight.dtype)
+    return dq, dk, dv, dlam, dw
 
 
 @_diff_flash_bwd.register_fake
-def _(do, q, k, v, lam, out, o2, lse1, lse2, causal, scale, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lam.new_empty(())
+def _(do, q, k, v, lam, out, o2, lse1, lse2, weight, rstd, causal, scale, deterministic):
+    dw = lam.new_empty(0) if weight is None else torch.empty_like(weight)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), lam.new_empty(()), dw
 
 
 class DiffFlashAttention(torch.autograd.Function):
     """Autograd glue: the forward saves out, O2n and the LSEs; the backward returns dq, dk, dv, dlam."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, causal: bool, scale: float, deterministic: bool):
-        out, o2, lse1, lse2 = torch.ops.difftransformer.diff_flash_fwd(q, k, v, lam, causal, scale)
-        ctx.save_for_backward(q, k, v, lam, out, o2, lse1, lse2)
+    def forward(ctx, q, k, v, lam, weight, causal: bool, scale: float, eps: float, deterministic: bool):
+        out, o2, lse1, lse2, y, rstd = torch.ops.difftransformer.diff_flash_fwd(q, k, v, lam, weight, causal,
+                                                                               scale, eps)
+        ctx.save_for_backward(q, k, v, lam, out, o2, lse1, lse2, weight, rstd)
         ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
-        return out
+        return out if weight is None else y
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, lam, out, o2, lse1, lse2 = ctx.saved_tensors
+        q, k, v, lam, out, o2, lse1, lse2, weight, rstd = ctx.saved_tensors
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv, dlam = torch.ops.difftransformer.diff_flash_bwd(
-            dout, q, k, v, lam, out, o2, lse1, lse2, ctx.causal, ctx.scale, deterministic)
-        return dq, dk, dv, dlam, None, None, None
+        dq, dk, dv, dlam, dw = torch.ops.difftransformer.diff_flash_bwd(
+            dout, q, k, v, lam, out, o2, lse1, lse2, weight, rstd, ctx.causal, ctx.scale, deterministic)
+        return dq, dk, dv, dlam, (None if weight is None else dw), None, None, None, None
 
 
 def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | None = None,
-                         deterministic: bool = True):
+                         deterministic: bool = True, out_norm: tuple[torch.Tensor, float] | None = None):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every DIFF head, fused.
 
     q (B, 2h, T, d), k (B, 2h_kv, S, d), v (B, h_kv, S, 2d), lam a 0-d fp32 tensor (it gets a
     gradient). Views with any strides are read in place. Returns (B, h, T, 2d) in q's dtype.
+
+    out_norm: None, or (weight (2d,), eps): each output row (one head, one token) then goes through
+    RMSNorm with this weight inside the kernel, as `_apply_out_norm` computes it after an unfused
+    kernel: the row rounded to q's dtype, normalised in fp32, scaled by the weight, rounded again.
+    The weight gets a gradient. Fused, the norm costs no pass over memory of its own, in the forward
+    or the backward, and keeps no fp32 copy of the output for its backward.
 
     deterministic=True (default) computes dQ in its own pass, bit-identical from run to run.
     deterministic=False adds dQ with fp32 atomics inside the dK/dV pass instead: the one-pass
@@ -691,4 +756,10 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
     if lam.dim() != 0:
         raise ValueError(f"lam must be a scalar, got shape {tuple(lam.shape)}")
     scale = float(d ** -0.5 if scale is None else scale)
-    return DiffFlashAttention.apply(q, k, v, lam, bool(causal), scale, bool(deterministic))
+    weight, eps = (None, 0.0) if out_norm is None else out_norm
+    if weight is not None and (weight.shape != (2 * d,) or weight.device != q.device or not weight.is_floating_point()):
+        raise ValueError(f"out_norm's weight must be a floating (2d,) = ({2 * d},) tensor on {q.device}, "
+                         f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    return DiffFlashAttention.apply(q, k, v, lam, weight, bool(causal), scale, float(eps), bool(deterministic))

@@ -60,8 +60,9 @@ def launch(kernel_name, d, dtype, causal, h=8, h_kv=8, B=2, T=4096):
     out = token_major_empty(q, h, 2 * d)
     rows = torch.empty(B, h, T, dtype=torch.float32, **meta_dev)
     scale = d ** -0.5
-    if kernel_name == "fwd":
-        return df.fwd_launch(q, k, v, lam, out, out, rows, rows, causal, scale)
+    if kernel_name == "fwd":  # with the head norm fused, as the layer runs it (its epilogue needs registers too)
+        weight = torch.empty(2 * d, dtype=torch.float32, **meta_dev)
+        return df.fwd_launch(q, k, v, lam, out, out, rows, rows, causal, scale, (weight, out, rows, 1e-5))
     if kernel_name in ("bwd_dkdv", "bwd_dkdvq"):  # the second adds dQ with atomics (deterministic=False)
         dq_sum = torch.empty(q.shape, dtype=torch.float32, **meta_dev) if kernel_name == "bwd_dkdvq" else None
         return df.bwd_dkdv_launch(out, q, k, v, lam, rows, rows, rows, rows, torch.empty_like(k),
