@@ -3,7 +3,7 @@
 #   1. benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset gpu-small),
 #      full bf16 training steps interleaved step by step: tokens/s and peak memory ratios, then
 #      3 profiled steps per arm (the kernels whose time differs most between the arms); the same
-#      with both arms under torch.compile;
+#      with both arms under torch.compile; and the 337 M pair of configs/gpu-350m.toml, eager;
 #   2. `difftransformer compare --config configs/gpu-small.toml`: both arms trained on the bundled
 #      corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each done.json);
 #   3. benchmarks/decode.py: KV-cache decoding tokens/s of both arms at prompts 512 and 2048.
@@ -11,7 +11,7 @@
 # travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the
 # compare folder's small files go to $OUT or runs/gpu.
 #
-#     bash benchmarks/gpu_e2e.sh          # about 7 minutes on an H100 (2026-11-24)
+#     bash benchmarks/gpu_e2e.sh          # about 7-8 minutes on an H100 (2026-11-24, without the 337 M step)
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 RUNS=${RUNS:-runs/gpu-small}
@@ -25,6 +25,9 @@ test -f cache/data/sotu-8192/prepared.json || { echo "cache/data/sotu-8192 is mi
 A="--device cuda --preset gpu-small --seq-len 2048 --batch 16 --precision bf16"
 timeout 110 $PY benchmarks/train_throughput.py $A --repeats 10 --trace 3 2>&1 | tee "$OUT/throughput.md"
 timeout 180 $PY benchmarks/train_throughput.py $A --repeats 8 --compile 2>&1 | tee "$OUT/throughput_compiled.md"
+# The 337 M pair of configs/gpu-350m.toml (24 layers, T = 1024; the tokenizer's 32k vocabulary), eager.
+timeout 90 $PY benchmarks/train_throughput.py --device cuda --config configs/gpu-350m.toml --set model.vocab_size=32768 \
+    --seq-len 1024 --batch 16 --precision bf16 --repeats 6 2>&1 | tee "$OUT/throughput_350m.md"
 rm -rf "$RUNS"
 timeout 180 $PY -m difftransformer compare --config configs/gpu-small.toml --out-dir "$RUNS" 2>&1 \
     | grep -v "^train:\|^eval:" | tee "$OUT/compare.log"

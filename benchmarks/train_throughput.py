@@ -19,6 +19,8 @@ fused C++ kernels for both, if they build. The header names what each arm actual
     python benchmarks/train_throughput.py                        # cpu-small on CPU (gpu-small on CUDA), T=256, batch 8
     python benchmarks/train_throughput.py --preset cpu-medium --seq-len 512 --backend sdpa
     python benchmarks/train_throughput.py --device cuda --preset gpu-small --seq-len 2048 --batch 8 --precision bf16
+    python benchmarks/train_throughput.py --device cuda --config configs/gpu-350m.toml --set model.vocab_size=32768 \
+        --seq-len 1024 --batch 16 --precision bf16           # the 337 M pair of the multi-GPU recipe, on one GPU
 
 With --trace N it then profiles N more steps of each arm (torch.profiler) and prints each kernel's
 time per step in both arms, the largest differences first: where DIFF's extra step time goes.
@@ -27,6 +29,7 @@ time per step in both arms, the largest differences first: where DIFF's extra st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -40,11 +43,19 @@ ARMS = (("transformer", "Transformer"), ("diff", "DIFF"))
 
 
 def arm_config(args, attention: str):
-    """The arm's model config: the preset as DIFF with the asked backend, or its matched `attention` model."""
+    """The arm's model config: the preset's (or the run config's) DIFF model with the asked backend,
+    or its matched `attention` model."""
     from difftransformer import get_preset
 
-    cfg = get_preset(args.preset).config("diff", attn_backend=args.backend, attn_deterministic=args.deterministic,
-                                         max_position_embeddings=max(args.seq_len, 256))
+    runtime = dict(attn_backend=args.backend, attn_deterministic=args.deterministic)
+    if args.config:
+        from difftransformer.run_config import load_run_config
+
+        model = load_run_config(args.config, overrides=args.set).model.matched("diff")
+        cfg = dataclasses.replace(model, **runtime,
+                                  max_position_embeddings=max(args.seq_len, model.max_position_embeddings))
+    else:
+        cfg = get_preset(args.preset).config("diff", **runtime, max_position_embeddings=max(args.seq_len, 256))
     return cfg if attention == "diff" else cfg.matched(attention)
 
 
@@ -108,8 +119,15 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when a GPU is visible")
-    p.add_argument("--preset", default=None, choices=list(PRESETS),
-                   help="model size (default: gpu-small on CUDA, cpu-small on CPU)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--preset", default=None, choices=list(PRESETS),
+                      help="model size (default: gpu-small on CUDA, cpu-small on CPU)")
+    size.add_argument("--config", default=None, metavar="FILE",
+                      help="take the model from a run config's [model] section instead (e.g. configs/gpu-350m.toml); "
+                           "its sequence length and batch still come from --seq-len and --batch")
+    p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
+                   help="overrides for --config, as in `difftransformer train --set` "
+                        "(e.g. model.vocab_size=32768 where the vocabulary comes from a tokenizer)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--backend", default="auto", choices=["auto", "cpp", "triton", "sdpa", "eager"])
@@ -128,9 +146,17 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
     except ValueError as e:
         p.error(str(e))
     args.device = device.type  # a plain string: args is pickled into the CPU memory probe's process
-    args.preset = args.preset or ("gpu-small" if device.type == "cuda" else "cpu-small")
+    if args.set and not args.config:
+        p.error("--set overrides a run config: give --config too")
+    if not args.config:
+        args.preset = args.preset or ("gpu-small" if device.type == "cuda" else "cpu-small")
     if min(args.seq_len, args.batch, args.repeats, args.threads) < 1 or args.trace < 0:
         p.error("--seq-len, --batch, --repeats and --threads must be positive, --trace at least 0")
+    if args.config:
+        try:  # the run config's own errors (ConfigError is a ValueError) and a missing file
+            arm_config(args, "diff")
+        except (OSError, ValueError) as e:
+            p.error(f"--config {args.config}: {e}")
     try:
         resolved = {name: arm_backend(args, a, device) for a, name in ARMS}
     except ValueError as e:
@@ -148,7 +174,7 @@ def main() -> None:
     res = [step.resident_mib() for step in steps]
     tokens = args.batch * args.seq_len
     attn = ", ".join(f"{name} {b}" for name, b in resolved.items())
-    print(f"# Training throughput, preset {args.preset}, T={args.seq_len}, batch {args.batch}, {args.precision}, "
+    print(f"# Training throughput, {f'config {args.config}' if args.config else f'preset {args.preset}'}, T={args.seq_len}, batch {args.batch}, {args.precision}, "
           f"backend {args.backend} ({attn}), deterministic {args.deterministic}"
           f"{', compiled' if args.compile else ''}, on {device.type} ({machine(device)})\n")
     print("| arm | params | step ms | tokens/s | peak MiB | resident MiB |")

@@ -61,6 +61,25 @@ def test_trace_lists_kernels_of_both_arms_with_their_differences():
         assert any(r[0].startswith("difftransformer_cpu::diff") and float(r[1]) == 0 < float(r[2]) for r in rows)
 
 
+def test_config_takes_the_model_from_a_run_config_with_overrides():
+    """--config FILE --set ...: the run config's model (here cpu-small cut to one layer and width 64), both
+    arms at the parameter counts that config gives; mistakes in it are one-line errors naming the file."""
+    run = _run("--device", "cpu", *TINY[2:], "--config", str(ROOT / "configs" / "cpu-small.toml"),
+               "--set", "model.num_hidden_layers=1", "model.hidden_size=64", "model.num_attention_heads=2")
+    assert run.returncode == 0, run.stderr
+    from difftransformer import DiffTransformerLM, get_preset
+
+    want = DiffTransformerLM(get_preset("cpu-small").config("diff", num_hidden_layers=1, hidden_size=64,
+                                                            num_attention_heads=2), device="meta").num_parameters()
+    rows = _table(run.stdout)
+    assert f"config {ROOT / 'configs' / 'cpu-small.toml'}" in run.stdout
+    assert rows["DIFF"][0] == f"{want / 1e6:.2f}M", run.stdout
+    bad = _run("--device", "cpu", *TINY[2:], "--config", str(ROOT / "configs" / "cpu-small.toml"), "--set", "model.nope=1")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "unknown key 'nope' in [model]" in bad.stderr
+    alone = _run("--device", "cpu", *TINY, "--set", "model.hidden_size=64")
+    assert alone.returncode == 2 and "--set overrides a run config: give --config too" in alone.stderr
+
+
 def test_negative_trace_is_a_one_line_error():
     run = _run("--device", "cpu", *TINY, "--trace", "-1")
     assert run.returncode == 2 and "Traceback" not in run.stderr and "--trace at least 0" in run.stderr
