@@ -10,6 +10,7 @@
 # from src/.
 #
 #     bash benchmarks/gpu_session.sh                 # about 7 minutes on an H100 (2026-11-24)
+#     bash benchmarks/gpu_session.sh --non-causal    # arguments go to attention_gpu.py
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
@@ -21,7 +22,7 @@ import datetime, torch, triton
 print(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
       torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
 PY
-timeout 320 $PY benchmarks/attention_gpu.py --time-limit 260 2>&1 | tee "$OUT/attention_gpu.md"
+timeout 320 $PY benchmarks/attention_gpu.py --time-limit 260 "$@" 2>&1 | tee "$OUT/attention_gpu.md"
 # Each test autotunes its pass's tiles (the d = 128 one-pass test alone took over 40 s on an H100).
 timeout 200 $PY -m pytest -q -p no:cacheprovider -rfE --tb=short tests/kernels/test_diff_flash.py -m gpu 2>&1 \
     | tee "$OUT/triton_tests.log"

@@ -86,15 +86,16 @@ def _tile(config):
     return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
 
 
-def _autotune(tiles_by_class, reset_to_zero=None):
-    """Autotune over the tiles of the launch's class; one small tile in the interpreter
-    (fast, and still several blocks per dimension at the test shapes)."""
+def _autotune(tiles_by_class, reset_to_zero=None, extra_key=()):
+    """Autotune over the tiles of the launch's class, once per _TUNE_KEY (+ extra_key) value; one
+    small tile in the interpreter (fast, and still several blocks per dimension at the test shapes)."""
+    key = _TUNE_KEY + list(extra_key)
     if _INTERPRET:
         return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)],
-                               key=_TUNE_KEY, reset_to_zero=reset_to_zero)
+                               key=key, reset_to_zero=reset_to_zero)
     every = sorted({t for tiles in tiles_by_class.values() for t in tiles}, reverse=True)
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
-    return triton.autotune(configs, key=_TUNE_KEY, reset_to_zero=reset_to_zero,
+    return triton.autotune(configs, key=key, reset_to_zero=reset_to_zero,
                            prune_configs_by={"early_config_prune": _class_pruner(tiles_by_class)})
 
 
@@ -217,7 +218,7 @@ def _fwd_key_loop(acc1, acc2, m1, m2, l1, l2, q1, q2, K1, K2, V,
     return acc1, acc2, m1, m2, l1, l2
 
 
-@_autotune(FWD_TILES)
+@_autotune(FWD_TILES, extra_key=["NORM"])  # the norm's epilogue may favour other tiles
 @triton.jit
 def _diff_fwd_kernel(Q, K, V, Lam, Out, O2, LSE1, LSE2, W, Y, RSTD,
                      sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
@@ -602,6 +603,28 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
     return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
 
 
+def _check_token_offsets(*named: tuple[str, torch.Tensor]) -> None:
+    """Batch and head offsets are 64-bit; a token's offset within its head (position x token stride,
+    dim 2 of each (B, heads, tokens, width) operand) is 32-bit, for speed. The wrapper checks its
+    inputs; the ops check again what they are given (under torch.compile their operands may have
+    other strides than the wrapper saw), their outputs and dO included."""
+    for name, t in named:
+        _check_token_offset(name, t.shape[2], t.stride(2))
+
+
+def _check_token_offset(name: str, tokens: int, token_stride: int) -> None:
+    offset = (tokens - 1) * token_stride
+    if offset >= 2**31:
+        raise ValueError(f"{name}'s last token sits {offset} elements into its head, past the kernel's 32-bit "
+                         f"offsets ({tokens} tokens); split the sequence, or use backend='sdpa'")
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A per-row fp32 operand (LSE, 1 / rms: (B, h, T)) or the norm weight as the kernels index it:
+    dense and contiguous (a no-op for what the ops produce themselves)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _device_guard(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -628,6 +651,8 @@ def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torc
     norm weight y = RMSNorm(out) * weight and its rows' 1 / rms (fp32, (B, h, T)); else two empty tensors."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     out, o2 = token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d)
+    _check_token_offsets(("q", q), ("k", k), ("v", v), ("out", out))
+    weight = None if weight is None else _as_rows(weight)
     lse1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(lse1)
     y, rstd = _norm_outputs(q, weight, h, d)
@@ -656,6 +681,12 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Returns dq, dk, dv, dlam and, with a norm weight (do is then the gradient of y), dweight
     (else an empty tensor)."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
+    _check_token_offsets(("q", q), ("k", k), ("v", v), ("out", out), ("do", do))
+    if o2.stride() != out.stride():
+        raise ValueError(f"o2 must share out's strides (the row-dot pass reads both with one set), got "
+                         f"{o2.stride()} and {out.stride()}")
+    lse1, lse2 = _as_rows(lse1), _as_rows(lse2)
+    weight, rstd = (None, rstd) if weight is None else (_as_rows(weight), _as_rows(rstd))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_sum = None if deterministic else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
@@ -665,7 +696,9 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                       dtype=torch.float32)
     with _device_guard(q):
         if d1.numel():
-            dz = do if weight is None else torch.empty_like(out)
+            # dO through the norm, written with out's strides (the pass's one set), whatever out's layout.
+            dz = do if weight is None else torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
+                                                               device=out.device)
             _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), h, B)](
                 out, o2, do, lam, d1, r2, out if weight is None else weight, r2 if weight is None else rstd, dz,
                 r2 if weight is None else dw_rows, *out.stride(), *do.stride(), h, T,
@@ -743,13 +776,9 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
         raise ValueError(f"{h} heads do not split evenly over {h_kv} kv groups")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    # Batch and head offsets are 64-bit; a token's offset within its head (position x token stride)
-    # is 32-bit, for speed. The output is token-major: its token stride is h * 2d.
-    for name, offset in (("q", (T - 1) * q.stride(2)), ("k", (S - 1) * k.stride(2)), ("v", (S - 1) * v.stride(2)),
-                         ("out", (T - 1) * h * 2 * d)):
-        if offset >= 2**31:
-            raise ValueError(f"{name}'s last token sits {offset} elements into its head, past the kernel's 32-bit "
-                             f"offsets (T={T}, S={S}); split the sequence, or use backend='sdpa'")
+    # Checked before any allocation (the ops check again): the output is token-major, with token stride h * 2d.
+    _check_token_offsets(("q", q), ("k", k), ("v", v))
+    _check_token_offset("out", T, h * 2 * d)
     if not _INTERPRET and not q.is_cuda:
         raise RuntimeError("diff_flash_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
@@ -760,6 +789,4 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
     if weight is not None and (weight.shape != (2 * d,) or weight.device != q.device or not weight.is_floating_point()):
         raise ValueError(f"out_norm's weight must be a floating (2d,) = ({2 * d},) tensor on {q.device}, "
                          f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    if weight is not None and weight.stride(0) != 1:
-        weight = weight.contiguous()
     return DiffFlashAttention.apply(q, k, v, lam, weight, bool(causal), scale, float(eps), bool(deterministic))

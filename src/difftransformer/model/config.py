@@ -288,7 +288,7 @@ PRESETS: dict[str, Preset] = {
     # One GPU (issue 16's end-to-end pair): GPT-2-small depth at width 1024, with the bundled corpus's
     # 8k vocabulary, so that the attention and FFN, not the embeddings, hold the parameters. The FFN
     # width is 8/3 x 1024 rounded up to a multiple of 64 (2752, not 2731): bf16 matrix products on
-    # CUDA need dims that are multiples of 8, and at 2731 cuBLAS fell back to kernels that took 157
+    # CUDA need dims that are multiples of 8, and at 2731 cuBLAS fell back to kernels that took 158
     # of a 265 ms training step on an H100 (2026-11-24).
     "gpu-small": Preset(1024, 12, 8, intermediate_size=2752, vocab_size=8192, max_position_embeddings=4096,
                         description="160M params, 12 layers of width 1024, 8 DIFF heads of 2 x 64 (16 baseline heads of 64)"),
