@@ -116,8 +116,25 @@ def median_ms(fn, warmup_ms, rep_ms):
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def host_ms(fn, calls: int = 10) -> float:
+    """Mean host time of one call, the device's queue drained first and not awaited after: what it
+    costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
+    waits for the host, and a faster kernel cannot shorten the call."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    total = 0.0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return total / calls * 1e3
+
+
 def measure(fn, inputs, grad_out, warmup_ms, rep_ms):
-    """(forward ms, forward+backward ms); None for a layout that runs out of memory."""
+    """(forward ms, forward+backward ms, forward+backward host ms); None for a layout that runs out of memory."""
     def fwd():
         with torch.no_grad():
             fn()
@@ -126,7 +143,7 @@ def measure(fn, inputs, grad_out, warmup_ms, rep_ms):
         torch.autograd.grad(fn(), inputs, grad_out)
 
     try:
-        return median_ms(fwd, warmup_ms, rep_ms), median_ms(fwd_bwd, warmup_ms, rep_ms)
+        return median_ms(fwd, warmup_ms, rep_ms), median_ms(fwd_bwd, warmup_ms, rep_ms), host_ms(fwd_bwd)
     except torch.OutOfMemoryError:
         free_cached_memory()
         return None
@@ -143,8 +160,9 @@ def free_cached_memory():
 
 
 def measure_sdpa(fn, inputs, grad_out, warmup_ms, rep_ms):
-    """The best (fwd ms, fwd+bwd ms) over SDPA's fused kernels, each pinned in turn, and the
-    kernels that gave them ("fwd / fwd+bwd"); (None, reason) when none could run."""
+    """The best (fwd ms, fwd+bwd ms) over SDPA's fused kernels, each pinned in turn (with the host
+    ms of the best fwd+bwd's kernel), and the kernels that gave them ("fwd / fwd+bwd"); (None,
+    reason) when none could run."""
     best, skipped = [None, None], []
     for name, kernel in SDPA_KERNELS.items():
         try:
@@ -157,12 +175,12 @@ def measure_sdpa(fn, inputs, grad_out, warmup_ms, rep_ms):
         if times is None:
             skipped.append(f"{name}: OOM")
             continue
-        for i, t in enumerate(times):
-            if best[i] is None or t < best[i][0]:
-                best[i] = (t, name)
+        for i in (0, 1):
+            if best[i] is None or times[i] < best[i][0]:
+                best[i] = (times[i], name, times[2])
     if best[0] is None:
         return None, "; ".join(skipped) or "no kernel"
-    return (best[0][0], best[1][0]), f"{best[0][1]} / {best[1][1]}"
+    return (best[0][0], best[1][0], best[1][2]), f"{best[0][1]} / {best[1][1]}"
 
 
 def check_fused(diff_flash_attention, dtype, device, B, h, h_kv, T, d, causal):
@@ -240,8 +258,8 @@ def main(argv=None):
             fused_note = "(triton) CHECK FAILED"
 
     print("| T | d | B | layout | kernel | fwd ms | fwd TFLOP/s | fwd / (d) | fwd+bwd ms | fwd+bwd TFLOP/s "
-          "| fwd+bwd / (d) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| fwd+bwd / (d) | fwd+bwd host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for d in head_dims:
         for T in seq_lens:
             if args.time_limit and time.monotonic() - began > args.time_limit:
@@ -288,18 +306,26 @@ def main(argv=None):
         else:
             continue
         break  # the time limit was reached
+    print(f"\n{HOST_BOUND}: the call's host time (queue drained first) is at least {HOST_SHARE:.0%} of its "
+          "median time, so that time is the host's, not the kernels' (benchmarks/gpu_trace.py gives the "
+          "kernels' own time)")
     print_tuning_choices()
 
 
+HOST_BOUND, HOST_SHARE = "(host)", 0.9
+
+
 def table_row(T, d, B, name, kernel, times, f_fwd, f_all, base):
-    """One markdown row; times in ms, FLOPs per call, ratios to the baseline's times `base`."""
+    """One markdown row; times in ms, FLOPs per call, ratios to the baseline's times `base`. A
+    fwd+bwd time that the host's enqueueing reaches (HOST_SHARE of it) is marked HOST_BOUND."""
     if times is None:
-        return f"| {T} | {d} | {B} | {name} | {kernel} | OOM / n.a. | | | | | |"
-    t_f, t_fb = times
+        return f"| {T} | {d} | {B} | {name} | {kernel} | OOM / n.a. | | | | | | |"
+    t_f, t_fb, host = times
     r_f = f"{t_f / base[0]:.2f}x" if base else "-"
     r_fb = f"{t_fb / base[1]:.2f}x" if base else "-"
+    mark = f" {HOST_BOUND}" if host >= HOST_SHARE * t_fb else ""
     return (f"| {T} | {d} | {B} | {name} | {kernel} | {t_f:.3f} | {f_fwd / t_f / 1e9:.1f} | {r_f} | "
-            f"{t_fb:.3f} | {f_all / t_fb / 1e9:.1f} | {r_fb} |")
+            f"{t_fb:.3f}{mark} | {f_all / t_fb / 1e9:.1f} | {r_fb} | {host:.3f} |")
 
 
 def print_tuning_choices():

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_gpu import median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
+from attention_gpu import host_ms, median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
 
 LIMIT = 3e-2  # the GPU test's limit
 # (B, h, h_kv, T, causal): the failing GPU test's shape (GQA, T not a multiple of any tile), the same
@@ -133,23 +133,6 @@ def parse_dims(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: give head dims as positive integers separated by commas, "
                                          "e.g. 128,64")
     return dims
-
-
-def host_ms(fn, calls: int = 10) -> float:
-    """Mean host time of one call, the device's queue drained first and not awaited after: what it
-    costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
-    waits for the host, and a faster kernel cannot shorten the call."""
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    total = 0.0
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t0
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    return total / calls * 1e3
 
 
 def time_tiles(shape, device, dtype, tiles_of, ks) -> None:

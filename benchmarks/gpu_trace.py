@@ -32,8 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
+from attention_gpu import host_ms  # noqa: E402
 from common import kernel_times  # noqa: E402
-from gpu_tile_check import host_ms, inputs, parse_shape  # noqa: E402
+from gpu_tile_check import inputs, parse_shape  # noqa: E402
 
 SHAPES = "16,8,8,2048,64 4,8,8,4096,128 16,8,8,1024,64"
 

@@ -29,8 +29,24 @@ def test_attention_gpu_benchmark_runs_every_layout_on_cpu():
             assert "n.a." in row
             continue
         cells = [c.strip() for c in row.split("|")[1:-1]]
-        fwd_ms, fwd_bwd_ms = float(cells[5]), float(cells[8])
-        assert fwd_ms > 0 and fwd_bwd_ms > 0 and cells[7].endswith("x") and cells[10].endswith("x"), row
+        fwd_ms, fwd_bwd_ms, host_ms = float(cells[5]), float(cells[8].split()[0]), float(cells[11])
+        assert fwd_ms > 0 and fwd_bwd_ms > 0 and host_ms > 0 and cells[7].endswith("x") and cells[10].endswith("x"), row
+    assert "(host): the call's host time (queue drained first) is at least 90% of its median time" in out
+
+
+def test_rows_whose_time_is_the_hosts_are_marked():
+    """By hand: fwd+bwd 2.0 ms with 1.8 ms of host time (90%) is the host's; with 1.7 ms it is not.
+    FLOPs 1e9 per call in 2 ms is 500 GFLOP/s = 0.5 TFLOP/s; against a 1.0 ms baseline, 2.00x."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_gpu
+
+    marked = attention_gpu.table_row(1024, 64, 16, "(a) fused", "(triton)", (0.5, 2.0, 1.8), 1e9, 1e9, (0.25, 1.0, 0.1))
+    cells = [c.strip() for c in marked.split("|")[1:-1]]
+    assert cells[8] == "2.000 (host)" and cells[9] == "0.5" and cells[10] == "2.00x" and cells[11] == "1.800"
+    assert cells[6] == "2.0" and cells[7] == "2.00x"  # fwd: 1e9 FLOPs in 0.5 ms; 0.5 / 0.25
+    plain = attention_gpu.table_row(1024, 64, 16, "(a) fused", "(triton)", (0.5, 2.0, 1.7), 1e9, 1e9, (0.25, 1.0, 0.1))
+    assert plain.split("|")[9].strip() == "2.000"
+    assert attention_gpu.table_row(1, 2, 3, "(b) two-call", "x", None, 1, 1, None).count("|") == 13
 
 
 def test_attention_gpu_benchmark_time_limit_ends_cleanly():
