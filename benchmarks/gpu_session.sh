@@ -5,7 +5,7 @@
 #      rows print as measured, and no new shape starts after 260 s);
 #   2. the kernel's GPU tests (bf16 at training-like lengths, both backwards, d 64 and 128).
 # Its correctness tile by tile and the whole test suite on the GPU: benchmarks/gpu_tests.sh; the
-# end-to-end 159 M pair: benchmarks/gpu_e2e.sh. Logs and the table go to $OUT (the device tool's
+# end-to-end 160 M pair: benchmarks/gpu_e2e.sh. Logs and the table go to $OUT (the device tool's
 # folder) or runs/gpu. Uses the machine's own python3 with PyTorch and Triton; the package is read
 # from src/.
 #
