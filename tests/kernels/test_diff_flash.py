@@ -459,3 +459,33 @@ def test_gpu_fused_head_norm_bf16(d):
     for name, got, want in zip(("y", "dq", "dk", "dv", "dlam", "dweight"), (y, *grads), (unfused, *unfused_grads)):
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1.0)).item()
         assert err < 2e-2, f"{name}: error {err:.1e}"
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_no_grad_calls_skip_the_op_dispatch_unless_something_observes_them(with_norm, monkeypatch):
+    """Without a gradient the forward runs its Python body directly (host time per decoding step), with
+    the same result bit for bit; a torch dispatch mode (fake tensors, FLOP counters) or a compile trace
+    still sees the custom op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, _ = make_inputs(1, 2, 1, 7, 30, 16, torch.float32, seed=15)
+    lam = torch.tensor(0.3, device=DEVICE)
+    norm = ((torch.rand(32, generator=torch.Generator().manual_seed(7)) + 0.5).to(DEVICE), 1e-5) if with_norm else None
+    want = diff_flash_attention(q, k, v, lam, out_norm=norm)  # q requires grad: the autograd path
+    calls = []
+    body = diff_flash._fwd_impl
+    monkeypatch.setattr(diff_flash, "_fwd_impl", lambda *a: calls.append("direct") or body(*a))
+    with torch.no_grad():
+        got = diff_flash_attention(q, k, v, lam, out_norm=norm)
+    assert calls == ["direct"] and torch.equal(got, want)
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls.clear()
+    with torch.no_grad(), Seen():
+        seen = diff_flash_attention(q, k, v, lam, out_norm=norm)
+    assert "difftransformer.diff_flash_fwd.default" in calls and "direct" not in calls
+    assert torch.equal(seen, want)

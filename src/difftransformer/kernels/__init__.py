@@ -36,4 +36,15 @@ def token_major_empty(q, heads: int, width: int):
     return q.new_empty(B, T, heads, width).transpose(1, 2)
 
 
-__all__ = ["token_major_empty", "triton_runs"]
+def ops_observed() -> bool:
+    """True when something must see the kernels' custom-op calls rather than their Python bodies: a
+    torch.compile trace, a torch.jit trace, a torch function mode or a torch dispatch mode (fake
+    tensors, FLOP counters). A no-gradient call may skip the op's dispatch only when this is False.
+    (flash_cpu's decoding route inlines the same checks, to save a Python frame per call.)"""
+    import torch
+
+    return bool(torch.compiler.is_compiling() or torch._C._is_tracing() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack())
+
+
+__all__ = ["ops_observed", "token_major_empty", "triton_runs"]

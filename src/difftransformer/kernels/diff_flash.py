@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from difftransformer.kernels import token_major_empty
+from difftransformer.kernels import ops_observed, token_major_empty
 
 # Under TRITON_INTERPRET=1 kernels run on CPU with numpy, which has no bfloat16 matmul. There the
 # dot operands are upcast to fp32 after the same down-casts the GPU path makes.
@@ -554,6 +554,17 @@ def _diff_bwd_dq_kernel(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DQ,
 # host side: custom ops (opaque to torch.compile) and the autograd.Function
 
 
+# Host-side integer helpers. triton.cdiv / next_power_of_2 are Triton constexpr functions, a few
+# microseconds per call from Python; a launch is host-bound when decoding, so plain ints here.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _shapes(q, k, v):
     B, two_h, T, d = q.shape
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
@@ -562,9 +573,9 @@ def _shapes(q, k, v):
 
 def _meta(q, d, T, S, causal):
     """Constexpr and tuning arguments shared by all launches."""
-    return dict(HEAD_D=d, CAUSAL=causal, BLOCK_D=max(16, triton.next_power_of_2(d)),
-                BLOCK_DV=max(16, triton.next_power_of_2(2 * d)), IEEE=q.dtype == torch.float32,
-                INTERPRET=_INTERPRET, LEN_BUCKET=min(triton.next_power_of_2(max(T, S, 1)), 16384))
+    return dict(HEAD_D=d, CAUSAL=causal, BLOCK_D=max(16, _pow2(d)),
+                BLOCK_DV=max(16, _pow2(2 * d)), IEEE=q.dtype == torch.float32,
+                INTERPRET=_INTERPRET, LEN_BUCKET=min(_pow2(max(T, S, 1)), 16384))
 
 
 # The launches of the three tuned kernels: (kernel, grid, positional args, keyword args). The ops
@@ -577,7 +588,7 @@ def fwd_launch(q, k, v, lam, out, o2, lse1, lse2, causal, scale, norm=None):
     weight, y, rstd, eps = (out, out, lse1, 0.0) if norm is None else norm  # never touched without NORM
     args = (q, k, v, lam, out, o2, lse1, lse2, weight, y, rstd, *q.stride(), *k.stride(), *v.stride(),
             *out.stride(), h, h // h_kv, T, S, scale * _LOG2E, float(eps))
-    return (_diff_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args,
+    return (_diff_fwd_kernel, lambda m: (_cdiv(T, m["BLOCK_M"]), h, B), args,
             dict(_meta(q, d, T, S, causal), NORM=norm is not None))
 
 
@@ -592,7 +603,7 @@ def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
             *do.stride(), *dk.stride(), *dv.stride(), *dq_sum.stride()[:3], h_kv, h // h_kv, T, S,
             scale * _LOG2E, scale)
     kernel = _diff_bwd_dkdvq_kernel if atomic else _diff_bwd_dkdv_kernel
-    return (kernel, lambda m: (triton.cdiv(S, m["BLOCK_N"]), h_kv, B), args,
+    return (kernel, lambda m: (_cdiv(S, m["BLOCK_N"]), h_kv, B), args,
             dict(_meta(q, d, T, S, causal), ATOMIC_DQ=atomic))
 
 
@@ -600,7 +611,7 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
     B, h, h_kv, T, S, d = _shapes(q, k, v)
     args = (q, k, v, lam, do, lse1, lse2, d1, r2, dq, *q.stride(), *k.stride(), *v.stride(),
             *do.stride(), *dq.stride(), h, h // h_kv, T, S, scale * _LOG2E, scale)
-    return _diff_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
+    return _diff_bwd_dq_kernel, lambda m: (_cdiv(T, m["BLOCK_M"]), h, B), args, _meta(q, d, T, S, causal)
 
 
 def _check_token_offsets(*named: tuple[str, torch.Tensor]) -> None:
@@ -643,8 +654,7 @@ def _norm_outputs(q, weight, h, d):
     return token_major_empty(q, h, 2 * d), q.new_empty(B, h, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=(), tags=_ANY_LAYOUT)
-def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor | None,
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor | None,
                     causal: bool, scale: float, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T)), and with a
@@ -663,6 +673,11 @@ def _diff_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torc
     with _device_guard(q):
         kernel[grid](*args, **meta)
     return out, o2, lse1, lse2, y, rstd
+
+
+# The op runs _fwd_impl; a call that wants no gradient and that nothing observes calls it directly.
+_diff_flash_fwd = torch.library.custom_op("difftransformer::diff_flash_fwd", mutates_args=(),
+                                          tags=_ANY_LAYOUT)(_fwd_impl)
 
 
 @_diff_flash_fwd.register_fake
@@ -692,17 +707,17 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
     r2 = torch.zeros_like(d1)
     pre_m = 16 if _INTERPRET else 64
-    dw_rows = None if weight is None else torch.zeros(B * h * triton.cdiv(T, pre_m), 2 * d, device=q.device,
+    dw_rows = None if weight is None else torch.zeros(B * h * _cdiv(T, pre_m), 2 * d, device=q.device,
                                                       dtype=torch.float32)
     with _device_guard(q):
         if d1.numel():
             # dO through the norm, written with out's strides (the pass's one set), whatever out's layout.
             dz = do if weight is None else torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
                                                                device=out.device)
-            _bwd_preprocess_kernel[(triton.cdiv(T, pre_m), h, B)](
+            _bwd_preprocess_kernel[(_cdiv(T, pre_m), h, B)](
                 out, o2, do, lam, d1, r2, out if weight is None else weight, r2 if weight is None else rstd, dz,
                 r2 if weight is None else dw_rows, *out.stride(), *do.stride(), h, T,
-                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, triton.next_power_of_2(2 * d)), NORM=weight is not None)
+                HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, _pow2(2 * d)), NORM=weight is not None)
             do = dz
         if dk.numel():
             kernel, grid, args, meta = bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
@@ -789,4 +804,11 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
     if weight is not None and (weight.shape != (2 * d,) or weight.device != q.device or not weight.is_floating_point()):
         raise ValueError(f"out_norm's weight must be a floating (2d,) = ({2 * d},) tensor on {q.device}, "
                          f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad or lam.requires_grad
+                                           or (weight is not None and weight.requires_grad)):
+        # No gradient wanted (decoding, evaluation): the forward alone, without autograd's wrapper, and
+        # without the op's dispatch (~20 us of host time per call) unless a trace or mode must see it.
+        forward = torch.ops.difftransformer.diff_flash_fwd if ops_observed() else _fwd_impl
+        out, _, _, _, y, _ = forward(q, k, v, lam, weight, bool(causal), scale, float(eps))
+        return out if weight is None else y
     return DiffFlashAttention.apply(q, k, v, lam, weight, bool(causal), scale, float(eps), bool(deterministic))
