@@ -77,3 +77,15 @@ def test_every_preset_builds():
         for kind in ATTENTION_KINDS:
             cfg = p.config(kind)
             assert cfg.attention == kind, name
+
+
+def test_gpu_unaligned_dims_names_widths_that_are_not_multiples_of_8():
+    """By hand: 8/3 x 1024 = 2730.67 rounds to 2731 (odd); gpu-small sets 2752 = 43 x 64; cpu-small's
+    8/3 x 256 = 682.67 rounds to 683; a vocabulary of 50257 (GPT-2's) is odd too."""
+    from difftransformer import get_preset
+
+    assert get_preset("gpu-small").config("diff").gpu_unaligned_dims() == {}
+    assert get_preset("gpu-small").config("diff", intermediate_size=None).gpu_unaligned_dims() == {
+        "intermediate_size": 2731}
+    assert get_preset("cpu-small").config("diff", vocab_size=50257).gpu_unaligned_dims() == {
+        "intermediate_size": 683, "vocab_size": 50257}

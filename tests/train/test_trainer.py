@@ -163,3 +163,21 @@ def test_the_weight_guard_can_be_switched_off_and_is_validated(data_dir, tmp_pat
         train(tiny(), make_cfg(data_dir, tmp_path / "on", max_steps=1, lr=3.0, **base))
     res = train(tiny(), make_cfg(data_dir, tmp_path / "off", max_steps=1, lr=3.0, max_weight_growth=0.0, **base))
     assert res.final_step == 1  # a large (finite) jump is accepted when the norm check is off
+
+
+def test_unaligned_widths_get_a_warning_with_the_fix(caplog):
+    """On CUDA the trainer names each width that is not a multiple of 8 and a multiple of 64 above it."""
+    import logging
+    from types import SimpleNamespace
+
+    from difftransformer import get_preset
+    from difftransformer.train import trainer
+
+    cfg = get_preset("gpu-small").config("diff", intermediate_size=None, vocab_size=50257)
+    with caplog.at_level(logging.WARNING, logger=trainer.log.name):
+        trainer._warn_unaligned(cfg, SimpleNamespace(is_main=True))
+        trainer._warn_unaligned(get_preset("gpu-small").config("diff"), SimpleNamespace(is_main=True))
+    assert len(caplog.records) == 1
+    text = caplog.records[0].getMessage()
+    assert text.startswith("intermediate_size 2731, vocab_size 50257 not a multiple of 8")
+    assert text.endswith("set e.g. model.intermediate_size=2752, model.vocab_size=50304")
