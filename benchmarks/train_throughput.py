@@ -49,9 +49,7 @@ def arm_config(args, attention: str):
 
     runtime = dict(attn_backend=args.backend, attn_deterministic=args.deterministic)
     if args.config:
-        from difftransformer.run_config import load_run_config
-
-        model = load_run_config(args.config, overrides=args.set).model.matched("diff")
+        model = args.config_model  # read once by parse_args
         cfg = dataclasses.replace(model, **runtime,
                                   max_position_embeddings=max(args.seq_len, model.max_position_embeddings))
     else:
@@ -153,8 +151,10 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
     if min(args.seq_len, args.batch, args.repeats, args.threads) < 1 or args.trace < 0:
         p.error("--seq-len, --batch, --repeats and --threads must be positive, --trace at least 0")
     if args.config:
+        from difftransformer.run_config import load_run_config
+
         try:  # the run config's own errors (ConfigError is a ValueError) and a missing file
-            arm_config(args, "diff")
+            args.config_model = load_run_config(args.config, overrides=args.set).model.matched("diff")
         except (OSError, ValueError) as e:
             p.error(f"--config {args.config}: {e}")
     try:

@@ -12,6 +12,8 @@ This package imports nothing else of difftransformer.
 import importlib.util
 import os
 
+import torch
+
 
 def triton_runs() -> bool:
     """True when Triton is importable and can run here: a CUDA device, or TRITON_INTERPRET=1 (CPU)."""
@@ -23,8 +25,6 @@ def triton_runs() -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return True
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -36,15 +36,18 @@ def token_major_empty(q, heads: int, width: int):
     return q.new_empty(B, T, heads, width).transpose(1, 2)
 
 
-def ops_observed() -> bool:
-    """True when something must see the kernels' custom-op calls rather than their Python bodies: a
-    torch.compile trace, a torch.jit trace, a torch function mode or a torch dispatch mode (fake
-    tensors, FLOP counters). A no-gradient call may skip the op's dispatch only when this is False.
-    (flash_cpu's decoding route inlines the same checks, to save a Python frame per call.)"""
-    import torch
+# What must see a kernel's op call rather than its Python body: a torch.jit trace, a torch function
+# mode, a torch dispatch mode (fake tensors, FLOP counters), and a torch.compile trace. Bound once;
+# flash_cpu's decoding route tests them inline (one Python frame less per layer and token).
+_is_tracing = torch._C._is_tracing
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
-    return bool(torch.compiler.is_compiling() or torch._C._is_tracing() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._len_torch_dispatch_stack())
+
+def ops_observed() -> bool:
+    """True when something must see the kernels' custom-op calls rather than their Python bodies (see
+    above). A no-gradient call may skip the op's dispatch only when this is False."""
+    return bool(torch.compiler.is_compiling() or _is_tracing() or _function_mode() or _dispatch_depth())
 
 
 __all__ = ["ops_observed", "token_major_empty", "triton_runs"]

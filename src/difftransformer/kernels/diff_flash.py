@@ -616,9 +616,8 @@ def bwd_dq_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dq, causal, scale):
 
 def _check_token_offsets(*named: tuple[str, torch.Tensor]) -> None:
     """Batch and head offsets are 64-bit; a token's offset within its head (position x token stride,
-    dim 2 of each (B, heads, tokens, width) operand) is 32-bit, for speed. The wrapper checks its
-    inputs; the ops check again what they are given (under torch.compile their operands may have
-    other strides than the wrapper saw), their outputs and dO included."""
+    dim 2 of each (B, heads, tokens, width) operand) is 32-bit, for speed. The ops check what they
+    are given (under torch.compile, operands may have other strides than the caller's), dO included."""
     for name, t in named:
         _check_token_offset(name, t.shape[2], t.stride(2))
 
@@ -655,13 +654,14 @@ def _norm_outputs(q, weight, h, d):
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor | None,
-                    causal: bool, scale: float, eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              causal: bool, scale: float, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out, O2n = A2 V (saved for the backward), lse1, lse2 (fp32, (B, h, T)), and with a
     norm weight y = RMSNorm(out) * weight and its rows' 1 / rms (fp32, (B, h, T)); else two empty tensors."""
     B, h, h_kv, T, S, d = _shapes(q, k, v)
+    _check_token_offsets(("q", q), ("k", k), ("v", v))
+    _check_token_offset("out", T, h * 2 * d)  # before allocating: the outputs are token-major
     out, o2 = token_major_empty(q, h, 2 * d), token_major_empty(q, h, 2 * d)
-    _check_token_offsets(("q", q), ("k", k), ("v", v), ("out", out))
     weight = None if weight is None else _as_rows(weight)
     lse1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(lse1)
@@ -711,14 +711,15 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                       dtype=torch.float32)
     with _device_guard(q):
         if d1.numel():
-            # dO through the norm, written with out's strides (the pass's one set), whatever out's layout.
-            dz = do if weight is None else torch.empty_strided(out.shape, out.stride(), dtype=out.dtype,
-                                                               device=out.device)
+            if weight is None:
+                norm_args = (out, r2, do, r2)  # W, RSTD, DZ, DW: never touched without NORM
+            else:  # dO through the norm goes to dz, with out's strides (the pass's one set) whatever out's layout
+                dz = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+                norm_args = (weight, rstd, dz, dw_rows)
             _bwd_preprocess_kernel[(_cdiv(T, pre_m), h, B)](
-                out, o2, do, lam, d1, r2, out if weight is None else weight, r2 if weight is None else rstd, dz,
-                r2 if weight is None else dw_rows, *out.stride(), *do.stride(), h, T,
+                out, o2, do, lam, d1, r2, *norm_args, *out.stride(), *do.stride(), h, T,
                 HEAD_D=d, BLOCK_M=pre_m, BLOCK_DV=max(16, _pow2(2 * d)), NORM=weight is not None)
-            do = dz
+            do = norm_args[2]
         if dk.numel():
             kernel, grid, args, meta = bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
                                                        dq_sum)
@@ -741,7 +742,8 @@ def _(do, q, k, v, lam, out, o2, lse1, lse2, weight, rstd, causal, scale, determ
 
 
 class DiffFlashAttention(torch.autograd.Function):
-    """Autograd glue: the forward saves out, O2n and the LSEs; the backward returns dq, dk, dv, dlam."""
+    """Autograd glue: the forward saves out, O2n, the LSEs (and with the head norm its weight and
+    1 / rms) and returns out (or the normalised y); the backward returns dq, dk, dv, dlam (and dweight)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lam, weight, causal: bool, scale: float, eps: float, deterministic: bool):
@@ -791,9 +793,6 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
         raise ValueError(f"{h} heads do not split evenly over {h_kv} kv groups")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    # Checked before any allocation (the ops check again): the output is token-major, with token stride h * 2d.
-    _check_token_offsets(("q", q), ("k", k), ("v", v))
-    _check_token_offset("out", T, h * 2 * d)
     if not _INTERPRET and not q.is_cuda:
         raise RuntimeError("diff_flash_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)

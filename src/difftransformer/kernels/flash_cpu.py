@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from difftransformer.kernels import token_major_empty
+from difftransformer.kernels import _dispatch_depth, _function_mode, _is_tracing, token_major_empty
 
 _SOURCE = Path(__file__).parent / "csrc" / "flash_cpu.cpp"
 _lock = threading.Lock()
@@ -193,8 +193,8 @@ def _decode_op(name: str):
 def direct_decode_module():
     """The extension module whose decode functions (`flash_decode`, `diff_flash_decode`) a caller that has
     checked its call may run as plain functions now, or None: not loaded yet (this never builds it; the
-    first call of a public function does) or something must see op calls: a torch.compile trace, a
-    torch.jit.trace, a torch function or dispatch mode.
+    first call of a public function does) or something must see op calls (`kernels.ops_observed`, its
+    checks inlined here).
 
     For `difftransformer.attention.functional`'s decoding-step route, which checks what the functions
     need (fp32 CPU q, k, v, n_rep * T <= DECODE_MAX_ROWS, no key padding, no gradient; λ a 0-d fp32
@@ -209,9 +209,6 @@ def direct_decode_module():
     return _state["module"]
 
 
-_is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its Python frame
-_function_mode = torch._C._is_torch_function_mode_enabled
-_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
