@@ -336,8 +336,7 @@ def print_tuning_choices():
     print("\nautotuner choices (key: HEAD_D, CAUSAL, IEEE, LEN_BUCKET, dtypes...):")
     for name in ("_diff_fwd_kernel", "_diff_bwd_dkdv_kernel", "_diff_bwd_dq_kernel", "_diff_bwd_dkdvq_kernel"):
         for key, config in getattr(getattr(df, name), "cache", {}).items():
-            tile = (config.kwargs.get("BLOCK_M"), config.kwargs.get("BLOCK_N"), config.num_warps, config.num_stages)
-            print(f"  {name} {key[:4]}: BLOCK_M, BLOCK_N, warps, stages = {tile}")
+            print(f"  {name} {key[:4]}: BLOCK_M, BLOCK_N, warps, stages[, split] = {df._tile(config)}")
 
 
 if __name__ == "__main__":

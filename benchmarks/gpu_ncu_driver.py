@@ -19,50 +19,69 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_tile_check import Pin, inputs, kernels, parse_shape  # noqa: E402
+from gpu_tile_check import inputs, kernels, parse_shape, pin  # noqa: E402
 
 
-def parse_tile(text: str) -> tuple[int, int, int, int]:
+def parse_tile(text: str) -> tuple:
+    """A tile 'M,N,warps,stages[,split]' (argparse type; --dkdv)."""
+    from difftransformer.kernels.diff_flash import parse_tile as parse
+
     try:
-        tile = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        tile = ()
-    if len(tile) != 4 or min(tile) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give BLOCK_M,BLOCK_N,warps,stages, e.g. 64,64,8,2")
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_unsplit_tile(text: str) -> tuple:
+    """A tile 'M,N,warps,stages' (argparse type; --fwd, --dq: only the key-block pass splits)."""
+    tile = parse_tile(text)
+    if len(tile) > 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: only the key-block pass (--dkdv) splits; give M,N,warps,stages")
     return tile
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=parse_shape, default=(16, 8, 8, 2048, 64), metavar="B,h,h_kv,T,d")
-    p.add_argument("--fwd", type=parse_tile, required=True, metavar="M,N,WARPS,STAGES")
-    p.add_argument("--dkdv", type=parse_tile, required=True, metavar="M,N,WARPS,STAGES",
-                   help="the dK/dV pass, or the one-pass kernel with --one-pass")
-    p.add_argument("--dq", type=parse_tile, metavar="M,N,WARPS,STAGES", help="the dQ pass (two-pass backward)")
+    p.add_argument("--fwd", type=parse_unsplit_tile, required=True, metavar="M,N,WARPS,STAGES")
+    p.add_argument("--dkdv", type=parse_tile, required=True, metavar="M,N,WARPS,STAGES[,split]",
+                   help="the dK/dV pass (',split': as a dK and a dV program), or the one-pass kernel with --one-pass")
+    p.add_argument("--dq", type=parse_unsplit_tile, metavar="M,N,WARPS,STAGES", help="the dQ pass (two-pass backward)")
     p.add_argument("--one-pass", action="store_true", help="the one-pass backward (deterministic=False)")
     p.add_argument("--iterations", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not args.one_pass and args.dq is None:
         p.error("--dq is needed for the two-pass backward (or pass --one-pass)")
     if not torch.cuda.is_available():
         p.error("no CUDA GPU here: this is a workload for Nsight Compute on a GPU")
+    return args
+
+
+def workload(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
+    """args.iterations forward + backward calls with each pass pinned to its tile."""
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
     ks = kernels()
-    pins = [Pin(ks["fwd"], args.fwd)]
-    pins += [Pin(ks["bwd_dkdvq"], args.dkdv)] if args.one_pass else [Pin(ks["bwd_dkdv"], args.dkdv),
-                                                                     Pin(ks["bwd_dq"], args.dq)]
+    pins = [pin(ks["fwd"], args.fwd)]
+    pins += [pin(ks["bwd_dkdvq"], args.dkdv)] if args.one_pass else [pin(ks["bwd_dkdv"], args.dkdv),
+                                                                     pin(ks["bwd_dq"], args.dq)]
     B, h, h_kv, T, d = args.shape
-    q, k, v, do = inputs(B, h, h_kv, T, d, "cuda", torch.bfloat16, seed=400)
+    q, k, v, do = inputs(B, h, h_kv, T, d, device, dtype, seed=400)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    lam = torch.tensor(0.7, device="cuda", requires_grad=True)
+    lam = torch.tensor(0.7, device=device, requires_grad=True)
     with contextlib.ExitStack() as stack:
-        for pin in pins:
-            stack.enter_context(pin)
+        for pinned_pass in pins:
+            stack.enter_context(pinned_pass)
         for _ in range(args.iterations):
             out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=not args.one_pass)
             torch.autograd.grad(out, (q, k, v, lam), do)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    workload(args, "cuda", torch.bfloat16)
     torch.cuda.synchronize()
+    B, h, _, T, d = args.shape
     print(f"ran {args.iterations} iterations of {B}x{h}x{T}, d {d}: fwd {args.fwd}, "
           + (f"one-pass {args.dkdv}" if args.one_pass else f"dkdv {args.dkdv}, dq {args.dq}"))
 

@@ -92,23 +92,25 @@ def error(got, want):
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
-class Pin:
+def pin(kernel, tile):
     """Pin one autotuned pass to one tile for the duration of a `with` block."""
+    from difftransformer.kernels.diff_flash import pinned
 
-    def __init__(self, kernel, tile):
-        self.kernel, self.tile = kernel, tile
+    return pinned(kernel, tile)
 
-    def __enter__(self):
-        import triton
 
-        m, n, w, s = self.tile
-        self.saved = self.kernel.configs
-        self.kernel.configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)]
-        self.kernel.cache.clear()
+def tile_cells(tile) -> str:
+    """A tile as the tables' BLOCK_M | BLOCK_N | warps | stages | split cells."""
+    from difftransformer.kernels.diff_flash import SPLIT_FLAG
 
-    def __exit__(self, *exc):
-        self.kernel.configs = self.saved
-        self.kernel.cache.clear()
+    return " | ".join(map(str, tile[:4])) + f" | {'yes' if SPLIT_FLAG in tile[4:] else 'no'}"
+
+
+def smoke_tiles(pname):
+    """The interpreter's tile; the key-block pass also split in two (its other code path)."""
+    from difftransformer.kernels.diff_flash import SPLIT_FLAG
+
+    return [(16, 16, 1, 1), (16, 16, 1, 1, SPLIT_FLAG)] if pname == "bwd_dkdv" else [(16, 16, 1, 1)]
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -144,14 +146,14 @@ def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     lam = torch.tensor(0.7, device=device, requires_grad=True)
     print(f"\n## Time of each tile, B {B}, h {h}, h_kv {h_kv}, T {T}, d {d}, causal, {str(dtype)[6:]}\n")
-    print("| pass | BLOCK_M | BLOCK_N | warps | stages | ms | / best | host ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pass | BLOCK_M | BLOCK_N | warps | stages | split | ms | / best | host ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for pname, kernel in ks.items():
         det = pname != "bwd_dkdvq"
         times, hosts = {}, {}
         for tile in tiles_of(pname):
             try:
-                with Pin(kernel, tile):
+                with pin(kernel, tile):
                     if pname == "fwd":
                         def call():
                             with torch.no_grad():
@@ -167,7 +169,7 @@ def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
         best = min((t for t in times.values() if isinstance(t, float)), default=float("nan"))
         for tile, t in times.items():
             cells = f"{t:.3f} | {t / best:.2f}x | {hosts[tile]:.3f}" if isinstance(t, float) else f"{t} | - | -"
-            print(f"| {pname} | " + " | ".join(map(str, tile)) + f" | {cells} |", flush=True)
+            print(f"| {pname} | {tile_cells(tile)} | {cells} |", flush=True)
 
 
 def fmt(x):
@@ -198,9 +200,10 @@ def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> Non
     from difftransformer.kernels.diff_flash import TILES, tiles_for
 
     print("\n## One pass pinned to one tile (the others autotuned)\n")
-    print("| d | pass | BLOCK_M | BLOCK_N | warps | stages | " + " | ".join(f"shape {i + 1}" for i in range(len(shapes)))
+    print("| d | pass | BLOCK_M | BLOCK_N | warps | stages | split | "
+          + " | ".join(f"shape {i + 1}" for i in range(len(shapes)))
           + " | repeat equal | ok |")
-    print("|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|")
     ks = kernels()
     for d in dims:
         cases = []
@@ -209,14 +212,14 @@ def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> Non
             cases.append(((q, k, v, do, causal), reference(q, k, v, do, lam, causal)))
         for pname, kernel in ks.items():
             if time.perf_counter() - t0 > time_limit:
-                print(f"| {d} | {pname} | time limit reached: not checked |" + " |" * (len(shapes) + 5))
+                print(f"| {d} | {pname} | time limit reached: not checked |" + " |" * (len(shapes) + 6))
                 continue
-            tiles = [(16, 16, 1, 1)] if smoke else tiles_for(TILES[pname], d)
+            tiles = smoke_tiles(pname) if smoke else tiles_for(TILES[pname], d)
             det = pname != "bwd_dkdvq"
             for tile in tiles:
                 cells, same, ok = [], True, True
                 try:
-                    with Pin(kernel, tile):
+                    with pin(kernel, tile):
                         for (q, k, v, do, causal), ref in cases:
                             a = fused(q, k, v, do, lam, causal, det)
                             b = fused(q, k, v, do, lam, causal, det)
@@ -228,7 +231,7 @@ def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> Non
                 except Exception as e:  # a tile that fails to compile or launch is a row, not the end
                     cells = [f"error: {type(e).__name__}: {str(e).splitlines()[0][:80]}"] + [""] * (len(shapes) - 1)
                     ok = False
-                print(f"| {d} | {pname} | " + " | ".join(map(str, tile)) + " | " + " | ".join(cells)
+                print(f"| {d} | {pname} | {tile_cells(tile)} | " + " | ".join(cells)
                       + f" | {('yes' if same else 'NO') if det else '-'} | {'yes' if ok else 'NO'} |", flush=True)
 
 
@@ -264,7 +267,7 @@ def main() -> None:
         check_autotuned(dims, shapes, device, dtype, lam)
         check_pinned(dims, shapes, device, dtype, lam, smoke, t0, args.time_limit)
     if args.time:
-        tiles_of = (lambda pname: [(16, 16, 1, 1)]) if smoke else (lambda pname: tiles_for(TILES[pname], args.time[4]))
+        tiles_of = smoke_tiles if smoke else (lambda pname: tiles_for(TILES[pname], args.time[4]))
         time_tiles(args.time, device, dtype, tiles_of, kernels())
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 

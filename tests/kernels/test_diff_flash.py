@@ -136,6 +136,83 @@ def test_strided_views_and_custom_scale(causal):
     run_and_compare(2, 4, 2, 27, 38, 32, causal, 0.7, strided=True, scale=0.3)
 
 
+# The key-block pass split into a dK1/dK2 program and a dV program per key block (SPLIT tiles, which
+# give d = 128 wgmma tiles on an H100). The interpreter autotunes over one unsplit tile, so these pin
+# the split one.
+SPLIT_TILE = (16, 16, 1, 1, diff_flash.SPLIT_FLAG)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 4, 6, 7, 9, 10, 12, 14, 15)],
+                         ids=lambda c: "B{}h{}kv{}T{}S{}d{}{}lam{}".format(*c[:6], "causal" if c[6] else "full", c[7]))
+def test_split_key_block_pass_matches_reference(case):
+    with diff_flash.pinned(diff_flash._diff_bwd_dkdv_kernel, SPLIT_TILE):
+        run_and_compare(*case, seed=sum(case[:6]) + 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_key_block_pass_half_precision_strided(dtype):
+    with diff_flash.pinned(diff_flash._diff_bwd_dkdv_kernel, SPLIT_TILE):
+        run_and_compare(1, 4, 2, 33, 33, 128, True, -0.6, dtype=dtype, seed=5, strided=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_key_block_pass_writes_what_the_fused_pass_writes(causal):
+    """Called directly on outputs filled with NaN: the split pass's two programs write every element of
+    dK and dV, and the same bits as the one-program pass (same products in the same order)."""
+    B, h, h_kv, T, S, d = 2, 4, 2, 37, 45, 32
+    q, k, v, do = (x.detach() for x in make_inputs(B, h, h_kv, T, S, d, torch.float32, seed=41 + causal))
+    lam, scale = torch.tensor(0.65, device=DEVICE), d ** -0.5
+    out, o2, lse1, lse2, _, _ = diff_flash._fwd_impl(q, k, v, lam, None, causal, scale, 0.0)
+    r2 = (do * o2).sum(-1)
+    d1 = (do * out).sum(-1) + lam * r2
+
+    def key_pass(tile):
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        kernel, grid, args, meta = diff_flash.bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv,
+                                                              causal, scale)
+        with diff_flash.pinned(kernel, tile):
+            kernel[grid](*args, **meta)
+        return dk, dv
+
+    fused, split = key_pass((16, 16, 1, 1)), key_pass(SPLIT_TILE)
+    assert torch.isfinite(fused[0]).all() and torch.isfinite(fused[1]).all()
+    assert torch.equal(split[0], fused[0]) and torch.equal(split[1], fused[1])
+
+
+def test_split_tiles_are_for_the_key_block_kernels_only():
+    with pytest.raises(ValueError, match="only the key-block kernels do"):
+        diff_flash.tile_config(SPLIT_TILE, diff_flash._diff_bwd_dq_kernel.fn)
+    with pytest.raises(ValueError, match="fifth field may only be 'split'"):
+        diff_flash.tile_config((16, 16, 1, 1, "spilt"), diff_flash._diff_bwd_dkdv_kernel.fn)
+    config = diff_flash.tile_config(SPLIT_TILE, diff_flash._diff_bwd_dkdv_kernel.fn)
+    assert config.kwargs == {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT": True}
+    assert diff_flash.tile_config((16, 16, 1, 1), diff_flash._diff_bwd_dkdv_kernel.fn).kwargs["SPLIT"] is False
+    assert diff_flash._tile(config) == SPLIT_TILE
+
+
+@pytest.mark.parametrize("text,tile", [("64,64,8,2", (64, 64, 8, 2)), ("32,128,8,2,split", (32, 128, 8, 2, "split")),
+                                       (" 16, 32 ,4,1", (16, 32, 4, 1))])
+def test_parse_tile(text, tile):
+    assert diff_flash.parse_tile(text) == tile
+
+
+@pytest.mark.parametrize("text", ["64,64,8", "64,64,8,2,3", "a,64,8,2", "0,64,8,2", "64,64,8,2,spilt", "split"])
+def test_parse_tile_rejects_what_is_not_a_tile(text):
+    with pytest.raises(ValueError, match="is not a tile"):
+        diff_flash.parse_tile(text)
+
+
+def test_pinned_restores_the_tuners_configs_and_choices_even_when_the_block_fails():
+    kernel = diff_flash._diff_bwd_dkdv_kernel
+    before = kernel.configs
+    kernel.cache[("an earlier key",)] = kernel.configs[0]  # an earlier choice, kept for its key
+    with pytest.raises(RuntimeError, match="the block fails"):
+        with diff_flash.pinned(kernel, SPLIT_TILE) as pinned:
+            assert pinned is kernel and [diff_flash._tile(c) for c in kernel.configs] == [SPLIT_TILE]
+            assert not kernel.cache  # the pinned tile is chosen afresh
+            raise RuntimeError("the block fails")  # the tuner is restored all the same
+    assert kernel.configs is before and kernel.cache.pop(("an earlier key",)) is before[0]
+
 def test_rows_without_keys_output_zero():
     """Causal with T > S: the first T - S queries see no key; they output zeros, gradients stay finite."""
     q, k, v, do = make_inputs(1, 2, 2, 30, 10, 32, torch.float32, seed=3)

@@ -82,3 +82,22 @@ def test_pruner_keeps_the_launch_class():
     # Triton versions that pass the launch keywords among the named arguments
     kept = {df._tile(c) for c in keep(configs, {"HEAD_D": 128, "IEEE": False})}
     assert kept == set(df.FWD_TILES[128])
+
+
+def test_pruner_keeps_split_and_unsplit_key_block_tiles_apart():
+    fn = df._diff_bwd_dkdv_kernel.fn
+    configs = [df.tile_config(t, fn) for t in {t for tiles in df.BWD_KV_TILES.values() for t in tiles}]
+    keep = df._class_pruner(df.BWD_KV_TILES)
+    for d in (64, 128):
+        kept = [df._tile(c) for c in keep(configs, {}, HEAD_D=d, IEEE=False)]
+        assert len(kept) == len(set(kept)) and set(kept) == set(df.BWD_KV_TILES[d]), d
+        assert any(len(t) == 5 for t in kept) and any(len(t) == 4 for t in kept), d
+
+
+def test_split_key_block_tiles_get_wgmma_without_spills_at_d128(reports):
+    """Why the split tiles exist: at d = 128 no unsplit key-block tile gets wgmma on 128 keys (its fp32
+    state does not fit the registers); each split program holds half of it."""
+    split = [r for job, r in reports if job[0] == "bwd_dkdv" and job[1] == 128 and r["split"]]
+    assert split, "no split tile at d = 128"
+    for r in split:
+        assert r["mma"] == "wgmma" and r["spill_bytes"] == 0, r

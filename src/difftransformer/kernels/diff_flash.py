@@ -28,6 +28,10 @@ exactly 1.0x a baseline flash backward split the same deterministic way (2 x 7d)
 backwards (FlashAttention-2/3) reach 10d only by adding dQ with atomics, in a nondeterministic order.
 deterministic=False does the same here: the key-block pass also adds dS_c K_c into fp32 dQ sums
 and the query-block pass is skipped, so the backward is 10d, exactly the baseline's 2 x 5d.
+A split key-block pass (split tiles, which the autotuner weighs against the others) runs it
+as two programs per key block, dK1 and dK2 in one (6d) and dV in the other (S1, S2 again + dV: 4d),
+16d per pair in all: at d = 128 a key block's fp32 state (dK1, dK2, dV: 4d columns per key) fits
+no wgmma tile of 128 keys, and half of it does.
 
 Memory: besides `out`, the forward saves O2n = A2 V (same size as `out`, input dtype) and two
 fp32 log-sum-exps per query. The backward needs the row dots D1 = rowsum(dO * A1 V) and
@@ -55,14 +59,24 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # table in docs/benchmarks.md): no serialised wgmma, at most a few hundred bytes spilled, shared
 # memory well under the 227 KiB an H100 block can have. A DIFF head carries two maps and a 2d-wide
 # V, so its fp32 accumulators are twice a baseline head's: above d = 64 only 64-row tiles with 8
-# warps fit (every 128-row tile spills kilobytes there), and the key-block kernel trades wgmma with
-# small spills (BLOCK_N 64) against clean mma.sync (BLOCK_N 32); the autotuner settles it on the GPU.
-# Exact fp32 products run on CUDA cores, where tiles larger than these spill tens of kilobytes.
+# warps fit (every 128-row tile spills kilobytes there), and the unsplit key-block kernel trades
+# wgmma with small spills (BLOCK_N 64) against clean mma.sync (BLOCK_N 32; 128 x 32 won on the H100).
+# A split tile (fifth field SPLIT_FLAG) runs the key-block pass as two programs per key block, one
+# for dK1, dK2 and one for dV: each holds a baseline key block's fp32 state, so at d = 128 tiles of
+# up to 128 keys get wgmma with no spills, for recomputing both maps once more. At d = 64, where
+# unsplit tiles already get wgmma, split ones use fewer registers (188-200 against 252-255 for the
+# H100's pick): the autotuner weighs both. The one-pass kernel has no split tiles: under Triton
+# 3.6 every d = 128 split tile below serialises its wgmma, and 16 x 128, 32 x 128 need 232-264 KiB
+# of shared memory. Exact fp32 products run on CUDA cores, where tiles larger than these spill tens of
+# kilobytes.
+SPLIT_FLAG = "split"  # a tile's optional fifth field
 FWD_TILES = {64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
              128: [(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
              "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 1)]}
-BWD_KV_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)],
-                128: [(16, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+BWD_KV_TILES = {64: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2),
+                     (32, 64, 4, 2, SPLIT_FLAG), (32, 128, 8, 2, SPLIT_FLAG)],
+                128: [(16, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2),
+                      (32, 128, 8, 2, SPLIT_FLAG), (16, 128, 8, 2, SPLIT_FLAG), (32, 64, 8, 2, SPLIT_FLAG)],
                 "ieee": [(32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 2), (16, 16, 8, 1)]}
 BWD_Q_TILES = {64: [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
                128: [(64, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 16, 8, 2), (128, 16, 8, 2), (64, 64, 8, 2)],
@@ -82,21 +96,69 @@ def tiles_for(tiles_by_class, d, ieee=False):
     return tiles_by_class["ieee" if ieee else 64 if d <= 64 else 128]
 
 
+def tile_config(tile, fn):
+    """The triton.Config of a tile (BLOCK_M, BLOCK_N, warps, stages[, SPLIT_FLAG]) for the JIT function fn.
+    The key-block kernels take a SPLIT constexpr, which every config of theirs sets."""
+    m, n, w, s, *flags = tile
+    if flags not in ([], [SPLIT_FLAG]):
+        raise ValueError(f"tile {tile}: its fifth field may only be {SPLIT_FLAG!r}")
+    kwargs = {"BLOCK_M": m, "BLOCK_N": n}
+    if "SPLIT" in fn.arg_names:
+        kwargs["SPLIT"] = bool(flags)
+    elif flags:
+        raise ValueError(f"tile {tile}: {fn.__name__} does not split; only the key-block kernels do")
+    return triton.Config(kwargs, num_warps=w, num_stages=s)
+
+
+def parse_tile(text: str) -> tuple:
+    """'M,N,warps,stages' or 'M,N,warps,stages,split' (command lines) as a tile tuple."""
+    *numbers, last = text.split(",")
+    flags = (SPLIT_FLAG,) if last.strip() == SPLIT_FLAG else ()
+    try:
+        tile = tuple(int(x) for x in (numbers if flags else [*numbers, last]))
+    except ValueError:
+        tile = ()
+    if len(tile) != 4 or min(tile) < 1:
+        raise ValueError(f"{text!r} is not a tile: give BLOCK_M,BLOCK_N,warps,stages as positive integers, "
+                         f"and ',{SPLIT_FLAG}' for a split key-block pass, e.g. 64,64,8,2 or 32,128,8,2,{SPLIT_FLAG}")
+    return (*tile, *flags)
+
+
 def _tile(config):
-    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    """A config's tile, as the tile lists write it."""
+    split = (SPLIT_FLAG,) if config.kwargs.get("SPLIT") else ()
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages, *split)
 
 
 def _autotune(tiles_by_class, reset_to_zero=None, extra_key=()):
-    """Autotune over the tiles of the launch's class, once per _TUNE_KEY (+ extra_key) value; one
-    small tile in the interpreter (fast, and still several blocks per dimension at the test shapes)."""
+    """Decorator: autotune over the tiles of the launch's class, once per _TUNE_KEY (+ extra_key)
+    value; one small tile in the interpreter (fast, and still several blocks per dimension at the
+    test shapes; tests pin others with `pinned`)."""
     key = _TUNE_KEY + list(extra_key)
-    if _INTERPRET:
-        return triton.autotune([triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)],
-                               key=key, reset_to_zero=reset_to_zero)
-    every = sorted({t for tiles in tiles_by_class.values() for t in tiles}, reverse=True)
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
-    return triton.autotune(configs, key=key, reset_to_zero=reset_to_zero,
-                           prune_configs_by={"early_config_prune": _class_pruner(tiles_by_class)})
+
+    def wrap(fn):
+        if _INTERPRET:
+            return triton.autotune([tile_config((16, 16, 1, 1), fn)], key=key, reset_to_zero=reset_to_zero)(fn)
+        every = sorted({t for tiles in tiles_by_class.values() for t in tiles}, reverse=True)
+        return triton.autotune([tile_config(t, fn) for t in every], key=key, reset_to_zero=reset_to_zero,
+                               prune_configs_by={"early_config_prune": _class_pruner(tiles_by_class)})(fn)
+
+    return wrap
+
+
+@contextlib.contextmanager
+def pinned(kernel, tile):
+    """Run an autotuned kernel on one tile inside the block (tests, tile checks, profiling); the
+    tuner's configs and its earlier choices come back after it."""
+    saved, saved_choices = kernel.configs, dict(kernel.cache)
+    kernel.configs = [tile_config(tile, kernel.fn)]
+    kernel.cache.clear()
+    try:
+        yield kernel
+    finally:
+        kernel.configs = saved
+        kernel.cache.clear()
+        kernel.cache.update(saved_choices)
 
 
 def _class_pruner(tiles_by_class):
@@ -352,8 +414,10 @@ def _load_row_stats(LSE1, LSE2, D1, R2, offs_m, T):
 def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2, DQ1, DQ2,
                     sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d, offs_dv, lo, hi, T, S, qk_scale, scale,
                     HEAD_D: tl.constexpr, MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Accumulate dK1, dK2, dV of one key block over query blocks [lo, hi) of one head.
+                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """Accumulate dK1, dK2 (WANT_DK) and dV (WANT_DV) of one key block over query blocks [lo, hi)
+    of one head; an accumulator not wanted is returned as given.
 
     Tiles are transposed (keys x queries) so that each gradient is a plain dot:
       dV  += (A1 - lam A2)^T dO
@@ -381,13 +445,15 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
             vis = offs_n[:, None] <= offs_m[None, :] + (S - T)
             p1t = tl.where(vis, p1t, 0.0)
             p2t = tl.where(vis, p2t, 0.0)
-        dv = _dot((p1t - lam * p2t).to(do.dtype), do, IEEE, INTERPRET, dv)
-        dpt = _dot(v, tl.trans(do), IEEE, INTERPRET)
-        ds1t = p1t * (dpt - d1[None, :])
-        ds2t = -lam * p2t * (dpt - r2[None, :])
-        dk1 = _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET, dk1)
-        dk2 = _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET, dk2)
-        if ATOMIC_DQ:
+        if WANT_DV:
+            dv = _dot((p1t - lam * p2t).to(do.dtype), do, IEEE, INTERPRET, dv)
+        if WANT_DK:
+            dpt = _dot(v, tl.trans(do), IEEE, INTERPRET)
+            ds1t = p1t * (dpt - d1[None, :])
+            ds2t = -lam * p2t * (dpt - r2[None, :])
+            dk1 = _dot(ds1t.to(q1.dtype), q1, IEEE, INTERPRET, dk1)
+            dk2 = _dot(ds2t.to(q2.dtype), q2, IEEE, INTERPRET, dk2)
+        if ATOMIC_DQ and WANT_DK:
             dq_ptrs = offs_m[:, None] * sdq_t + offs_d[None, :]
             dq_mask = m_ok[:, None] & d_ok[None, :]
             # Key rows past S are padding: their score is 0, so exp2(0 - lse) overflows to inf
@@ -403,25 +469,21 @@ def _bwd_query_loop(dk1, dk2, dv, k1, k2, v, lam, Q1, Q2, DO, LSE1, LSE2, D1, R2
 
 
 @triton.jit
-def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
-                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-                        sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
-                        sdq_b, sdq_h, sdq_t, H_KV, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
-                        HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-                        ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (key block, kv group, batch): dK1, dK2, dV, summed over the group's
-    n_rep heads inside the program, in a fixed order (deterministic, no atomics). With ATOMIC_DQ
-    it also adds each tile's dQ into the fp32 buffer DQ (B, 2h, T, d), unit stride in d."""
-    pid_n = tl.program_id(0)
-    b, g, _ = _batch_head(H_KV)
+def _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                  sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                  sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                  sdq_b, sdq_h, sdq_t, b, g, pid_n, H_KV, N_REP, T, S, qk_scale, scale,
+                  HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                  ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """Key block pid_n of kv group g, batch b: dK1, dK2 (WANT_DK) and dV (WANT_DV), summed over the
+    group's n_rep heads in a fixed order, then stored."""
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < S
-    k_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    v_mask = n_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
     # Key rows past S load as zeros; their (garbage) gradient rows are never stored.
     K1 = K + b * sk_b + (2 * g) * sk_h
     k1, k2, v = _load_key_block(K1, K1 + sk_h, V + b * sv_b + g * sv_h, offs_n, offs_d, offs_dv,
@@ -448,15 +510,17 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
         Q1 = Q + b * sq_b + (2 * i) * sq_h
         DOi = DO + b * sdo_b + i * sdo_h
         DQ1 = DQ + b * sdq_b + (2 * i) * sdq_h
-        if ATOMIC_DQ and CAUSAL:  # masked blocks first, then the rest without a mask
+        if ATOMIC_DQ and CAUSAL and WANT_DK:  # masked blocks first, then the rest without a mask
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
-                offs_dv, lo, full_start, T, S, qk_scale, scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+                offs_dv, lo, full_start, T, S, qk_scale, scale, HEAD_D, True, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ,
+                WANT_DK, WANT_DV)
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
-                offs_dv, full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+                offs_dv, full_start, T, T, S, qk_scale, scale, HEAD_D, False, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ,
+                WANT_DK, WANT_DV)
         else:
             # One loop, masked throughout when causal. Split in two like the above, Triton 3.6 (the
             # GPU image's) makes ptxas serialise every wgmma of the deterministic kernel, and 3.9
@@ -465,14 +529,62 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
-                offs_dv, lo, T, T, S, qk_scale, scale, HEAD_D, CAUSAL, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ)
+                offs_dv, lo, T, T, S, qk_scale, scale, HEAD_D, CAUSAL, BLOCK_M, IEEE, INTERPRET, ATOMIC_DQ,
+                WANT_DK, WANT_DV)
 
-    DK1 = DK + b * sdk_b + (2 * g) * sdk_h
-    dk_ptrs = offs_n[:, None] * sdk_s + offs_d[None, :] * sdk_d
-    tl.store(DK1 + dk_ptrs, (dk1 * scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DK1 + sdk_h + dk_ptrs, (dk2 * scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + b * sdv_b + g * sdv_h + offs_n[:, None] * sdv_s + offs_dv[None, :] * sdv_d,
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+    if WANT_DK:
+        k_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_D)
+        DK1 = DK + b * sdk_b + (2 * g) * sdk_h
+        dk_ptrs = offs_n[:, None] * sdk_s + offs_d[None, :] * sdk_d
+        tl.store(DK1 + dk_ptrs, (dk1 * scale).to(DK.dtype.element_ty), mask=k_mask)
+        tl.store(DK1 + sdk_h + dk_ptrs, (dk2 * scale).to(DK.dtype.element_ty), mask=k_mask)
+    if WANT_DV:
+        v_mask = n_ok[:, None] & (offs_dv[None, :] < 2 * HEAD_D)
+        tl.store(DV + b * sdv_b + g * sdv_h + offs_n[:, None] * sdv_s + offs_dv[None, :] * sdv_d,
+                 dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                        sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                        sdq_b, sdq_h, sdq_t, H_KV, N_REP, T, S, qk_scale, scale, LEN_BUCKET,
+                        HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLIT: tl.constexpr):
+    """One program per (key block, kv group, batch): dK1, dK2, dV, summed over the group's
+    n_rep heads inside the program, in a fixed order (deterministic, no atomics). With ATOMIC_DQ
+    it also adds each tile's dQ into the fp32 buffer DQ (B, 2h, T, d), unit stride in d.
+
+    SPLIT (a tile choice: grid axis 1 then has two programs per kv group) gives dK1, dK2 to one
+    program and dV to the other. Each then holds half the fp32 state (2d columns per key, a
+    baseline key block's, instead of 4d), which lets d = 128 use wgmma tiles, for recomputing
+    S1 and S2 once more (16d per query-key pair in the deterministic backward instead of 14d)."""
+    b = tl.program_id(2).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    if SPLIT:
+        if g % 2 == 0:
+            _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                          sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                          sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                          sdq_b, sdq_h, sdq_t, b, g // 2, tl.program_id(0), H_KV, N_REP, T, S, qk_scale, scale,
+                          HEAD_D, CAUSAL, BLOCK_D, BLOCK_DV, IEEE, INTERPRET, ATOMIC_DQ, BLOCK_M, BLOCK_N,
+                          True, False)
+        else:
+            _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                          sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                          sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                          sdq_b, sdq_h, sdq_t, b, g // 2, tl.program_id(0), H_KV, N_REP, T, S, qk_scale, scale,
+                          HEAD_D, CAUSAL, BLOCK_D, BLOCK_DV, IEEE, INTERPRET, ATOMIC_DQ, BLOCK_M, BLOCK_N,
+                          False, True)
+    else:
+        _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
+                      sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                      sdo_b, sdo_h, sdo_t, sdo_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
+                      sdq_b, sdq_h, sdq_t, b, g, tl.program_id(0), H_KV, N_REP, T, S, qk_scale, scale,
+                      HEAD_D, CAUSAL, BLOCK_D, BLOCK_DV, IEEE, INTERPRET, ATOMIC_DQ, BLOCK_M, BLOCK_N,
+                      True, True)
 
 
 _diff_bwd_dkdv_kernel = _autotune(BWD_KV_TILES)(_diff_bwd_dkdv_body)
@@ -603,7 +715,7 @@ def bwd_dkdv_launch(do, q, k, v, lam, lse1, lse2, d1, r2, dk, dv, causal, scale,
             *do.stride(), *dk.stride(), *dv.stride(), *dq_sum.stride()[:3], h_kv, h // h_kv, T, S,
             scale * _LOG2E, scale)
     kernel = _diff_bwd_dkdvq_kernel if atomic else _diff_bwd_dkdv_kernel
-    return (kernel, lambda m: (_cdiv(S, m["BLOCK_N"]), h_kv, B), args,
+    return (kernel, lambda m: (_cdiv(S, m["BLOCK_N"]), h_kv * (2 if m["SPLIT"] else 1), B), args,
             dict(_meta(q, d, T, S, causal), ATOMIC_DQ=atomic))
 
 

@@ -43,8 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="input dtype")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {KERNELS}")
     p.add_argument("--non-causal", action="store_true", help="compile the non-causal variants")
-    p.add_argument("--tiles", default=None,
-                   help="explore other configs: 'M,N,warps,stages;...' (default: each kernel's autotune list)")
+    p.add_argument("--tiles", type=parse_tiles, default=None,
+                   help="explore other configs: 'M,N,warps,stages[,split];...' (',split': the key-block pass as a "
+                        "dK and a dV program; default: each kernel's autotune list)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
     return p.parse_args(argv)
 
@@ -99,7 +100,8 @@ def _signature(fn, args, constexprs):
 
 def compile_one(job):
     """Compile one (kernel, d, config) for the target and parse ptxas -v. Runs in a worker process."""
-    kernel_name, d, dtype_name, causal, arch, (block_m, block_n, warps, stages) = job
+    kernel_name, d, dtype_name, causal, arch, tile = job
+    block_m, block_n, warps, stages = tile[:4]
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -107,11 +109,12 @@ def compile_one(job):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     kernel, _, args, meta = launch(kernel_name, d, dtype, causal)
-    meta = dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=False)
-    args = args + (meta.pop("LEN_BUCKET"),)  # a plain int argument (it only keys the autotuner)
     fn = kernel.fn  # the JITFunction under the autotuner
+    meta = dict(meta, **df.tile_config(tile, fn).kwargs, INTERPRET=False)
+    args = args + (meta.pop("LEN_BUCKET"),)  # a plain int argument (it only keys the autotuner)
     signature, constants, attrs = _signature(fn, args, meta)
-    row = dict(kernel=kernel_name, d=d, block_m=block_m, block_n=block_n, warps=warps, stages=stages)
+    row = dict(kernel=kernel_name, d=d, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+               split=df.SPLIT_FLAG in tile[4:])
     try:
         compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
                                   options=dict(num_warps=warps, num_stages=stages))
@@ -132,12 +135,19 @@ def compile_one(job):
                 and "serialized" in log)
 
 
+def parse_tiles(text):
+    """'M,N,warps,stages[,split];...' as a list of tiles (argparse type)."""
+    try:
+        return [df.parse_tile(t) for t in text.split(";")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def jobs_for(args):
-    explore = [tuple(map(int, t.split(","))) for t in args.tiles.split(";")] if args.tiles else None
     jobs = []
     for name in args.kernels.split(","):
         for d in map(int, args.head_dims.split(",")):
-            for tile in explore or df.tiles_for(df.TILES[name], d, ieee=args.dtype == "fp32"):
+            for tile in args.tiles or df.tiles_for(df.TILES[name], d, ieee=args.dtype == "fp32"):
                 jobs.append((name, d, args.dtype, not args.non_causal, args.arch, tile))
     return jobs
 
@@ -158,10 +168,11 @@ def compile_all(jobs, workers):
 
 
 def format_table(rows):
-    lines = ["| kernel | d | BLOCK_M | BLOCK_N | warps | stages | MMA | regs/thread | spill stores (B) | smem (KiB) "
-             "| wgmma serialised |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    lines = ["| kernel | d | BLOCK_M | BLOCK_N | warps | stages | split | MMA | regs/thread | spill stores (B) "
+             "| smem (KiB) | wgmma serialised |", "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
     for r in rows:
-        head = f"| {r['kernel']} | {r['d']} | {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} |"
+        head = (f"| {r['kernel']} | {r['d']} | {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
+                f"{'yes' if r['split'] else 'no'} |")
         if "error" in r:
             lines.append(f"{head} compile error: {r['error']} | | | | |")
         else:
