@@ -115,7 +115,9 @@ def test_loss_inputs_embeds_and_logits_to_keep():
         out = hf(ids, labels=labels)
         assert rel(out.loss, lm(ids, targets).loss) <= 1e-6
         assert torch.equal(hf(inputs_embeds=hf.embed_tokens(ids)).logits, out.logits)
-        assert torch.equal(hf(ids, logits_to_keep=1).logits, out.logits[:, -1:])
+        # The head on one position is another matrix shape than on all: BLAS may sum in another order
+        # (bit-equal on some CPUs, not on others), so equal up to fp32 rounding, as the native test holds it.
+        torch.testing.assert_close(hf(ids, logits_to_keep=1).logits, out.logits[:, -1:], rtol=1e-5, atol=1e-6)
         assert isinstance(hf(ids, return_dict=False), tuple)
 
 

@@ -15,6 +15,7 @@ divisibility hints).
 
     python -m difftransformer.kernels.resources                 # sm_90, d 64 and 128, bf16
     python -m difftransformer.kernels.resources --arch 80 --head-dims 32,64,96,128 --jobs 2
+    python -m difftransformer.kernels.resources --kernels bwd_dkdv --head-dims 128 --tiles "64,64,8,2,split"
 
 (`python benchmarks/kernel_resources.py` runs the same.) The tests hold the tile lists to these
 reports (tests/kernels/test_resources.py), which is why this lives in the package.
