@@ -567,6 +567,8 @@ def _diff_bwd_dkdv_body(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
     S1 and S2 once more (16d per query-key pair in the deterministic backward instead of 14d)."""
     b = tl.program_id(2).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
+    # The three calls differ only in the kv group and WANT_DK, WANT_DV: compile-time flags, so each
+    # role gets its own specialisation (and registers) and the runtime role picks one.
     if SPLIT:
         if g % 2 == 0:
             _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
