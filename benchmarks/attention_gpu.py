@@ -35,6 +35,9 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import host_ms  # noqa: E402
+
 # cuDNN last: a fault there is the likeliest to spoil the CUDA context for what follows.
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -116,23 +119,6 @@ def median_ms(fn, warmup_ms, rep_ms):
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def host_ms(fn, calls: int = 10) -> float:
-    """Mean host time of one call, the device's queue drained first and not awaited after: what it
-    costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
-    waits for the host, and a faster kernel cannot shorten the call."""
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    total = 0.0
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t0
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    return total / calls * 1e3
-
-
 def measure(fn, inputs, grad_out, warmup_ms, rep_ms):
     """(forward ms, forward+backward ms, forward+backward host ms); None for a layout that runs out of memory."""
     def fwd():
@@ -175,9 +161,10 @@ def measure_sdpa(fn, inputs, grad_out, warmup_ms, rep_ms):
         if times is None:
             skipped.append(f"{name}: OOM")
             continue
-        for i in (0, 1):
-            if best[i] is None or times[i] < best[i][0]:
-                best[i] = (times[i], name, times[2])
+        if best[0] is None or times[0] < best[0][0]:
+            best[0] = (times[0], name)
+        if best[1] is None or times[1] < best[1][0]:
+            best[1] = (times[1], name, times[2])  # with that kernel's fwd+bwd host time
     if best[0] is None:
         return None, "; ".join(skipped) or "no kernel"
     return (best[0][0], best[1][0], best[1][2]), f"{best[0][1]} / {best[1][1]}"

@@ -42,6 +42,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _drain() -> None:
+    """sync() on the current CUDA device when there is one (the GPU scripts' one device)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_ms(fn: Callable[[], None], calls: int = 10) -> float:
+    """Mean host time of one call, the device's queue drained first and not awaited after: what it
+    costs the CPU to enqueue the call's work. When it reaches the median (device) time, the GPU
+    waits for the host, and a faster kernel cannot shorten the call."""
+    fn()
+    _drain()
+    total = 0.0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        _drain()
+    return total / calls * 1e3
+
+
+def wall_ms(fn: Callable[[], None], iters: int) -> float:
+    """Mean time per call of `iters` calls enqueued back to back (CUDA events; wall clock on CPU)."""
+    fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def interleaved_times(fns: list[Callable[[], None]], repeats: int, warmup: int = 1,
                       device: torch.device = torch.device("cpu")) -> list[list[float]]:
     """Seconds of every run of each fn, run alternately (a, b, a, b, ...) so machine load hits all alike:
@@ -102,6 +141,11 @@ class MedianInterval(NamedTuple):
     @classmethod
     def of(cls, xs: list[float]) -> "MedianInterval":
         return cls(*median_interval(xs))
+
+    @classmethod
+    def ratio(cls, a: list[float], b: list[float]) -> "MedianInterval":
+        """The median of a / b round by round (both ran in the same round, so load hits them alike)."""
+        return cls.of([x / y for x, y in zip(a, b)])
 
     def cell(self, digits: int = 2) -> str:
         m, lo, hi = self
@@ -192,12 +236,14 @@ def kernel_times(fn: Callable[[], None], iters: int) -> dict[str, tuple[float, f
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with warnings.catch_warnings(), profile(activities=activities) as prof:
+    with warnings.catch_warnings():
+        # Some torch versions (2.10, 2.11) warn this when the profiler starts: filter before entering.
         warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
-        for _ in range(iters):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(iters):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
     rows = {}
     for e in prof.key_averages():
         if cuda:

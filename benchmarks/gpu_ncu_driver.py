@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_tile_check import inputs, kernels, parse_shape, pin  # noqa: E402
+from gpu_tile_check import inputs, kernels, parse_shape  # noqa: E402
 
 
 def parse_tile(text: str) -> tuple:
@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.one_pass and args.dq is None:
         p.error("--dq is needed for the two-pass backward (or pass --one-pass)")
+    if args.one_pass and len(args.dkdv) > 4:
+        p.error("--one-pass: the one-pass kernel has no split tiles (the autotuner never runs one); "
+                "give --dkdv M,N,warps,stages")
     if not torch.cuda.is_available():
         p.error("no CUDA GPU here: this is a workload for Nsight Compute on a GPU")
     return args
@@ -59,12 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def workload(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
     """args.iterations forward + backward calls with each pass pinned to its tile."""
-    from difftransformer.kernels.diff_flash import diff_flash_attention
+    from difftransformer.kernels import diff_flash
 
     ks = kernels()
-    pins = [pin(ks["fwd"], args.fwd)]
-    pins += [pin(ks["bwd_dkdvq"], args.dkdv)] if args.one_pass else [pin(ks["bwd_dkdv"], args.dkdv),
-                                                                     pin(ks["bwd_dq"], args.dq)]
+    pins = [diff_flash.pinned(ks["fwd"], args.fwd)]
+    pins += ([diff_flash.pinned(ks["bwd_dkdvq"], args.dkdv)] if args.one_pass
+             else [diff_flash.pinned(ks["bwd_dkdv"], args.dkdv), diff_flash.pinned(ks["bwd_dq"], args.dq)])
     B, h, h_kv, T, d = args.shape
     q, k, v, do = inputs(B, h, h_kv, T, d, device, dtype, seed=400)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -73,7 +76,7 @@ def workload(args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
         for pinned_pass in pins:
             stack.enter_context(pinned_pass)
         for _ in range(args.iterations):
-            out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=not args.one_pass)
+            out = diff_flash.diff_flash_attention(q, k, v, lam, causal=True, deterministic=not args.one_pass)
             torch.autograd.grad(out, (q, k, v, lam), do)
 
 

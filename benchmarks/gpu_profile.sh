@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the fused kernel's time goes on a CUDA machine, in one call that fits a 10-minute limit
-# (issue 16, item 2: the 4K/d=128 targets and the d=64 backward that costs the 159 M model 8%):
+# (issue 16, item 2: the 4K/d=128 targets and the d=64 backward of the 160 M model's step):
 #   1. benchmarks/gpu_trace.py: one forward + backward, kernel by kernel (torch.profiler), with the
 #      call's wall and host time, fused (both backwards) and the SDPA baseline: is the GPU waiting
 #      on the host, and which pass takes the time;
@@ -11,8 +11,8 @@
 #      pinned to the autotuner's pick of 2026-11-24): speed of light, occupancy, memory workload.
 # Logs go to $OUT (the device tool's folder) or runs/gpu.
 #
-#     bash benchmarks/gpu_profile.sh      # 3 minutes on an H100 without the ncu step (2026-11-24); the
-#                                         # trace's first shape autotunes every pass (over 60 s)
+#     bash benchmarks/gpu_profile.sh      # each shape of the trace autotunes every pass (over 60 s on an
+#                                         # H100); the steps' timeouts add up to 8 minutes before ncu
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"

@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_gpu import host_ms, median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
+from attention_gpu import median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
+from common import host_ms  # noqa: E402
 
 LIMIT = 3e-2  # the GPU test's limit
 # (B, h, h_kv, T, causal): the failing GPU test's shape (GQA, T not a multiple of any tile), the same
@@ -92,13 +93,6 @@ def error(got, want):
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
-def pin(kernel, tile):
-    """Pin one autotuned pass to one tile for the duration of a `with` block."""
-    from difftransformer.kernels.diff_flash import pinned
-
-    return pinned(kernel, tile)
-
-
 def tile_cells(tile) -> str:
     """A tile as the tables' BLOCK_M | BLOCK_N | warps | stages | split cells."""
     from difftransformer.kernels.diff_flash import SPLIT_FLAG
@@ -139,7 +133,7 @@ def parse_dims(text: str) -> list[int]:
 
 def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
     """Each pass on each of its tiles at `shape`: the forward alone, or the backward alone."""
-    from difftransformer.kernels.diff_flash import diff_flash_attention
+    from difftransformer.kernels.diff_flash import diff_flash_attention, pinned
 
     B, h, h_kv, T, d = shape
     q, k, v, do = inputs(B, h, h_kv, T, d, device, dtype, seed=300)
@@ -153,7 +147,7 @@ def time_tiles(shape, device, dtype, tiles_of, ks) -> None:
         times, hosts = {}, {}
         for tile in tiles_of(pname):
             try:
-                with pin(kernel, tile):
+                with pinned(kernel, tile):
                     if pname == "fwd":
                         def call():
                             with torch.no_grad():
@@ -197,7 +191,7 @@ def check_autotuned(dims, shapes, device, dtype, lam) -> None:
 
 def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> None:
     """One pass pinned to each tile of its class in turn (the others autotuned)."""
-    from difftransformer.kernels.diff_flash import TILES, tiles_for
+    from difftransformer.kernels.diff_flash import TILES, pinned, tiles_for
 
     print("\n## One pass pinned to one tile (the others autotuned)\n")
     print("| d | pass | BLOCK_M | BLOCK_N | warps | stages | split | "
@@ -219,7 +213,7 @@ def check_pinned(dims, shapes, device, dtype, lam, smoke, t0, time_limit) -> Non
             for tile in tiles:
                 cells, same, ok = [], True, True
                 try:
-                    with pin(kernel, tile):
+                    with pinned(kernel, tile):
                         for (q, k, v, do, causal), ref in cases:
                             a = fused(q, k, v, do, lam, causal, det)
                             b = fused(q, k, v, do, lam, causal, det)

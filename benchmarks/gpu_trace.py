@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_gpu import baseline, host_ms  # noqa: E402
-from common import kernel_times  # noqa: E402
+from attention_gpu import baseline  # noqa: E402
+from common import host_ms, kernel_times, wall_ms  # noqa: E402
 from gpu_tile_check import inputs, parse_shape  # noqa: E402
 
 SHAPES = "16,8,8,2048,64 4,8,8,4096,128 16,8,8,1024,64"
@@ -61,24 +61,6 @@ def workloads(shape, device, dtype):
 
     return {"fused, two-pass backward": fused(True), "fused, one-pass backward": fused(False),
             "baseline (SDPA)": sdpa}
-
-
-def wall_ms(fn, iters):
-    """Mean time per call of `iters` calls enqueued back to back (CUDA events; wall clock on CPU)."""
-    fn()
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def trace(shape, device, dtype, iters) -> None:

@@ -79,7 +79,7 @@ def main() -> None:
 
         f = interleaved_times([fwd_native, fwd_wrapped], args.repeats)
         g = interleaved_times([gen_native, gen_wrapped], args.repeats)
-        fr, gr = (MedianInterval.of([w / nat for nat, w in zip(*t)]) for t in (f, g))  # per-round wrapper / native
+        fr, gr = (MedianInterval.ratio(wrapped, native) for native, wrapped in (f, g))  # per-round wrapper / native
         verdicts.append((f"{preset} {kind}", gr.verdict("<=", 1.05), fr.verdict("<=", 1.05)))
         fn, fw, gn, gw = (statistics.median(t) for t in (*f, *g))
         print(f"| {preset} | {kind} | {fn * 1e3:.1f} | {fw * 1e3:.1f} | {fr.cell(3)} | {gn / n * 1e3:.2f} | "

@@ -32,14 +32,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_TMP_NAME = re.compile(r".+\.[0-9a-f]{8}\.tmp")  # what _new_tmp names its files
+_TMP_TOKEN_BYTES = 4  # _new_tmp's random part: 8 hex digits
+_TMP_NAME = re.compile(rf".+\.[0-9a-f]{{{2 * _TMP_TOKEN_BYTES}}}\.tmp")  # what _new_tmp names its files
 
 
 def _new_tmp(path: Path) -> Path:
     """A fresh file beside `path` (same filesystem, so os.replace is atomic), unique so that concurrent
     writers never share one, and created with the umask's permissions (mkstemp would force 0600)."""
     while True:
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(_TMP_TOKEN_BYTES)}.tmp")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp

@@ -62,13 +62,13 @@ def test_pin_runs_the_pinned_tile_and_restores_the_tuner():
     kernel = gtc.kernels()["fwd"]
     before = kernel.configs
     q, k, v, do = gtc.inputs(1, 2, 1, 40, 16, "cpu", torch.float32, seed=3)
-    with gtc.pin(kernel, (24, 16, 1, 1)):  # not a power of two: only a kernel that runs it can fail
+    with diff_flash.pinned(kernel, (24, 16, 1, 1)):  # not a power of two: only a kernel that runs it can fail
         with pytest.raises(Exception):
             gtc.fused(q, k, v, do, 0.7, True, True)
     assert kernel.configs is before
     outs = []
     for tile in ((16, 16, 1, 1), (16, 32, 1, 1)):
-        with gtc.pin(kernel, tile):
+        with diff_flash.pinned(kernel, tile):
             outs.append(gtc.fused(q, k, v, do, 0.7, True, True)["out"])
     assert not torch.equal(outs[0], outs[1])  # another key block: another fp32 rounding, so it did run
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
@@ -103,6 +103,7 @@ def test_ncu_driver_refuses_bad_tiles_and_a_missing_gpu_in_one_line():
     for extra, message in ((["--fwd", "64,64", "--dkdv", "32,64,4,2", "--dq", "64,64,4,2"], "BLOCK_M,BLOCK_N"),
                            (["--fwd", "64,64,8,2", "--dkdv", "32,64,4,2"], "--dq is needed"),
                            (["--fwd", "64,64,8,2,split", "--dkdv", "32,64,4,2", "--one-pass"], "only the key-block"),
+                           (["--fwd", "64,64,8,2", "--dkdv", "32,64,4,2,split", "--one-pass"], "no split tiles"),
                            (["--fwd", "64,64,8,2", "--dkdv", "32,64,4,2", "--one-pass"], "no CUDA GPU here")):
         run = subprocess.run([sys.executable, script, *extra], env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr

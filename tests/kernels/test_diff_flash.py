@@ -276,6 +276,30 @@ def test_output_layout_makes_head_merge_free():
     assert out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_no_buffer_is_read_before_a_kernel_writes_it(with_norm, deterministic, monkeypatch):
+    """The ops allocate their outputs and scratch (row dots, weight-gradient rows) uninitialised: with every
+    torch.empty / empty_like / empty_strided filled with NaN, the results are the same bits."""
+    q, k, v, do = make_inputs(2, 4, 2, 37, 45, 32, torch.float32, seed=19, strided=True)
+    lam = torch.tensor(0.45, device=DEVICE, requires_grad=True)
+    weight = torch.linspace(0.5, 1.5, 64, device=DEVICE).requires_grad_()
+    norm = (weight, 1e-5) if with_norm else None
+
+    def grads():
+        out = diff_flash_attention(q, k, v, lam, causal=True, deterministic=deterministic, out_norm=norm)
+        return (out, *torch.autograd.grad(out, (q, k, v, lam, *([weight] if with_norm else [])), do))
+
+    clean = grads()
+    for name in ("empty", "empty_like", "empty_strided"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, **kw: _real(*a, **kw).fill_(float("nan")))
+    poisoned = grads()
+    assert torch.isnan(torch.empty(3)).all()  # the patch is in force
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a, b)
+
+
 def test_backward_is_deterministic():
     q, k, v, do = make_inputs(1, 4, 2, 37, 45, 32, torch.float32, seed=5)
     grads = []

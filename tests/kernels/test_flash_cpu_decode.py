@@ -429,3 +429,44 @@ def test_a_cache_held_without_grad_never_feeds_a_backward():
     assert lam_inf.is_inference()
     with torch.no_grad():
         assert not layer._forward_constants(torch.randn(1, 1, 64), cache)[0].is_inference()
+
+
+def _under_function_mode(check):
+    from torch.overrides import TorchFunctionMode
+
+    with TorchFunctionMode():
+        return check()
+
+
+def _under_dispatch_mode(check):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        return check()
+
+
+def _under_jit_trace(check):
+    seen = []
+
+    def fn(x):
+        seen.append(check())
+        return x + 1
+
+    torch.jit.trace(fn, torch.ones(2), check_trace=False)
+    return seen[0]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("observe", [_under_function_mode, _under_dispatch_mode, _under_jit_trace])
+def test_the_decode_route_and_ops_observed_see_the_same_observers(observe):
+    """flash_cpu's decoding route inlines kernels.ops_observed's checks: under each observer both must say
+    the op has to be called (no direct module), and with none both let the direct call through."""
+    from difftransformer.kernels import ops_observed
+
+    assert flash_cpu.is_available()  # loads the extension
+    assert not ops_observed() and flash_cpu.direct_decode_module() is not None
+    assert observe(lambda: (ops_observed(), flash_cpu.direct_decode_module())) == (True, None)

@@ -89,3 +89,17 @@ def test_gpu_unaligned_dims_names_widths_that_are_not_multiples_of_8():
         "intermediate_size": 2731}
     assert get_preset("cpu-small").config("diff", vocab_size=50257).gpu_unaligned_dims() == {
         "intermediate_size": 683, "vocab_size": 50257}
+
+
+def test_gpu_aligned_dims_are_multiples_of_64_the_config_accepts():
+    """By hand: hidden 100 with 5 DIFF heads splits into 10 components, which must be even-width: a multiple of
+    lcm(64, 20) = 320 -> 320 (head_dim 32; a plain 128 would not split by 10); hidden 110 with 5 baseline
+    heads (width 22): lcm(64, 10) = 320 too. FFN 683 -> 704."""
+    diff = DiffTransformerConfig(hidden_size=100, num_attention_heads=5, intermediate_size=683, vocab_size=8192)
+    assert diff.gpu_aligned_dims() == {"hidden_size": 320, "intermediate_size": 704}
+    base = DiffTransformerConfig(hidden_size=110, num_attention_heads=5, attention="transformer", intermediate_size=704)
+    assert base.gpu_aligned_dims() == {"hidden_size": 320}
+    for cfg, name in ((diff, "diff"), (base, "transformer")):
+        fixed = DiffTransformerConfig(hidden_size=cfg.gpu_aligned_dims()["hidden_size"], num_attention_heads=5,
+                                      attention=name)
+        assert "hidden_size" not in fixed.gpu_unaligned_dims()  # and it constructed: a valid config

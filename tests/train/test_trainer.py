@@ -181,3 +181,20 @@ def test_unaligned_widths_get_a_warning_with_the_fix(caplog):
     text = caplog.records[0].getMessage()
     assert text.startswith("intermediate_size 2731, vocab_size 50257 not a multiple of 8")
     assert text.endswith("set e.g. model.intermediate_size=2752, model.vocab_size=50304")
+
+
+def test_a_new_call_clears_what_a_killed_write_left_in_checkpoints_and_final(data_dir, tmp_path):
+    """A kill between an atomic write's temporary file and its rename leaves `<name>.<hex>.tmp`; the next
+    train() into the folder (here: a finished run, which trains nothing) deletes those in the run folder,
+    checkpoints/ and final/, and keeps every complete file."""
+    from difftransformer._io import _new_tmp
+
+    cfg = make_cfg(data_dir, tmp_path / "run")
+    first = train(tiny(), cfg)
+    out = Path(first.out_dir)
+    left = [_new_tmp(out / "metrics.jsonl"), _new_tmp(out / "checkpoints" / "latest"),
+            _new_tmp(out / "final" / "model.safetensors")]
+    again = train(tiny(), cfg)
+    assert not any(p.exists() for p in left)
+    assert {p.name for p in (out / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert_same_weights(DiffTransformerLM.from_pretrained(out / "final"), again.model)

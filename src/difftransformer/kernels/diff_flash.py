@@ -750,7 +750,7 @@ def _check_token_offset(name: str, tokens: int, token_stride: int) -> None:
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """A per-row fp32 operand (LSE, 1 / rms: (B, h, T)) or the norm weight as the kernels index it:
     dense and contiguous (a no-op for what the ops produce themselves)."""
-    return t if t.is_contiguous() else t.contiguous()
+    return t.contiguous()
 
 
 def _device_guard(t):
@@ -822,10 +822,12 @@ def _diff_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     weight, rstd = (None, rstd) if weight is None else (_as_rows(weight), _as_rows(rstd))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_sum = None if deterministic else torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    d1 = torch.zeros(B, h, T, device=q.device, dtype=torch.float32)
-    r2 = torch.zeros_like(d1)
+    # Every element of the row dots and of the weight-gradient rows is written by the row-dot pass
+    # (one program per (row block, head, batch), each writing its own rows): no fill kernels first.
+    d1 = torch.empty(B, h, T, device=q.device, dtype=torch.float32)
+    r2 = torch.empty_like(d1)
     pre_m = 16 if _INTERPRET else 64
-    dw_rows = None if weight is None else torch.zeros(B * h * _cdiv(T, pre_m), 2 * d, device=q.device,
+    dw_rows = None if weight is None else torch.empty(B * h * _cdiv(T, pre_m), 2 * d, device=q.device,
                                                       dtype=torch.float32)
     with _device_guard(q):
         if d1.numel():

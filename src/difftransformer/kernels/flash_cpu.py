@@ -184,8 +184,7 @@ def _decode_op(name: str):
     torch.ops' without the dispatcher, which boxes every argument into an IValue and the result back (inside
     a model's decoding step that cost ~13 µs more per call than SDPA's call; a step makes one per layer);
     torch.ops' op when something must see the call: torch.compile, torch.jit.trace, a torch function or
-    dispatch mode."""
-    _require()
+    dispatch mode. For callers past `_prepare`, which has built or refused the extension."""
     module = direct_decode_module()
     return getattr(torch.ops.difftransformer_cpu if module is None else module, name)
 
@@ -209,13 +208,11 @@ def direct_decode_module():
     return _state["module"]
 
 
-
-
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernel reads any (batch, head) strides; each (length, dim) slice goes to BLAS as a matrix,
     so its rows must be dense, must not overlap (no broadcast length axis) and their stride must
     fit in 32 bits. Otherwise copy. (`.contiguous()` would keep odd strides of size-1 dims.)"""
-    stride = t.stride()  # one call: this runs for every input of every decoding step
+    stride = t.stride()  # one call: this runs for every input of every general-route call
     if (stride[-1] == 1 and max(t.shape[-1], 1) <= stride[-2] < 2**31) or t.numel() == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)

@@ -96,7 +96,7 @@ class DiffTransformerConfig:
         if self.attention_head_dim is not None and self.attention_head_dim <= 0:
             raise ValueError(f"model.attention_head_dim must be a positive even integer or null, got "
                              f"{self.attention_head_dim}")
-        split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
+        split = self.head_split
         if self.attention_head_dim is None and self.hidden_size % split:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                              f"{'2 * ' if self.kind.diff_heads else ''}num_attention_heads ({split}) "
@@ -132,6 +132,17 @@ class DiffTransformerConfig:
                 "vocab_size": self.vocab_size}
         return {name: value for name, value in dims.items() if value % 8}
 
+    def gpu_aligned_dims(self) -> dict[str, int]:
+        """For each dimension gpu_unaligned_dims names, the next multiple of 64 above it that this config
+        also accepts: hidden_size must still split into head_split even-width pieces."""
+        aligned = {}
+        for name, value in self.gpu_unaligned_dims().items():
+            step = 64
+            if name == "hidden_size" and self.attention_head_dim is None:
+                step = math.lcm(64, 2 * self.head_split)
+            aligned[name] = -(-value // step) * step
+        return aligned
+
     @property
     def kind(self) -> AttentionKind:
         """The attention kind's row of the kinds table (differential? scalar λ? head norm? V2?)."""
@@ -142,8 +153,12 @@ class DiffTransformerConfig:
         """d: the q/k dim of one component (DIFF) or one head (baseline, V2); equal when matched."""
         if self.attention_head_dim is not None:
             return self.attention_head_dim
-        split = 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
-        return self.hidden_size // split
+        return self.hidden_size // self.head_split
+
+    @property
+    def head_split(self) -> int:
+        """How many d-wide pieces the width splits into: 2 x heads for DIFF's components, else the heads."""
+        return 2 * self.num_attention_heads if self.kind.diff_heads else self.num_attention_heads
 
     @property
     def baseline_heads(self) -> tuple[int, int]:

@@ -216,7 +216,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
     lock = folder_lock(run.path, purpose="train into another out_dir", kind="a training run",
-                       owns=(run.checkpoints.name,))
+                       owns=(run.checkpoints.name, run.final.name))
     with lock if env.is_main else contextlib.nullcontext():
         run.check_layout()
         return _train(run, model_config, cfg, env, init_state, resume)
@@ -226,7 +226,7 @@ def _warn_unaligned(model_config: DiffTransformerConfig, env: DistEnv) -> None:
     """On CUDA, a width not a multiple of 8 puts the model's matrix products on slow kernels: say which."""
     unaligned = model_config.gpu_unaligned_dims()
     if unaligned and env.is_main:
-        fix = ", ".join(f"model.{name}={-(-value // 64) * 64}" for name, value in unaligned.items())
+        fix = ", ".join(f"model.{name}={value}" for name, value in model_config.gpu_aligned_dims().items())
         log.warning("%s not a multiple of 8: on CUDA the matrix products with it run on slow fallback kernels "
                     "(about 2x the step time measured on an H100); for a new run set e.g. %s",
                     ", ".join(f"{name} {value}" for name, value in unaligned.items()), fix)
