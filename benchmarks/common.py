@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-
 DEVICES = ("auto", "cpu", "cuda")
 
 

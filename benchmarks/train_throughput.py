@@ -36,8 +36,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (DEVICES, cuda_step_peak_mib, interleaved_medians, kernel_times, machine,  # noqa: E402
-                    peak_memory_mib, resolve_device)
+from common import (  # noqa: E402
+    DEVICES,
+    cuda_step_peak_mib,
+    interleaved_medians,
+    kernel_times,
+    machine,
+    peak_memory_mib,
+    resolve_device,
+)
 
 ARMS = (("transformer", "Transformer"), ("diff", "DIFF"))
 

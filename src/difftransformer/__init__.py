@@ -3,6 +3,7 @@
     from difftransformer import MultiheadDiffAttention, DiffTransformerConfig, DiffTransformerLM
 """
 
+from difftransformer._version import __version__  # noqa: F401  (the package version)
 from difftransformer.attention import (
     AttentionMaps,
     KVCache,
@@ -22,7 +23,6 @@ from difftransformer.model import (
     load_pretrained,
     save_pretrained,
 )
-from difftransformer._version import __version__  # noqa: F401  (the package version)
 from difftransformer.norm import RMSNorm
 
 __all__ = [

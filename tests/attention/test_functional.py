@@ -11,7 +11,6 @@ from difftransformer.attention import multihead_attention
 from tests.helpers import BACKENDS, check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs, rel_err
 from tests.reference import diff_attention_reference, mha_reference
 
-
 # ---------------------------------------------------------------- the reference itself
 
 

@@ -14,7 +14,6 @@ from difftransformer import (
 from tests.helpers import BACKENDS, TRITON_DEVICE, check_forward_and_grads, padding_mask, rel_err, triton_runs_here
 from tests.reference import diff_layer_reference, lambda_init_reference, mha_reference, rope_reference
 
-
 # ---------------------------------------------------------------- lambda
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from difftransformer.attention import differential_attention, multihead_attention
-from difftransformer.model import DiffTransformerLM
 from difftransformer.eval.probes import attention_layers, capture_layer_outputs, inspect_attention
+from difftransformer.model import DiffTransformerLM
 from tests.helpers import random_inputs, tiny
 
 

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_tile_check as gtc  # noqa: E402
 
-from tests.reference import diff_attention_reference  # noqa: E402
 from difftransformer.kernels import diff_flash  # noqa: E402
+from tests.reference import diff_attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not diff_flash._INTERPRET, reason="the smoke test runs the interpreter")
 

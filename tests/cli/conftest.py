@@ -10,7 +10,6 @@ import pytest
 
 from difftransformer.cli import main
 
-
 TINY_TRAIN = dict(seq_len=32, batch_size=8, max_steps=8, warmup_steps=2, eval_interval=4, eval_batches=2,
                   log_interval=2, ckpt_interval=4, progress=False, tensorboard=False, device="cpu")
 

@@ -20,7 +20,17 @@ from transformers import DiffLlamaForCausalLM  # noqa: E402
 from difftransformer.convert import ConversionError, diffllama_to_ours, ours_to_diffllama  # noqa: E402
 from difftransformer.model import DiffTransformerLM  # noqa: E402
 from tests.convert import (  # noqa: E402
-    config, ids, logits, ours, ours_from, randomise_, rel, same_tensors, transformers_in_float64, transformers_model)
+    config,
+    ids,
+    logits,
+    ours,
+    ours_from,
+    randomise_,
+    rel,
+    same_tensors,
+    transformers_in_float64,
+    transformers_model,
+)
 
 CASES = [dict(gqa=False, tied=True), dict(gqa=True, tied=False), dict(gqa=True, tied=True)]
 IDS = ["mha-tied", "gqa-untied", "gqa-tied"]

@@ -14,7 +14,17 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from difftransformer.convert import ConversionError, llama_to_ours, ours_to_llama  # noqa: E402
 from difftransformer.convert.llama import interleaved_to_rotate_half, rotate_half_to_interleaved  # noqa: E402
 from tests.convert import (  # noqa: E402
-    config, ids, logits, ours, ours_from, randomise_, rel, same_tensors, transformers_in_float64, transformers_model)
+    config,
+    ids,
+    logits,
+    ours,
+    ours_from,
+    randomise_,
+    rel,
+    same_tensors,
+    transformers_in_float64,
+    transformers_model,
+)
 
 CASES = [dict(gqa=False, tied=True), dict(gqa=True, tied=False)]
 IDS = ["mha-tied", "gqa-untied"]

@@ -19,7 +19,6 @@ from tests.helpers import (
 )
 from tests.reference import diff_attention_reference, mha_reference
 
-
 pytestmark = pytest.mark.usefixtures("cpp_extension")
 
 

@@ -16,7 +16,6 @@ from difftransformer.kernels import flash_cpu
 from tests.helpers import count_op_calls, padding_mask, random_inputs, rel_err, shape_id, tiny
 from tests.reference import diff_attention_reference
 
-
 pytestmark = pytest.mark.usefixtures("cpp_extension")
 
 

@@ -25,7 +25,6 @@ if not HAVE_PTXAS:
 from difftransformer.kernels import diff_flash as df  # noqa: E402
 from difftransformer.kernels import resources  # noqa: E402
 
-
 TILES = df.TILES
 
 

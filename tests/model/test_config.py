@@ -7,7 +7,6 @@ from difftransformer.model.config import PRESETS
 from tests.helpers import tiny
 
 
-
 @pytest.mark.parametrize("name,target", [("830M", 830e6), ("1.4B", 1.4e9), ("2.8B", 2.8e9), ("6.8B", 6.8e9),
                                          ("13.1B", 13.1e9)])
 def test_paper_preset_parameter_counts_within_one_percent(name, target):

@@ -8,7 +8,6 @@ from difftransformer.model import filter_logits, sample_next_token
 from tests.helpers import tiny
 
 
-
 def test_greedy_generation_matches_stepwise_argmax():
     torch.manual_seed(2)
     model = DiffTransformerLM(tiny()).eval()

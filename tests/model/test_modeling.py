@@ -7,7 +7,6 @@ from difftransformer import ATTENTION_KINDS, DiffTransformerLM, KVCache
 from tests.helpers import CPP_KERNEL_DISABLED, tiny
 
 
-
 def test_forward_loss_and_errors():
     torch.manual_seed(0)
     model = DiffTransformerLM(tiny())

@@ -9,7 +9,6 @@ from difftransformer import DiffTransformerLM
 from tests.helpers import tiny
 
 
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_load_round_trip(tmp_path, tied):
     torch.manual_seed(5)
