@@ -30,7 +30,8 @@ per-round ratio with a distribution-free 95% interval for it (order statistics; 
 below the table each of the issue's targets gets 'met' or 'not met' at a row only where that interval
 (unrounded) lies wholly on one side of its line, else 'open'. The coverage is nominal: it takes rounds
 as independent (consecutive rounds on a loaded machine are not quite), and "best" picks each kind's
-faster backend from the same rounds. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is better for DIFF), at each
+faster backend from the same rounds. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is
+better for DIFF), at each
 kind's best backend and on each backend both kinds run; prefill DIFF/T is a time ratio (lower is
 better for DIFF); T cpp/sdpa (when both run) compares our kernel's Transformer decode with SDPA's;
 ours/Llama is the best of our two models' decode over Llama's.
@@ -294,7 +295,8 @@ def main() -> None:
     auto = [f"{n}={args.resolved[n]}" for n in configs if n.endswith(" auto")]
     notes = ([f"auto resolves to {', '.join(auto)}"] if auto else []) + notes
     print(f"# Greedy decoding, {args.preset}, {args.precision}, {args.new_tokens} new tokens, medians of "
-          f"{args.repeats} rounds (ratios: median per-round ratio [95% interval]), on {device.type} ({machine(device)}){''.join('; ' + n for n in notes)}\n")
+          f"{args.repeats} rounds (ratios: median per-round ratio [95% interval]), on {device.type} "
+          f"({machine(device)}){''.join('; ' + n for n in notes)}\n")
     print(_header(cols), flush=True)
     rows = []
     for T in args.prompts:

@@ -15,8 +15,8 @@ results differ has a race. First, all passes autotuned together (what the layer 
 With --time B,h,h_kv,T,d it then times each pass on each of its tiles at that shape (bf16, causal):
 the forward alone, or the backward alone (after one forward) with the pass pinned, medians of
 triton.testing.do_bench (attention_gpu.median_ms). The autotuner picks from a few timed calls; this
-table shows what each tile costs and whether its pick was the best. The default shape 16,8,8,2048,64 is one training step
-of one layer of preset gpu-small (configs/gpu-small.toml).
+table shows what each tile costs and whether its pick was the best. The default shape 16,8,8,2048,64 is one
+training step of one layer of preset gpu-small (configs/gpu-small.toml).
 
     python benchmarks/gpu_tile_check.py                     # d = 128 then 64, three shapes
     python benchmarks/gpu_tile_check.py --head-dims 128 --time-limit 200
@@ -185,7 +185,8 @@ def check_autotuned(dims, shapes, device, dtype, lam) -> None:
                 errs["dlam"] = abs(got["dlam"].item() - ref["dlam"].item()) / max(abs(ref["dlam"].item()), 1.0)
                 ok = all(e <= LIMIT for e in errs.values())
                 print(f"| {d} | {B} | {h} | {h_kv} | {T} | {causal} | {'two-pass' if det else 'one-pass'} | "
-                      + " | ".join(fmt(errs[n]) for n in ("out", "dq", "dk", "dv", "dlam")) + f" | {'yes' if ok else 'NO'} |",
+                      + " | ".join(fmt(errs[n]) for n in ("out", "dq", "dk", "dv", "dlam"))
+                      + f" | {'yes' if ok else 'NO'} |",
                       flush=True)
 
 

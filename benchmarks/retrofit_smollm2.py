@@ -1,9 +1,10 @@
-"""Retrofit demonstration on SmolLM2-135M (the offline GGUF of ../shared/spec/data-sources.md): the max abs
+"""Retrofit demonstration on SmolLM2-135M (an offline GGUF file of the model): the max abs
 logit difference at conversion, held-out perplexity before and after a short continued training on CPU
 with our trainer (head norm ramped in, attention parameters only). Results go to OUT/results.json.
 
     difftransformer retrofit $GGUF cache/retrofit/smollm2-diff --check 128
-    difftransformer prepare sotu --tokenizer cache/retrofit/smollm2-diff/tokenizer.json --out-dir cache/data/sotu-smollm2
+    difftransformer prepare sotu --tokenizer cache/retrofit/smollm2-diff/tokenizer.json \
+        --out-dir cache/data/sotu-smollm2
     python benchmarks/retrofit_smollm2.py --steps 160 --ramp-steps 80 --out cache/retrofit/run-cal160
 
 Measured (CPU, 2 shared cores): docs/interop.md, "Retrofit".

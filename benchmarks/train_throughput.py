@@ -144,7 +144,8 @@ def parse_args() -> tuple[argparse.Namespace, torch.device, dict[str, str]]:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--trace", type=int, default=0, metavar="STEPS",
                    help="then profile this many steps of each arm and print the kernels whose time differs most")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads (no effect on CUDA's work)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="CPU threads (no effect on CUDA's work)")
     args = p.parse_args()
     try:
         device = resolve_device(args.device)
@@ -181,7 +182,8 @@ def main() -> None:
     res = [step.resident_mib() for step in steps]
     tokens = args.batch * args.seq_len
     attn = ", ".join(f"{name} {b}" for name, b in resolved.items())
-    print(f"# Training throughput, {f'config {args.config}' if args.config else f'preset {args.preset}'}, T={args.seq_len}, batch {args.batch}, {args.precision}, "
+    print(f"# Training throughput, {f'config {args.config}' if args.config else f'preset {args.preset}'}, "
+          f"T={args.seq_len}, batch {args.batch}, {args.precision}, "
           f"backend {args.backend} ({attn}), deterministic {args.deterministic}"
           f"{', compiled' if args.compile else ''}, on {device.type} ({machine(device)})\n")
     print("| arm | params | step ms | tokens/s | peak MiB | resident MiB |")

@@ -122,7 +122,8 @@ OWNERS = {
     "samples.json": "train/run_dir.py", "tokenizer.json": "data/tokenizer.py",
     "compare.json": "experiments/units.py", "report.md": "experiments/study_dir.py",
     "loss_curves.png": "experiments/study_dir.py", "lambda.png": "experiments/study_dir.py",
-    "prepared.json": "data/prepare.py", "prepare-failed.txt": "data/prepare.py", "config.json": "model/serialization.py",
+    "prepared.json": "data/prepare.py", "prepare-failed.txt": "data/prepare.py",
+    "config.json": "model/serialization.py",
     ".lock": "_io.py", "replaced": "train/run_dir.py",
     "model.safetensors": "model/serialization.py",
 }

@@ -103,7 +103,8 @@ def test_vocab_is_sized_from_the_data_unless_set():
     cfg.resolve_vocab(300)
     assert cfg.model.vocab_size == 300
     fixed = load_run_config(preset="tiny", overrides=["model.vocab_size=256"])
-    with pytest.raises(ConfigError, match=r"model.vocab_size \(256\) is smaller than the tokenizer's vocabulary \(300\)"):
+    with pytest.raises(ConfigError,
+                       match=r"model.vocab_size \(256\) is smaller than the tokenizer's vocabulary \(300\)"):
         fixed.resolve_vocab(300)
 
 

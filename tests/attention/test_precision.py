@@ -100,7 +100,8 @@ def test_float64_layer_passes_gradcheck():
     x = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x_, lq: layer(x_) + 0 * lq.sum(), (x, layer.lambda_q1))
     assert torch.autograd.gradcheck(
-        lambda q1: torch.func.functional_call(layer, {"lambda_q1": q1}, (x,)), (layer.lambda_q1.detach().requires_grad_(),))
+        lambda q1: torch.func.functional_call(layer, {"lambda_q1": q1}, (x,)),
+        (layer.lambda_q1.detach().requires_grad_(),))
 
 
 def test_rmsnorm_rope_and_lambda_keep_float64_and_lift_half_precision():

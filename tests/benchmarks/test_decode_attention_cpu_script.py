@@ -1,4 +1,5 @@
-"""benchmarks/decode_attention_cpu.py runs end to end (tiny sizes; its timings mean nothing here and are not checked)."""
+"""benchmarks/decode_attention_cpu.py runs end to end (tiny sizes; its timings mean nothing here and are not
+checked)."""
 
 import os
 import re

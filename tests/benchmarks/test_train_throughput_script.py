@@ -74,7 +74,8 @@ def test_config_takes_the_model_from_a_run_config_with_overrides():
     rows = _table(run.stdout)
     assert f"config {ROOT / 'configs' / 'cpu-small.toml'}" in run.stdout
     assert rows["DIFF"][0] == f"{want / 1e6:.2f}M", run.stdout
-    bad = _run("--device", "cpu", *TINY[2:], "--config", str(ROOT / "configs" / "cpu-small.toml"), "--set", "model.nope=1")
+    bad = _run("--device", "cpu", *TINY[2:], "--config", str(ROOT / "configs" / "cpu-small.toml"),
+               "--set", "model.nope=1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "unknown key 'nope' in [model]" in bad.stderr
     alone = _run("--device", "cpu", *TINY, "--set", "model.hidden_size=64")
     assert alone.returncode == 2 and "--set overrides a run config: give --config too" in alone.stderr

@@ -19,7 +19,8 @@ from difftransformer.cli import main
                  "--out-dir", "examples"]),
     ("train", ["--config", "--preset", "--attention", "--set", "--out-dir", "--no-resume", "torchrun", "examples"]),
     ("compare", ["--config", "--arms", "--seeds", "--set", "--out-dir", "--no-resume", "examples"]),
-    ("generate", ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--sample-seed", "--tokenizer", "examples"]),
+    ("generate", ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--sample-seed", "--tokenizer",
+                  "examples"]),
     ("report", ["--no-samples", "examples"]),
 ])
 def test_help_mentions_key_options(command, needles, capsys):

@@ -105,7 +105,8 @@ def test_dtypes_are_kept():
     (dict(attention="diff_v2", num_attention_heads=8, num_key_value_heads=8), "V2's per-token sigmoid"),
     (dict(attention="transformer", num_attention_heads=8, num_key_value_heads=8), "convert it to Llama"),
     (dict(lambda_init=0.8), "lambda_init=0.8 is a constant"),
-    (dict(attention="diff_retrofit", lambda_init=0.0, attention_head_dim=8, head_norm_ramp_steps=4), "no transformers class holds this kind"),
+    (dict(attention="diff_retrofit", lambda_init=0.0, attention_head_dim=8, head_norm_ramp_steps=4),
+     "no transformers class holds this kind"),
 ], ids=["no-headnorm", "v2", "transformer", "constant-lambda-init", "retrofit"])
 def test_kinds_diffllama_cannot_hold_are_refused(overrides, message):
     cfg = config(**overrides)

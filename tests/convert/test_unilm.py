@@ -135,7 +135,8 @@ def test_round_trips_are_exact(tied):
     (dict(attention="transformer", num_attention_heads=8, num_key_value_heads=8), "only the 'diff' kind has"),
     (dict(lambda_init=0.5), "lambda_init=0.5 is a constant"),
     (dict(rms_norm_eps=1e-6), "head norm uses eps 1e-05"),
-    (dict(attention="diff_retrofit", lambda_init=0.0, attention_head_dim=8, head_norm_ramp_steps=4), "only the 'diff' kind has"),
+    (dict(attention="diff_retrofit", lambda_init=0.0, attention_head_dim=8, head_norm_ramp_steps=4),
+     "only the 'diff' kind has"),
 ], ids=["no-headnorm", "transformer", "constant-lambda-init", "eps", "retrofit"])
 def test_models_the_authors_code_cannot_express_are_refused(overrides, message):
     cfg = config(**overrides)

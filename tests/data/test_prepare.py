@@ -130,7 +130,8 @@ def test_data_config_validates_and_names_its_cache_folder():
     from difftransformer.data import DataConfig
 
     assert DataConfig().resolved_dir() == "cache/data/sotu-8192"
-    assert DataConfig(corpus="notes/*.md", split_seed=2).resolved_dir() == "cache/data/notes_.md-8192-val0.05-test0.05-splitseed2"
+    assert (DataConfig(corpus="notes/*.md", split_seed=2).resolved_dir()
+            == "cache/data/notes_.md-8192-val0.05-test0.05-splitseed2")
     assert DataConfig(tokenizer_path="x/my-tok.json").resolved_dir() == "cache/data/sotu-my-tok"
     with pytest.raises(ValueError, match="split_seed must be an integer >= 0"):
         DataConfig(split_seed=-1)

@@ -55,8 +55,8 @@ def test_model_reports_lambda_and_lambda_init_per_layer(kind):
         attn = block.self_attn
         assert isinstance(row, LayerLambda)
         assert row.init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * depth))
-        by_hand = (torch.exp((attn.lambda_q1 * attn.lambda_k1).sum()) - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
-                   + row.init)
+        by_hand = (torch.exp((attn.lambda_q1 * attn.lambda_k1).sum())
+                   - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum()) + row.init)
         assert row.value == pytest.approx(by_hand.item(), abs=1e-6)
     constant = DiffTransformerLM(tiny(kind, lambda_init=0.5)).lambdas()
     assert [r.init for r in constant] == [0.5, 0.5]

@@ -143,8 +143,9 @@ def test_an_update_that_blows_up_the_weights_is_never_checkpointed(data_dir, tmp
     base = dict(lr_schedule="constant", warmup_steps=0, min_lr=0.0, ckpt_interval=1, keep_last=1, eval_interval=100)
     train(tiny(), make_cfg(data_dir, tmp_path, max_steps=1, lr=1e-3, **base))
     healthy = load_checkpoint(tmp_path)
-    with pytest.raises(TrainingDivergedError, match=r"diverged by step 2: the weights' norm grew .*last good checkpoint "
-                                                    r"is step_00000001.*lower lr"):
+    with pytest.raises(TrainingDivergedError,
+                       match=r"diverged by step 2: the weights' norm grew .*last good checkpoint is "
+                             r"step_00000001.*lower lr"):
         train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, lr=1e6, **base))
     assert latest_dir(tmp_path).name == "step_00000001"
     kept = load_checkpoint(tmp_path)  # intact and the same

@@ -180,8 +180,9 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
     for final in (path, RunDir(path).final):
         lone_weights = (final / WEIGHTS_NAME).is_file() and not (final / STATE_FILE).is_file()  # not a checkpoint
         if lone_weights and not (final / CONFIG_NAME).is_file():
-            raise ValueError(f"{final} holds {WEIGHTS_NAME} but no {CONFIG_NAME}, which describes the model; restore it "
-                             f"(it is written beside the weights), or load the run's checkpoint folder instead")
+            raise ValueError(f"{final} holds {WEIGHTS_NAME} but no {CONFIG_NAME}, which describes the model; "
+                             f"restore it (it is written beside the weights), or load the run's checkpoint folder "
+                             f"instead")
         if is_pretrained_dir(final):
             tok = final / TOKENIZER_FILE
             return LoadedModel(DiffTransformerLM.from_pretrained(final, device=device),
