@@ -88,3 +88,31 @@ def llama(tmp_path_factory):
     text = folder.parent / "calib.txt"
     text.write_text(" ".join(f"w{i % 299}" for i in range(1000)))
     return folder, text
+
+
+def train_argv(workdir: Path, out: Path, *sets: str) -> list[str]:
+    """`train` of the workdir's tiny run config into `out`, each of `sets` a `--set` override."""
+    argv = ["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(out)]
+    for item in sets:
+        argv += ["--set", item]
+    return argv
+
+
+@pytest.fixture
+def links(tmp_path) -> Path:
+    """tmp_path/links with `dangling` (to a missing path), `to_empty` (to an empty folder) and `loopA`/`loopB`
+    (each to the other)."""
+    root = tmp_path / "links"
+    (root / "empty").mkdir(parents=True)
+    (root / "dangling").symlink_to(root / "missing")
+    (root / "to_empty").symlink_to(root / "empty")
+    (root / "loopA").symlink_to(root / "loopB")
+    (root / "loopB").symlink_to(root / "loopA")
+    return root
+
+
+def no_work_left(links: Path) -> None:
+    """Nothing was written beside the `links` fixture's links (no `.DST.converting-PID`), and the empty target
+    stayed empty."""
+    assert sorted(p.name for p in links.iterdir()) == ["dangling", "empty", "loopA", "loopB", "to_empty"]
+    assert not any((links / "empty").iterdir())

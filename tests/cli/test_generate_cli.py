@@ -1,11 +1,11 @@
-"""Regressions from the eighth hostile pass (issue 13, docs/hostile-pass.md) in `generate` and `eval
-logit-quant`: sampling at numeric edges (a top-p or a temperature that float32 rounds to 0 or overflows
-on) gave a RuntimeError traceback, a prompt that standard output cannot encode gave a codec error with
-no fix, and `--windows 0` was refused without naming the value."""
+"""`generate` (and the sampling behind it): bad arguments, prompts and model folders are refused in one line
+naming the fix; sampling at numeric edges (a tiny top-p or temperature) gives the greedy token."""
 
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import sys
 
 import pytest
@@ -14,13 +14,14 @@ import torch
 from difftransformer.cli import main
 from difftransformer.model import filter_logits, sample_next_token
 from difftransformer.model.generation import scale_logits
-from tests.cli.conftest import last_error_line, tiny_run_config
+from tests.cli.conftest import last_error_line, tiny_run_config, train_argv
+from tests.helpers import cli_fails
 
 
 @pytest.fixture(scope="module")
 def run(workdir, tmp_path_factory):
     """One tiny trained run (2 steps) with its tokenizer."""
-    tmp = tmp_path_factory.mktemp("hostile8-generate")
+    tmp = tmp_path_factory.mktemp("generate")
     out = tmp / "run"
     assert main(["train", "--config", tiny_run_config(workdir, tmp, max_steps=2, eval_interval=2),
                  "--out-dir", str(out)]) == 0
@@ -40,9 +41,81 @@ def _logits() -> torch.Tensor:
     return x
 
 
+def test_a_checkpoint_is_never_decoded_with_a_tokenizer_it_was_not_trained_with(workdir, tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert main(train_argv(workdir, run, "train.max_steps=4", f'data.data_dir="{data}"')) == 0
+    shutil.rmtree(run / "final")
+    assert main(["prepare", str(workdir / "corpus"), "--out-dir", str(data), "--vocab-size", "280", "--force"]) == 0
+    capsys.readouterr()
+    cli_fails(capsys, ["generate", str(run), "the union", "-n", "3"], "no tokenizer found", "--tokenizer")
+    other = next(data.glob("tokenizer-280*.json"))
+    cli_fails(capsys, ["generate", str(run), "the union", "--tokenizer", str(other)], "is not the tokenizer",
+           "was trained with")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["--sample-seed", "99999999999999999999"], "--sample-seed must be in"),
+])
+def test_bad_device_and_sample_seed_are_refused(compared, capsys, extra, needle):
+    cli_fails(capsys, ["generate", str(compared / "diff"), "the", *extra], needle)
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(compared, capsys):
+    cli_fails(capsys, ["generate", str(compared / "diff"), b"\xff\xfe".decode("utf-8", "surrogateescape")],
+           "not valid UTF-8")
+
+
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line(compared, tmp_path, capsys):
+    final = tmp_path / "final"
+    shutil.copytree(compared / "diff" / "final", final)
+    (final / "config.json").write_text("{}")
+    cli_fails(capsys, ["generate", str(final), "x"], "do not match the model described by config.json",
+              "more)", "edited")
+
+
+def test_a_prompt_that_fills_the_context_is_counted_with_its_start_token(compared, capsys):
+    """'the prompt is 255 tokens; the model's context is 256. Shorten the prompt' did not say why."""
+    from difftransformer.data import Tokenizer
+
+    run = compared / "diff"
+    tok = Tokenizer.from_file(run / "final" / "tokenizer.json")
+    prompt = tok.decode(tok.encode("the union " * 200)[:255])
+    assert len(tok.encode(prompt)) == 255
+    cli_fails(capsys, ["generate", str(run), prompt, "-n", "5"], "256 in all", "at most 254 tokens")
+    assert main(["generate", str(run), prompt, "-n", "0"]) == 0  # nothing asked, nothing refused
+
+
+def test_generate_on_a_transformers_folder_names_it(compared, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    folder = tmp_path / "exported"
+    shutil.copytree(compared / "diff" / "final", folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "diffllama", "hidden_size": 64}))
+    cli_fails(capsys, ["generate", str(folder), "the"], "holds a transformers model (diffllama)", "--to ours")
+
+
+def test_load_model_names_a_device_it_cannot_use(compared):
+    from difftransformer.train import load_model
+
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        load_model(compared / "diff", "tpu")  # was torch's RuntimeError listing twenty device types
+
+
+def test_a_config_json_that_is_not_text_is_named(workdir, tmp_path, capsys):
+    run = tmp_path / "run"
+    config = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2)
+    assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
+    model = tmp_path / "model"
+    shutil.copytree(run / "final", model)
+    (model / "config.json").write_bytes(b"\xff\xfe{")
+    capsys.readouterr()
+    assert main(["generate", str(model), "the", "-n", "2"]) == 2
+    assert "config.json" in last_error_line(capsys)
+
+
 @pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-8])
 def test_a_tiny_top_p_keeps_exactly_the_top_token(top_p):
-    """G19, G19c: `--top-p 1e-300` (0 in float32) dropped the top token too, so every logit was -inf and
+    """`--top-p 1e-300` (0 in float32) dropped the top token too, so every logit was -inf and
     sampling raised a RuntimeError. The nucleus of a tiny p is the top token alone: always the argmax."""
     x = _logits()[:3]
     kept = torch.isfinite(filter_logits(x, top_p=top_p))
@@ -54,7 +127,7 @@ def test_a_tiny_top_p_keeps_exactly_the_top_token(top_p):
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-46, 1e-320])
 def test_a_tiny_temperature_is_greedy(temperature):
-    """G20, G22: `--temperature 1e-40` (and 1e-320) overflowed logits / temperature to inf and the
+    """`--temperature 1e-40` (and 1e-320) overflowed logits / temperature to inf and the
     softmax to nan. The limit of softmax(x / t) as t -> 0 puts all the mass on the top logit: the argmax,
     and for tied top tokens each of them, never another."""
     x = _logits()
@@ -67,7 +140,7 @@ def test_a_tiny_temperature_is_greedy(temperature):
 
 
 def test_ordinary_temperatures_divide_bit_for_bit_as_before():
-    """G20: the overflow guard must leave every ordinary result as it was: the scaled logits are exactly
+    """The overflow guard must leave every ordinary result as it was: the scaled logits are exactly
     logits / temperature wherever that is finite, and only an overflowing row is shifted by its top."""
     x = _logits() * 100
     for t in (1.0, 0.8, 0.3, 1.7, 1e-3, 1e-30, 1e30):
@@ -79,7 +152,7 @@ def test_ordinary_temperatures_divide_bit_for_bit_as_before():
 
 
 def test_generate_at_numeric_edges_gives_the_greedy_text(run, capsys):
-    """G19, G19c, G20, G22 through the command: each ran into a RuntimeError traceback; each now gives
+    """Each ran into a RuntimeError traceback; each now gives
     the greedy text (the top token at every step), as worked out above."""
     greedy = _generated(capsys, run, "--temperature", "0")
     for flags in (["--top-p", "1e-300"], ["--top-p", "1e-46"], ["--temperature", "1e-40"],
@@ -88,7 +161,7 @@ def test_generate_at_numeric_edges_gives_the_greedy_text(run, capsys):
 
 
 def test_a_prompt_standard_output_cannot_encode_names_the_fix(run, capsys, monkeypatch):
-    """EN17: `PYTHONIOENCODING=ascii generate RUN 'ünï'` said only "'ascii' codec can't encode character
+    """`PYTHONIOENCODING=ascii generate RUN 'ünï'` said only "'ascii' codec can't encode character
     '\\xfc' ...". The refusal names the encoding and the fix, before the model is loaded."""
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
     assert main(["generate", str(run), "ünï", "-n", "2"]) == 2
@@ -96,20 +169,8 @@ def test_a_prompt_standard_output_cannot_encode_names_the_fix(run, capsys, monke
     assert "(ascii)" in line and "'ü'" in line and "PYTHONIOENCODING=utf-8" in line, line
 
 
-def test_logit_quant_names_the_window_count_it_refuses(run, tmp_path, capsys):
-    """E40: `eval logit-quant RUN --windows 0 --needle-samples 0` said "windows must be >= 1,
-    needle_samples and needle_length >= 0" without the value given, unlike every other eval option."""
-    capsys.readouterr()
-    assert main(["eval", "logit-quant", str(run), "--windows", "0", "--needle-samples", "0",
-                 "--out-dir", str(tmp_path / "ev")]) == 2
-    line = last_error_line(capsys)
-    assert "logit-quant windows must be >= 1" in line and "got 0" in line, line
-    assert main(["eval", "logit-quant", str(run), "--needle-length", "-3", "--out-dir", str(tmp_path / "ev")]) == 2
-    assert "needle_length must be >= 0 (0: the model's context), got -3" in last_error_line(capsys)
-
-
 def test_a_prompt_after_the_options_is_read_as_the_prompt(compared, capsys):
-    """G10: `generate RUN --prompt a b` said only "unrecognized arguments: b" (argparse gave PROMPT its empty
+    """`generate RUN --prompt a b` said only "unrecognized arguments: b" (argparse gave PROMPT its empty
     value before reaching --prompt), while `generate RUN b --prompt a` named the rule. Both now do; an
     option after the prompt still works, and a word too many is still refused."""
     run = str(compared / "diff")

@@ -1,7 +1,5 @@
-"""Regressions from the eighth hostile pass (issue 13, docs/hostile-pass.md) on a full disk: `report` truncated
-an existing plot in place (FS13), and convert, retrofit, report, compare, eval and train printed only
-"[Errno 28] No space left on device" or safetensors' "Error while serializing ... (os error 28)", naming
-neither what was being written nor where to free space (FS01, FS04-FS06, FS08-FS12).
+"""A full disk: each command names what it was writing and where to free space, and keeps the files it
+would have replaced.
 
 A full disk is staged by making the write itself fail with ENOSPC, as the operating system does: the
 start of the file is written, then write() raises an OSError that carries no file name."""
@@ -50,12 +48,12 @@ def study(compared, tmp_path) -> Path:
 
 
 def test_a_failed_plot_write_leaves_the_old_plot_byte_identical(study, monkeypatch, capsys):
-    """FS13: `report STUDY` on a full disk truncated the existing loss_curves.png in place (savefig wrote
-    straight onto it); FS12: with no plot before, a 0-byte loss_curves.png was left. A plot is now written
+    """`report STUDY` on a full disk truncated the existing loss_curves.png in place (savefig wrote
+    straight onto it); with no plot before, a 0-byte loss_curves.png was left. A plot is now written
     to a temporary file beside it and renamed, so the old file survives byte for byte."""
     old = study / "loss_curves.png"
     before = old.read_bytes()
-    (study / "lambda.png").unlink()  # FS12: a plot that did not exist must not appear half-written
+    (study / "lambda.png").unlink()  # a plot that did not exist must not appear half-written
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", _full_disk_savefig)
     capsys.readouterr()
     assert main(["report", str(study), "--no-samples"]) == 2
@@ -68,7 +66,7 @@ def test_a_failed_plot_write_leaves_the_old_plot_byte_identical(study, monkeypat
 
 
 def test_a_full_disk_without_a_file_name_names_the_output_folder_and_the_fix(study, monkeypatch, capsys):
-    """FS06, FS11: `report` on a full disk said only "[Errno 28] No space left on device": a failed write()
+    """`report` on a full disk said only "[Errno 28] No space left on device": a failed write()
     raises an OSError without a file name, and the CLI's no-space line needed one. The file being written
     is named (atomic writes attach it)."""
     real_write_text = Path.write_text
@@ -83,13 +81,14 @@ def test_a_full_disk_without_a_file_name_names_the_output_folder_and_the_fix(stu
     capsys.readouterr()
     assert main(["report", str(study), "--no-samples"]) == 2
     line = last_error_line(capsys)
-    assert f"while writing {study / 'report.md'};" in line and "free some space on the file system mounted at" in line, line
+    assert f"while writing {study / 'report.md'};" in line, line
+    assert "free some space on the file system mounted at" in line, line
     assert "[Errno" not in line
     assert (study / "report.md").read_bytes() == report_before
 
 
 def test_os_error_message_names_the_commands_output_when_the_error_names_no_file(tmp_path):
-    """FS04, FS05, FS08-FS10: an OSError(ENOSPC) without a file name (a write() deep in a library) gave
+    """An OSError(ENOSPC) without a file name (a write() deep in a library) gave
     "[Errno 28] No space left on device"; the line now names the command's output folder, the file system
     to free space on, and the option that chooses another folder."""
     import argparse
@@ -108,7 +107,7 @@ def test_os_error_message_names_the_commands_output_when_the_error_names_no_file
 
 
 def test_convert_on_a_full_disk_names_the_destination(compared, tmp_path, monkeypatch, capsys):
-    """FS04: `convert RUN DST --to diffllama` on a full disk: "[Errno 28] No space left on device" (or
+    """`convert RUN DST --to diffllama` on a full disk: "[Errno 28] No space left on device" (or
     safetensors' "Error while serializing: I/O error: ... (os error 28)"), no path, no fix; nothing is left."""
     monkeypatch.setattr(safetensors.torch, "serialize_file", _full_disk_serialize)
     dst = tmp_path / "hf"
@@ -120,8 +119,9 @@ def test_convert_on_a_full_disk_names_the_destination(compared, tmp_path, monkey
 
 
 def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, capsys):
-    """FS10: `eval outliers RUN --out-dir OUT` on a full disk: "[Errno 28] No space left on device"; now the
-    figure being written is named. A task's plot is drawn into a temporary file that eval/results.py renames, so an earlier plot stays intact."""
+    """`eval outliers RUN --out-dir OUT` on a full disk: "[Errno 28] No space left on device"; now the
+    figure being written is named. A task's plot is drawn into a temporary file that eval/results.py renames,
+    so an earlier plot stays intact."""
     out = tmp_path / "ev"
     out.mkdir()
     (out / "outliers.png").write_bytes(b"an earlier plot")
@@ -136,7 +136,7 @@ def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, 
 
 
 def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdir, tmp_path, monkeypatch, capsys):
-    """FS01: `train` on a full disk at a checkpoint: "Error while serializing: I/O error: No space left on
+    """`train` on a full disk at a checkpoint: "Error while serializing: I/O error: No space left on
     device (os error 28)", safetensors' text with no path and no fix. The failed checkpoint's temporary
     folder is removed (its space given back), the previous checkpoint stays, and the run resumes from it."""
     run = tmp_path / "run"
@@ -156,7 +156,8 @@ def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdi
     line = last_error_line(capsys)
     checkpoints = run / "checkpoints"
     assert f"no space left on the device while writing {checkpoints / 'step_00000004'};" in line, line
-    assert "continues from its last checkpoint" in line and "free some space on the file system mounted at" in line, line
+    assert "continues from its last checkpoint" in line, line
+    assert "free some space on the file system mounted at" in line, line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]
     monkeypatch.setattr(safetensors.torch, "serialize_file", real)
     assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
@@ -164,7 +165,7 @@ def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdi
 
 
 def test_the_lock_file_on_a_full_disk_is_named(workdir, tmp_path, monkeypatch, capsys):
-    """FS08: `compare` (and `train`) on a full disk failed first at the folder lock's holder line
+    """`compare` (and `train`) on a full disk failed first at the folder lock's holder line
     (os.pwrite), an error with no file name."""
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, NO_SPACE)

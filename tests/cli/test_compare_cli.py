@@ -1,0 +1,81 @@
+"""`compare`: a study is continued only with its own recipe and seeds; bad arguments and study settings are
+refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from difftransformer.cli import main
+from tests.helpers import cli_fails
+
+
+def test_a_study_is_not_continued_with_another_recipe(workdir, compared, capsys):
+    cli_fails(capsys, ["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(compared),
+                    "--set", "train.lr=5e-4"], "trained with another recipe", "lr: 0.001 before, 0.0005 now")
+
+
+@pytest.mark.parametrize("argv_tail, needles", [
+    (["--seeds", "0,0"], ["--seeds lists a seed twice"]),
+    (["--seeds", ","], ["names no seed"]),
+    (["--seeds", "-1"], ["--seeds must be a list of integers"]),
+    (["--out-dir", ""], ["--out-dir is empty"]),
+])
+def test_bad_compare_arguments_leave_nothing_behind(workdir, tmp_path, capsys, argv_tail, needles):
+    argv = ["compare", "--config", str(workdir / "tiny.toml")]
+    if "--out-dir" not in argv_tail:
+        argv += ["--out-dir", str(tmp_path / "study")]
+    cli_fails(capsys, argv + argv_tail, *needles)
+    assert not (tmp_path / "study").exists()
+
+
+@pytest.mark.parametrize("extra, needles", [
+    ("seeds = []\n", ["compare.seeds is empty"]),
+    ('sizes = [{name = "../escape", hidden_size = 64, num_hidden_layers = 1, diff_heads = 2}]\n',
+     ["size name '../escape' must be a non-empty folder name"]),
+    ('sizes = [{name = "", hidden_size = 64, num_hidden_layers = 1, diff_heads = 2}]\n', ["size name ''"]),
+    ('sizes = [{name = "a/b", hidden_size = 64, num_hidden_layers = 1, diff_heads = 2}]\n', ["size name 'a/b'"]),
+    ('reuse = ["{tmp}/no-such-results"]\n', ["compare.reuse:", "no-such-results is not a folder"]),
+    ('results_dir = "{tmp}/study"\n', ["holds the study folder", "JSON files would be read as result files"]),
+    ('results_dir = "{tmp}"\n', ["holds the study folder"]),
+])
+def test_study_settings_refused_before_anything_is_written(workdir, tmp_path, capsys, extra, needles):
+    """Each was accepted: an empty seed list, a size name that wrote its runs outside the study
+    ('../escape') or into the no-size layout, a mistyped reuse folder skipped without a word, and a
+    results folder holding the study, refused only after training, naming a checkpoint's JSON file."""
+    config = tmp_path / "study.toml"
+    config.write_text((workdir / "tiny.toml").read_text() + extra.replace("{tmp}", str(tmp_path)))
+    cli_fails(capsys, ["compare", "--config", str(config), "--out-dir", str(tmp_path / "study")], *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.toml"]
+
+
+def test_seeds_added_to_a_one_seed_study_are_trained_and_seed_0_is_not(workdir, compared, tmp_path, capsys):
+    """`--seeds 5` on a one-seed study found <arm>.json (seed 0's) and skipped seed 5 without training it,
+    while the manifest claimed seeds [0, 5]; `--seeds 0,1` trained seed 0 a second time (hours on a
+    real study) because its result was in the one-seed layout."""
+    study = tmp_path / "study"
+    shutil.copytree(compared, study)
+    argv = ["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(study)]
+    assert main(argv + ["--seeds", "0,1"]) == 0
+    assert (study / "results" / "seed1" / "diff.json").is_file()
+    assert not (study / "seed0").exists() and not (study / "results" / "seed0").exists()
+    assert main(argv + ["--seeds", "5"]) == 0
+    assert json.loads((study / "results" / "seed5" / "diff.json").read_text())["unit"]["seed"] == 5
+    assert "over 3 seeds" in capsys.readouterr().out
+
+
+def test_a_recipe_recorded_before_a_setting_existed_is_the_same_experiment():
+    """A training setting added later (init_from) made every committed result "another experiment":
+    `compare` refused to continue the study, and compare.reuse silently retrained the shared units."""
+    from difftransformer.experiments.units import identity_differences
+    from difftransformer.train import TrainConfig
+
+    recipe = TrainConfig().to_dict()
+    new = {"model": {"m": 1}, "train": recipe, "data": {"d": 1}}
+    for key in ("trainable", "init_from"):
+        if key in recipe:
+            old = {**new, "train": {k: v for k, v in recipe.items() if k != key}}
+            assert identity_differences(old, new) == []
+    assert identity_differences({**new, "train": {**recipe, "lr": 1.0}}, new) == ["train"]

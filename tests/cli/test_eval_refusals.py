@@ -1,0 +1,302 @@
+"""`eval` refuses what it would read wrongly (empty splits, stale or edited results, options a task does not
+read) in one line naming the fix, and never shows one model's result as another's."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from difftransformer.cli import main
+from tests.cli.conftest import last_error_line, tiny_run_config
+from tests.helpers import cli_fails
+
+_PEAK = """
+import resource, sys, torch
+from difftransformer.model import DiffTransformerLM, get_preset
+from difftransformer.eval.probes import hooks
+from difftransformer.eval.probes.outliers import OutlierState
+T = int(sys.argv[1])
+torch.manual_seed(0)
+model = DiffTransformerLM(get_preset("tiny").config("diff", vocab_size=300, max_position_embeddings=T)).eval()
+state = OutlierState(len(hooks.attention_layers(model)), "cpu")
+def forward(n):
+    with torch.no_grad(), hooks.inspect_attention(model, state.score_hook), \\
+            hooks.capture_layer_outputs(model, state.hidden):
+        model(torch.randint(0, 300, (1, n)))
+forward(64)
+rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+forward(T)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+maps = 2 * model.config.num_attention_heads
+print(peak - rss, 4 * maps * T * T * hooks._EAGER_COPIES)
+"""
+
+
+def _eval_fails(capsys, argv: list[str], *needles: str) -> str:
+    """An eval that fails: exit 2, no traceback, its last stderr line (after the progress lines) naming
+    every needle."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    for needle in needles:
+        assert needle in last, (needle, last)
+    return last
+
+
+def _corpus(folder, words, seed: int, docs: int = 10):
+    folder.mkdir()
+    rng = random.Random(seed)
+    for i in range(docs):
+        (folder / f"d{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(900)) + ".\n")
+    return folder
+
+
+def _prepare(corpus, out, tokenizer, *extra: str) -> None:
+    assert main(["prepare", str(corpus), "--out-dir", str(out), "--tokenizer", str(tokenizer), *extra]) == 0
+
+
+def test_two_models_never_share_one_results_folder(compared, tmp_path, capsys):
+    """`eval compare A B --out-dir X` wrote both models' results into X, each replacing the other's;
+    a later --no-run showed B's numbers in both columns, B - A = 0."""
+    a, b = str(compared / "transformer"), str(compared / "diff")
+    _eval_fails(capsys, ["eval", "compare", a, b, "--tasks", "heldout-loss", "--out-dir", str(tmp_path / "x")],
+                "would hold the results of both models")
+    assert not (tmp_path / "x").exists()
+
+
+def test_no_run_shows_no_result_of_other_weights(compared, tmp_path, capsys):
+    """A result left in a model's eval/ folder by other weights (an earlier final/, another model) was
+    shown by --no-run as this model's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compared / "transformer", a, ignore=shutil.ignore_patterns("eval"))
+    shutil.copytree(compared / "diff", b, ignore=shutil.ignore_patterns("eval"))
+    assert main(["eval", "heldout-loss", str(a)]) == 0
+    (b / "eval").mkdir()
+    shutil.copy(a / "eval" / "heldout-loss.json", b / "eval" / "heldout-loss.json")
+    capsys.readouterr()
+    assert main(["eval", "compare", str(a), str(b), "--tasks", "heldout-loss", "--no-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "computed from other weights" in err and str(b) in err
+    assert "heldout-loss | loss" not in out  # no row: B has no result of its own
+
+
+def test_a_result_for_a_data_folder_prepared_again_is_not_reused(workdir, compared, tmp_path, capsys):
+    model = compared / "diff"
+    tokenizer = model / "final" / "tokenizer.json"
+    data, results = tmp_path / "data", tmp_path / "results"
+    _prepare(workdir / "corpus", data, tokenizer, "--test-fraction", "0.2")
+    argv = ["eval", "heldout-loss", str(model), "--data-dir", str(data), "--out-dir", str(results)]
+    assert main(argv) == 0
+    first = json.loads((results / "heldout-loss.json").read_text())["metrics"]["loss"]
+    other = _corpus(tmp_path / "other", ["zebra", "quantum", "fjord", "kiwi", "jazz"], seed=5)
+    _prepare(other, data, tokenizer, "--test-fraction", "0.2", "--force")  # same folder, other text
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "reusing" not in capsys.readouterr().err
+    assert json.loads((results / "heldout-loss.json").read_text())["metrics"]["loss"] != first
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(settings=[]),
+    lambda d: d.update(provenance="x"),
+    lambda d: d["settings"].update(eval_config=[1]),
+    lambda d: d.update(metrics=[1, 2]),
+    lambda d: d.update(metrics=None),
+    lambda d: d["metrics"].update(loss="abc"),
+], ids=["settings-list", "provenance-str", "eval_config-list", "metrics-list", "metrics-null", "loss-str"])
+def test_a_hand_edited_eval_result_is_computed_again(compared, tmp_path, capsys, edit):
+    model, results = str(compared / "diff"), tmp_path / "results"
+    argv = ["eval", "heldout-loss", model, "--out-dir", str(results)]
+    assert main(argv) == 0
+    record = json.loads((results / "heldout-loss.json").read_text())
+    edit(record)
+    (results / "heldout-loss.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["eval", "compare", model, model, "--no-run", "--tasks", "heldout-loss", "--out-dir",
+                 str(results)]) == 0
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().err
+    assert isinstance(json.loads((results / "heldout-loss.json").read_text())["metrics"]["loss"], float)
+
+
+@pytest.mark.parametrize("task, extra", [("heldout-loss", []), ("long-context", []), ("outliers", []),
+                                         ("logit-quant", ["--needle-samples", "0"])])
+def test_an_empty_split_is_named_with_a_fix_the_command_offers(workdir, compared, tmp_path, capsys, task, extra):
+    """The advice was 'lower seq_len' (no such flag) or 'use length <= 0'."""
+    model = compared / "diff"
+    data = tmp_path / "data"
+    _prepare(workdir / "corpus", data, model / "final" / "tokenizer.json", "--test-fraction", "0")
+    capsys.readouterr()
+    _eval_fails(capsys, ["eval", task, str(model), "--data-dir", str(data), "--out-dir", str(tmp_path / "r"),
+                         *extra], "test split", "has 0 tokens", "prepared without a test split", "--split val")
+
+
+def test_logit_quant_names_its_own_option_when_needles_do_not_fit(compared, capsys):
+    """The needle task's advice ('fewer needles') named an option logit-quant does not have."""
+    last = _eval_fails(capsys, ["eval", "logit-quant", str(compared / "diff"), "--out-dir", "/nonexistent/never"],
+                       "--needle-samples 0")
+    assert "fewer needles" not in last
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"eval_seed": -1}, "EvalConfig.eval_seed must be in [0, 2**63)"),  # the flag refused it; the API did not
+    ({"device": "tpu"}, "EvalConfig.device must be 'cpu', 'cuda' or 'cuda:N'"),  # torch's error came at run time
+])
+def test_eval_config_refuses_what_the_command_line_refuses(kwargs, needle):
+    from difftransformer.eval import EvalConfig
+
+    with pytest.raises(ValueError) as e:
+        EvalConfig(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_run_task_names_a_task_of_the_wrong_type():
+    from difftransformer.eval import run_task
+
+    with pytest.raises(TypeError, match=r"run_task takes a task name or a Task, got 5 \(int\)"):
+        run_task(5, None, None)  # was AttributeError: 'int' object has no attribute 'run'
+
+
+@pytest.mark.parametrize("task", ["needle", "icl", "hallucination"])
+def test_seq_len_given_to_a_task_that_sizes_its_own_prompts_is_refused(compared, task, capsys):
+    """`eval needle RUN --seq-len 32` ran 236-token prompts: the flag was silently ignored."""
+    cli_fails(capsys, ["eval", task, str(compared / "diff"), "--seq-len", "32"],
+              f"{task} does not read --seq-len (32)", "drop --seq-len")
+
+
+def test_a_prompt_too_short_for_one_needle_does_not_advise_fewer_needles(compared, capsys):
+    assert main(["eval", "attention-noise", str(compared / "diff"), "--seq-len", "32", "--samples", "1"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in last and "use a length of at least" in last, last
+    assert "fewer needles" not in last, last
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_explicit_map_estimate_covers_the_measured_peak():
+    """probe_batch's estimate of a window's explicit maps covers what one takes (with 4
+    copies, a 2,048-token window took about 5.7, and an 8,192-token batch grew past the half of free memory
+    it was sized to, 11.8 GB and rising on 24 GB)."""
+    out = subprocess.run([sys.executable, "-c", _PEAK, "2048"], capture_output=True, text=True, check=True)
+    used, estimate = map(int, out.stdout.split())
+    assert used <= estimate, f"one 2048-token window used {used / 2**20:.0f} MiB, estimated {estimate / 2**20:.0f}"
+
+
+def test_a_damaged_shard_names_the_command_that_restores_the_folders_own_data(workdir, tmp_path, capsys):
+    """The advice `difftransformer prepare --out-dir D --force` prepared the default corpus (sotu, 8,192
+    tokens) into D in place of its own; eval's message also named a Python keyword (force=True)."""
+    config, data = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2), tmp_path / "data"
+    assert main(["train", "--config", config, "--out-dir", str(tmp_path / "run")]) == 0
+    good = (data / "test.bin").read_bytes()
+    (data / "test.bin").write_bytes(good[: len(good) // 2])
+    capsys.readouterr()
+    assert main(["eval", "heldout-loss", str(tmp_path / "run"), "--data-dir", str(data)]) == 2
+    err = last_error_line(capsys)
+    assert "force=True" not in err and str(workdir / "corpus") in err and "--vocab-size 300" in err, err
+    command = err.split("`")[1].split()
+    assert command[:2] == ["difftransformer", "prepare"]
+    assert main(command[1:]) == 0  # the advice, followed, restores the very bytes
+    assert (data / "test.bin").read_bytes() == good
+
+
+def test_eval_on_a_model_folder_it_cannot_write_names_out_dir(workdir, tmp_path, capsys, monkeypatch):
+    """A read-only model folder: the result could not be saved in its eval/ folder, and the error named the
+    file system, not --out-dir, the flag that keeps the results elsewhere."""
+    import difftransformer.cli.eval as cli_eval
+
+    run = tmp_path / "run"
+    config = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2)
+    assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(run / "eval"))
+
+    monkeypatch.setattr(cli_eval, "evaluate_cached", read_only)
+    capsys.readouterr()
+    assert main(["eval", "heldout-loss", str(run)]) == 2
+    err = last_error_line(capsys)
+    assert "--out-dir" in err and "Read-only file system" in err, err
+    # with --out-dir given, the folder named is the user's own: the plain message stands
+    assert main(["eval", "heldout-loss", str(run), "--out-dir", str(tmp_path / "ev")]) == 2
+    assert "--out-dir DIR" not in last_error_line(capsys)
+
+
+def test_an_empty_task_list_is_refused_not_read_as_all(workdir, tmp_path, capsys):
+    """`eval all MODEL --tasks ''` ran all eight tasks (71 s) as if --tasks were absent."""
+    run = tmp_path / "run"
+    config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
+    assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "all", str(run), "--tasks", "", "--out-dir", str(tmp_path / "ev")]) == 2
+    assert "names no task" in last_error_line(capsys)
+    assert not (tmp_path / "ev").exists() or not any((tmp_path / "ev").rglob("*.json"))
+
+
+def test_logit_quant_names_the_window_count_it_refuses(compared, tmp_path, capsys):
+    run = compared / "diff"
+    """`eval logit-quant RUN --windows 0 --needle-samples 0` said "windows must be >= 1,
+    needle_samples and needle_length >= 0" without the value given, unlike every other eval option."""
+    capsys.readouterr()
+    assert main(["eval", "logit-quant", str(run), "--windows", "0", "--needle-samples", "0",
+                 "--out-dir", str(tmp_path / "ev")]) == 2
+    line = last_error_line(capsys)
+    assert "logit-quant windows must be >= 1" in line and "got 0" in line, line
+    assert main(["eval", "logit-quant", str(run), "--needle-length", "-3", "--out-dir", str(tmp_path / "ev")]) == 2
+    assert "needle_length must be >= 0 (0: the model's context), got -3" in last_error_line(capsys)
+
+
+def test_a_judge_that_raises_is_one_line_naming_it(compared, tmp_path, capsys):
+    """`eval hallucination RUN --judge python:os:getcwd` (a function that does not take the records) was a
+    TypeError traceback, while every other bad judge is one line."""
+    assert main(["eval", "hallucination", str(compared / "diff"), "--samples", "1", "--subtasks", "qa",
+                 "--judge", "python:os:getcwd", "--out-dir", str(tmp_path / "ev")]) == 2
+    line = last_error_line(capsys)  # after the task's own progress line
+    assert "judge python:os:getcwd raised TypeError" in line and "takes no arguments" in line, line
+    assert "fn(records)" in line, line
+
+
+def test_lm_eval_on_a_folder_without_tokenizer_is_one_line(compared, tmp_path, monkeypatch, capsys):
+    """`python -m difftransformer.hf.lm_eval run --model hf --model_args pretrained=DIR` with DIR a folder
+    without tokenizer.json: a 40-line traceback through lm-eval before our own message."""
+    pytest.importorskip("lm_eval")
+    from difftransformer.hf.lm_eval import main as lm_eval_main
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((compared / "diff" / "final" / name).read_bytes())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("DIFFTRANSFORMER_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])  # main() sets sys.argv for lm-eval's CLI
+    with pytest.raises(SystemExit) as exit_:
+        lm_eval_main(["run", "--model", "hf", "--model_args", f"pretrained={bare},backend=causal", "--tasks",
+                      "arc_easy", "--device", "cpu", "--output_path", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    line = last_error_line(capsys)
+    assert f"{bare} has no tokenizer.json" in line and "Copy that file" in line, line
+
+
+def test_eval_compare_no_run_names_a_broken_result_file(compared, capsys):
+    """B's heldout-loss.json with `"loss": "x"` or broken JSON read as "only one model has",
+    the file not named."""
+    a, b = compared / "diff", compared / "transformer"
+    args = ["eval", "compare", str(a), str(b), "--tasks", "heldout-loss"]
+    assert main(args) == 0
+    stored = b / "eval" / "heldout-loss.json"
+    good = json.loads(stored.read_text())
+    for content, why in ((json.dumps({**good, "metrics": {**good["metrics"], "loss": "x"}}),
+                          "metric 'loss' is 'x', not a number"), ("{broken", "not JSON")):
+        stored.write_text(content)
+        capsys.readouterr()
+        assert main([*args, "--no-run"]) == 0
+        err = capsys.readouterr().err
+        assert f"{stored} is not a readable result ({why}" in err and "delete it or run without --no-run" in err
+    stored.write_text(json.dumps(good))
