@@ -84,9 +84,14 @@ def lambda_init_reference(depth: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
+def maybe_rope(x: torch.Tensor, positions, theta: float, rope: bool) -> torch.Tensor:
+    """x rotated by `rope_reference`, or x itself (float64) for a model without position encoding (NoPE)."""
+    return rope_reference(x, positions, theta) if rope else x.double()
+
+
 def diff_layer_reference(sd: dict, x: torch.Tensor, *, depth: int, num_heads: int, num_kv_heads: int,
                          rope_theta: float = 10000.0, key_padding_mask=None, positions=None,
-                         lambda_init: float | None = None, head_norm: bool = True):
+                         lambda_init: float | None = None, head_norm: bool = True, rope: bool = True):
     """The whole V1 layer from its state dict, float64. x: (B, T, E). Causal self-attention."""
     sd = {k: v.double() for k, v in sd.items()}
     x = x.double()
@@ -97,7 +102,7 @@ def diff_layer_reference(sd: dict, x: torch.Tensor, *, depth: int, num_heads: in
     q = (x @ sd["q_proj.weight"].T).view(B, T, 2 * h, d).transpose(1, 2)
     k = (x @ sd["k_proj.weight"].T).view(B, T, 2 * h_kv, d).transpose(1, 2)
     v = (x @ sd["v_proj.weight"].T).view(B, T, h_kv, 2 * d).transpose(1, 2)
-    q, k = rope_reference(q, positions, rope_theta), rope_reference(k, positions, rope_theta)
+    q, k = maybe_rope(q, positions, rope_theta, rope), maybe_rope(k, positions, rope_theta, rope)
     lam_init = lambda_init_reference(depth) if lambda_init is None else lambda_init
     lam = (torch.exp((sd["lambda_q1"] * sd["lambda_k1"]).sum())
            - torch.exp((sd["lambda_q2"] * sd["lambda_k2"]).sum()) + lam_init)
@@ -126,7 +131,7 @@ def mha_reference(q, k, v, *, causal=True, key_padding_mask=None, scale=None):
 
 
 def mha_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int, rope_theta: float = 10000.0,
-                        head_norm: bool = False):
+                        head_norm: bool = False, rope: bool = True):
     """The baseline layer (ordinary GQA attention, RoPE, optional head-wise RMSNorm) from its state dict, float64."""
     sd = {k: v.double() for k, v in sd.items()}
     x = x.double()
@@ -136,13 +141,14 @@ def mha_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_hea
     k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
     v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
     pos = list(range(T))
-    o = mha_reference(rope_reference(q, pos, rope_theta), rope_reference(k, pos, rope_theta), v)
+    o = mha_reference(maybe_rope(q, pos, rope_theta, rope), maybe_rope(k, pos, rope_theta, rope), v)
     if head_norm:
         o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-5) * sd["subln.weight"]
     return o.transpose(1, 2).reshape(B, T, E) @ sd["out_proj.weight"].T
 
 
-def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int, rope_theta: float = 10000.0):
+def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int, rope_theta: float = 10000.0,
+                       rope: bool = True):
     """DIFF V2 from its state dict, float64: heads 2i and 2i+1 of one attention call (same kv group),
     out_i = attn_2i - sigmoid(x . lambda_proj_i) * attn_2i+1, then o_proj."""
     sd = {k: v.double() for k, v in sd.items()}
@@ -154,7 +160,7 @@ def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_head
     k = (x @ sd["k_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
     v = (x @ sd["v_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
     pos = list(range(T))
-    q, k = rope_reference(q, pos, rope_theta), rope_reference(k, pos, rope_theta)
+    q, k = maybe_rope(q, pos, rope_theta, rope), maybe_rope(k, pos, rope_theta, rope)
     group = 2 * H // H_kv
     outs = []
     for i in range(H):
@@ -164,3 +170,51 @@ def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_head
         lam = torch.sigmoid(x @ sd["lambda_proj.weight"][i])[:, None, :, None]
         outs.append(a - lam * b)
     return torch.cat(outs, dim=1).transpose(1, 2).reshape(B, T, H * d) @ sd["o_proj.weight"].T
+
+
+def ssmax_reference(q, k, v, s, *, causal=True, key_padding_mask=None, scale=None, return_maps=False):
+    """Scalable-softmax (SSMax, Nakanishi 2025) GQA attention, float64, with explicit maps.
+
+    For query i of head h: n = the number of keys it sees (causal and key padding applied, so cached keys
+    count and padded ones do not); its logits over the visible keys j are s_h * log(n) * (q_i . k_j) * scale,
+    and its output is their softmax times V (zeros when n = 0). q (B, H, T, d), k/v (B, H_kv, S, d), s (H,).
+    Returns (B, H, T, d_v) (and the maps (B, H, T, S) if asked)."""
+    q, k, v, s = q.double(), k.double(), v.double(), torch.as_tensor(s).double()
+    B, H, T, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=torch.float64)
+    maps = torch.zeros(B, H, T, S, dtype=torch.float64)
+    for b in range(B):
+        vis = visible(T, S, causal, key_padding_mask, b)
+        for h in range(H):
+            g = h // (H // H_kv)
+            for i in range(T):
+                keys = [j for j in range(S) if vis[i, j]]
+                if not keys:
+                    continue
+                factor = s[h] * math.log(len(keys)) * scale
+                logits = torch.stack([factor * (q[b, h, i] @ k[b, g, j]) for j in keys])
+                weights = torch.exp(logits - logits.max())
+                weights = weights / weights.sum()
+                for w, j in zip(weights, keys):
+                    maps[b, h, i, j] = w
+                    out[b, h, i] = out[b, h, i] + w * v[b, g, j]
+    return (out, maps) if return_maps else out
+
+
+def ssmax_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                          rope_theta: float = 10000.0, key_padding_mask=None, positions=None, rope: bool = True):
+    """The SSMax layer (`transformer_ssmax`) from its state dict, float64: the baseline layer whose softmax is
+    `ssmax_reference` with s = sd["ssmax_scale"]. x: (B, T, E). Causal self-attention."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    B, T, E = x.shape
+    d = E // num_heads
+    positions = list(range(T)) if positions is None else positions
+    q = (x @ sd["q_proj.weight"].T).view(B, T, num_heads, d).transpose(1, 2)
+    k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    q, k = maybe_rope(q, positions, rope_theta, rope), maybe_rope(k, positions, rope_theta, rope)
+    o = ssmax_reference(q, k, v, sd["ssmax_scale"], causal=True, key_padding_mask=key_padding_mask)
+    return o.transpose(1, 2).reshape(B, T, E) @ sd["out_proj.weight"].T

@@ -79,6 +79,23 @@ def _visibility(T: int, S: int, causal: bool, key_padding_mask, device) -> torch
     return mask
 
 
+def attended_key_counts(T: int, S: int, *, causal: bool = True, key_padding_mask=None,
+                        device=None) -> torch.Tensor:
+    """n: how many keys each of T queries reads among S keys, by the masking rule of every backend (query t
+    at absolute index t + S - T; causal, it reads keys 0 .. t + S - T), int64: (T,) without key padding,
+    (B, T) with a (B, S) key_padding_mask, which counts only the visible keys. Scalable softmax's n."""
+    if key_padding_mask is None:
+        first = S - T + 1 if causal else S
+        return torch.arange(first, first + T, device=device).clamp_max(S)
+    if key_padding_mask.dim() != 2 or key_padding_mask.shape[1] != S:
+        raise ValueError(f"key_padding_mask must have shape (batch, key_len={S}), got "
+                         f"{tuple(key_padding_mask.shape)}; it marks keys to keep with True/1, including any cached keys")
+    keep = key_padding_mask.to(device=device, dtype=torch.bool).long()
+    if not causal:
+        return keep.sum(-1, keepdim=True).expand(-1, T)
+    return keep.cumsum(-1)[:, S - T:]
+
+
 def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
     if key_padding_mask is None:
         return

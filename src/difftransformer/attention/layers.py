@@ -5,10 +5,12 @@ Head-count conventions (the source of most bugs in public re-implementations):
   matched baseline's. Each head has two q/k components of dim d = embed_dim / (2h) and a value
   of dim 2d. num_kv_heads is halved the same way.
 - `MultiheadAttention(num_heads=H)`: H ordinary heads of dim embed_dim / H (H = 2h when matched);
-  output_gate=True adds one sigmoid gate per head and token on the attention output (see the class).
+  output_gate=True adds one sigmoid gate per head and token on the attention output, scalable_softmax=True
+  scales each query by s_h log n (SSMax; see the class).
 - `MultiheadDiffAttentionV2(num_heads=H)`: H is the baseline's own head count; 2H query heads
   are computed internally and paired.
-All layers do causal self-attention with RoPE at positions 0..T-1 (or after the cached prefix).
+All layers do causal self-attention with RoPE at positions 0..T-1 (or after the cached prefix), or with no
+position encoding at all (position_encoding='none', NoPE: `rotary` is None and q, k are the projections).
 
 Every layer has a `score_hook` attribute (None by default): set it to a `ScoreHook` and each
 forward hands the pre-softmax logits to it (see attention/functional.py) on the eager backend.
@@ -16,6 +18,8 @@ This is the explicit entry point of the white-box probes (eval/probes/); nothing
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -25,12 +29,13 @@ from difftransformer.attention.cache import KVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
     ScoreHook,
+    attended_key_counts,
     differential_attention,
     lambda_init_fn,
     multihead_attention,
     reparameterized_lambda,
 )
-from difftransformer.attention.rope import RotaryEmbedding
+from difftransformer.attention.rope import RotaryEmbedding, check_position_encoding
 from difftransformer.dist import full_tensor
 from difftransformer.norm import RMSNorm, compute_dtype
 
@@ -60,6 +65,11 @@ class _SelfAttention(nn.Module):
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
         self.score_hook: ScoreHook | None = None  # see the module doc
+
+    def _make_rotary(self, dim: int, rope_theta: float, position_encoding: str) -> None:
+        """`rotary`: RoPE over `dim`-wide q/k heads, or None for position_encoding 'none' (NoPE)."""
+        check_position_encoding(position_encoding)
+        self.rotary = RotaryEmbedding(dim, rope_theta) if position_encoding == "rope" else None
 
     def _make_projections(self, q_dim: int, kv_dim: int, o_dim: int, out_name: str, device, dtype) -> None:
         """q/k/v projections from embed_dim and the output projection back, all without bias."""
@@ -95,12 +105,15 @@ class _SelfAttention(nn.Module):
         return torch.arange(past, past + T, device=x.device), past
 
     def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
-        """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE, v (B, kv_v_heads, S, v_dim)."""
+        """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE (as projected without it), v
+        (B, kv_v_heads, S, v_dim)."""
         B, T, _ = x.shape
-        positions, start = self._positions(x, position_ids, kv_cache)
-        rotation = self.rotary.rotation(positions, compute_dtype(x), start=start)  # shared by q and k
-        q = self.rotary.rotate(self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2), rotation)
-        k = self.rotary.rotate(self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2), rotation)
+        positions, start = self._positions(x, position_ids, kv_cache)  # checked with or without RoPE
+        q = self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2)
+        if self.rotary is not None:
+            rotation = self.rotary.rotation(positions, compute_dtype(x), start=start)  # shared by q and k
+            q, k = self.rotary.rotate(q, rotation), self.rotary.rotate(k, rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.depth, k, v)
@@ -126,7 +139,7 @@ class MultiheadDiffAttention(_SelfAttention):
                  rope_theta: float = 10000.0, lambda_init: float | None = None, head_norm: bool = True,
                  norm_eps: float = 1e-5, backend: str = "auto", deterministic: bool = True,
                  max_seq_len: int | None = None, head_dim: int | None = None, head_norm_ramp: bool = False,
-                 device=None, dtype=None):
+                 position_encoding: str = "rope", device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         self.deterministic = bool(deterministic)
         if head_dim is None:
@@ -153,7 +166,7 @@ class MultiheadDiffAttention(_SelfAttention):
         self.head_norm_ramp = bool(head_norm_ramp)
         if self.head_norm_ramp:
             self.register_buffer("head_norm_mix", torch.zeros((), device=device, dtype=lambda_dtype))
-        self.rotary = RotaryEmbedding(d, rope_theta)
+        self._make_rotary(d, rope_theta, position_encoding)
         self._inference_cache: tuple | None = None  # see _forward_constants
         self.reset_lambda_parameters()
 
@@ -278,11 +291,12 @@ class MultiheadDiffAttention(_SelfAttention):
         return (f"embed_dim={self.embed_dim}, depth={self.depth}, diff_heads={self.num_heads}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, lambda_init={self.lambda_init:.4f}, "
                 f"backend={self.backend}" + ("" if self.deterministic else ", deterministic=False")
-                + (", head_norm_ramp=True" if self.head_norm_ramp else ""))
+                + (", head_norm_ramp=True" if self.head_norm_ramp else "")
+                + ("" if self.rotary is not None else ", position_encoding=none"))
 
 
 class MultiheadAttention(_SelfAttention):
-    """The matched Transformer baseline: ordinary causal GQA attention with RoPE.
+    """The matched Transformer baseline: ordinary causal GQA attention with RoPE (or none: NoPE).
 
     head_norm=True adds a head-wise RMSNorm (the paper's "Transformer + GroupNorm" ablation).
     output_gate=True is Gated Attention (Qiu et al. 2025, arXiv 2505.06708), head-wise at position G1:
@@ -290,11 +304,18 @@ class MultiheadAttention(_SelfAttention):
     no bias), x the layer's input, before out_proj (after the head norm when both are on). The gate
     is computed from the same tokens as the queries, so it needs nothing from the KV cache and works
     with every backend; the attention maps and the score hook see the ungated attention.
+    scalable_softmax=True is SSMax (Nakanishi 2025, arXiv 2501.19399): query t of head h is multiplied by
+    s_h log n_t after RoPE, n_t the number of keys it attends (`attended_key_counts`: cached keys count,
+    padded ones do not), s = `ssmax_scale` (num_heads,) learned, stored in at least fp32 like λ. So the
+    logits are s_h log n_t q.k / sqrt(d) on every backend, through the ordinary attention call; the maps
+    and the score hook see these scaled logits. s starts at 1 / log(ssmax_init_length) (default
+    max_seq_len): the untrained layer is ordinary attention for a query that attends that many keys.
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
                  rope_theta: float = 10000.0, head_norm: bool = False, norm_eps: float = 1e-5,
-                 output_gate: bool = False, backend: str = "auto", max_seq_len: int | None = None,
+                 output_gate: bool = False, scalable_softmax: bool = False, ssmax_init_length: int | None = None,
+                 position_encoding: str = "rope", backend: str = "auto", max_seq_len: int | None = None,
                  device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         if embed_dim % num_heads or (embed_dim // num_heads) % 2:
@@ -305,7 +326,32 @@ class MultiheadAttention(_SelfAttention):
         self._make_projections(E, E // self.n_rep, E, "out_proj", device, dtype)
         self.subln = RMSNorm(d, eps=norm_eps, device=device, dtype=dtype) if head_norm else None
         self.head_gate = nn.Linear(E, num_heads, bias=False, device=device, dtype=dtype) if output_gate else None
-        self.rotary = RotaryEmbedding(d, rope_theta)
+        self.ssmax_scale = None
+        if scalable_softmax:
+            length = max_seq_len if ssmax_init_length is None else ssmax_init_length
+            if length is None or length < 2:
+                raise ValueError(f"scalable softmax starts s at 1 / log(ssmax_init_length), so ssmax_init_length "
+                                 f"(or max_seq_len when it is None) must be an integer >= 2; got {length}")
+            self.ssmax_init_length = int(length)
+            self.ssmax_scale = nn.Parameter(torch.empty(num_heads, device=device,
+                                                        dtype=compute_dtype(dtype or torch.get_default_dtype())))
+            self.reset_ssmax_parameters()
+        self._make_rotary(d, rope_theta, position_encoding)
+
+    @torch.no_grad()
+    def reset_ssmax_parameters(self) -> None:
+        """Every head's s = 1 / log(ssmax_init_length): s log n = 1 for a query attending that many keys."""
+        if self.ssmax_scale is not None:
+            self.ssmax_scale.fill_(1.0 / math.log(self.ssmax_init_length))
+
+    def _scale_queries(self, q: torch.Tensor, S: int, attention_mask) -> torch.Tensor:
+        """SSMax: q (B, H, T, d) times s_h log n_t, computed in `compute_dtype(q)`, returned in q's dtype. A
+        query that sees no key (n = 0) gets the factor 0: its output is zero whatever its logits."""
+        f = compute_dtype(q)
+        n = attended_key_counts(q.shape[2], S, causal=True, key_padding_mask=attention_mask, device=q.device)
+        log_n = n.clamp_min(1).to(f).log()  # (T,) or (B, T)
+        factor = self.ssmax_scale.to(f)[:, None] * log_n[..., None, :]  # (H, T) or (B, H, T)
+        return (q.to(f) * factor[..., None]).to(q.dtype)
 
     def _gate(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o (B, H, T, d) times sigmoid(x W_g) per head and token, in compute_dtype (as V2's λ)."""
@@ -319,6 +365,8 @@ class MultiheadAttention(_SelfAttention):
         B, T, E = x.shape
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, self.num_heads, self.num_kv_heads, d, d)
+        if self.ssmax_scale is not None:
+            q = self._scale_queries(q, k.shape[2], attention_mask)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
                                   backend=self.backend, return_maps=return_attention, score_hook=self.score_hook)
         o, probs = res if return_attention else (res, None)
@@ -338,8 +386,8 @@ class MultiheadDiffAttentionV2(_SelfAttention):
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
-                 head_dim: int | None = None, rope_theta: float = 10000.0, backend: str = "auto",
-                 max_seq_len: int | None = None, device=None, dtype=None):
+                 head_dim: int | None = None, rope_theta: float = 10000.0, position_encoding: str = "rope",
+                 backend: str = "auto", max_seq_len: int | None = None, device=None, dtype=None):
         super().__init__(embed_dim, depth, num_heads, num_kv_heads, backend, max_seq_len, device, dtype)
         if head_dim is None:
             if embed_dim % num_heads:
@@ -351,7 +399,7 @@ class MultiheadDiffAttentionV2(_SelfAttention):
         self.head_dim, self.scaling = d, d ** -0.5
         self._make_projections(2 * H * d, self.num_kv_heads * d, H * d, "o_proj", device, dtype)
         self.lambda_proj = nn.Linear(E, H, bias=False, device=device, dtype=dtype)
-        self.rotary = RotaryEmbedding(d, rope_theta)
+        self._make_rotary(d, rope_theta, position_encoding)
 
     def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
                 return_attention: bool = False):

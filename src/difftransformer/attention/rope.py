@@ -8,6 +8,18 @@ from torch import nn
 from difftransformer.norm import compute_dtype
 
 
+# A model's `position_encoding`: RoPE on every q/k head, or none at all (NoPE: causal masking alone
+# tells the tokens apart, and no layer holds a rotation).
+POSITION_ENCODINGS = ("rope", "none")
+
+
+def check_position_encoding(value: str, what: str = "position_encoding") -> None:
+    """A ValueError naming `value` unless it is one of POSITION_ENCODINGS."""
+    if value not in POSITION_ENCODINGS:
+        raise ValueError(f"{what} must be 'rope' (rotary embedding) or 'none' (NoPE: no position encoding), "
+                         f"got {value!r}")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates pairs (x[2i], x[2i+1]) of the last axis by pos * theta**(-2i/dim).
 

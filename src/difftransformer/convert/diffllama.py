@@ -47,6 +47,7 @@ from difftransformer.convert.llama import (
     HF_PREFIX,
     ConversionError,
     State,
+    check_rope,
     check_state,
     hf_config,
     hf_expected,
@@ -125,12 +126,15 @@ def _check_expressible(config: DiffTransformerConfig) -> None:
                "transformer_headnorm": "it is ordinary attention with a head norm, which no transformers class "
                                        "holds",
                "transformer_gated": "it is ordinary attention with a per-head sigmoid output gate, which DiffLlama "
-                                    "lacks (dropping the gate would change the model)"}.get(
+                                    "lacks (dropping the gate would change the model)",
+               "transformer_ssmax": "it is ordinary attention with scalable softmax (queries times s log n), "
+                                    "which DiffLlama lacks"}.get(
             config.attention, "no transformers class holds this kind")
         raise ConversionError(f"attention {config.attention!r} cannot convert to DiffLlama: {why}; only 'diff' does")
     if config.lambda_init is not None:
         raise ConversionError(f"lambda_init={config.lambda_init} is a constant; DiffLlama fixes λ_init to the depth "
                               f"schedule 0.8 - 0.6 exp(-0.3 depth), so only models with lambda_init null convert")
+    check_rope(config, "DiffLlamaForCausalLM")
 
 
 def _diffllama_expected(config: DiffTransformerConfig) -> dict[str, tuple[int, ...]]:

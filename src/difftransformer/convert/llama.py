@@ -219,6 +219,7 @@ def ours_to_llama(state: Mapping[str, torch.Tensor], config: DiffTransformerConf
     """Our `transformer` kind as a `LlamaForCausalLM` checkpoint + its config.json dict (exactly)."""
     if config.attention != "transformer":
         raise ConversionError(_not_llama(config.attention))
+    check_rope(config, "LlamaForCausalLM")
     state = ours_state(state, config)
     d, out = config.head_dim, {}
     for name, weight in state.items():
@@ -229,12 +230,22 @@ def ours_to_llama(state: Mapping[str, torch.Tensor], config: DiffTransformerConf
                           config.num_key_value_heads, d, mlp_bias=False, pretraining_tp=1)
 
 
+def check_rope(config: DiffTransformerConfig, target: str) -> None:
+    """A ConversionError unless `config` rotates q and k with RoPE, the only position encoding `target` has."""
+    if config.position_encoding != "rope":
+        raise ConversionError(f"position_encoding={config.position_encoding!r}: {target} always applies RoPE, so "
+                              f"only models with position_encoding 'rope' convert")
+
+
 def _not_llama(attention: str) -> str:
     if attention in ("diff", "diff_no_headnorm", "diff_v2"):
         where = ("convert it to DiffLlama or the authors' layout instead" if attention == "diff"
                  else "no transformers class holds this kind")
         return (f"a {attention!r} model is differential; LlamaForCausalLM is ordinary attention and cannot hold "
                 f"it ({where})")
+    if attention == "transformer_ssmax":
+        return (f"attention {attention!r} scales each query by s log n (scalable softmax), which LlamaForCausalLM "
+                f"lacks (dropping it would change the model); only the 'transformer' kind converts to Llama")
     if attention == "transformer_gated":
         return (f"attention {attention!r} gates each head's output with a sigmoid that LlamaForCausalLM lacks "
                 f"(dropping the gate would change the model); only the 'transformer' kind converts to Llama")

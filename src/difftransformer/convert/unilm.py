@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from difftransformer.convert.llama import ConversionError, State, check_state, ours_expected, ours_state
+from difftransformer.convert.llama import ConversionError, State, check_rope, check_state, ours_expected, ours_state
 from difftransformer.model import DiffTransformerConfig
 
 FORMAT = "unilm-diff-transformer"
@@ -71,6 +71,7 @@ def _check_expressible(config: DiffTransformerConfig) -> None:
     if config.lambda_init is not None:
         raise ConversionError(f"lambda_init={config.lambda_init} is a constant; the authors' code fixes λ_init to "
                               f"{LAMBDA_INIT}, so only models with lambda_init null convert")
+    check_rope(config, "the authors' layer")
     if config.rms_norm_eps != SUBLN_EPS:
         raise ConversionError(f"rms_norm_eps={config.rms_norm_eps}: the authors' head norm uses eps {SUBLN_EPS} and "
                               f"our model one eps for every norm, so only rms_norm_eps {SUBLN_EPS} converts")

@@ -11,6 +11,7 @@ A kind answers four questions, and everything else is derived from the answers:
 | `transformer_headnorm` | no           | no       | yes       | no  | ordinary heads            |
 | `diff_retrofit`        | yes          | yes      | ramped    | no  | DIFF heads (the source's) |
 | `transformer_gated`    | no           | no       | no        | no  | ordinary heads (+ gate)   |
+| `transformer_ssmax`    | no           | no       | no        | no  | ordinary heads (+ s/head) |
 
 - differential: each output is one softmax map minus λ times another.
 - scalar λ: one learnable λ per layer, λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init (V1). A per-token
@@ -27,6 +28,13 @@ A kind answers four questions, and everything else is derived from the answers:
   without bias (the reference code puts these rows in q_proj, with q_proj's bias: none here, as our
   projections have none). One extra hidden x heads matrix per layer, initialised like every linear
   layer; not expressible as Llama/DiffLlama, so the converters refuse it.
+- scalable softmax (`transformer_ssmax` only): a control that fixes attention dispersion without any
+  subtraction. Scalable-Softmax (SSMax, Nakanishi 2025, arXiv 2501.19399) multiplies each query's
+  logits by s_h log n, n the number of keys that query attends (causal: p + 1 at absolute position p
+  without padding; only the visible keys with key padding; cached keys count), s_h one learned scalar
+  per head (`ssmax_scale`, fp32 like λ). Computed as a query scaling, q_t <- (s_h log n_t) q_t, so the
+  ordinary attention call of every backend computes it; equal to softmax attention where s_h log n = 1.
+  `heads` extra parameters per layer; not expressible as Llama/DiffLlama, so the converters refuse it.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class AttentionKind:
     v2: bool
     head_norm_ramp: bool = False  # head norm blended in by a ramp coefficient α (diff_retrofit)
     output_gate: bool = False  # a per-head sigmoid gate on the attention output (transformer_gated)
+    scalable_softmax: bool = False  # queries scaled by s_h log n, s_h learned per head (transformer_ssmax)
 
     @property
     def diff_heads(self) -> bool:
@@ -75,6 +84,9 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (
                   "output (Gated Attention, Qiu et al. 2025, G1 head-wise): a nonlinearity before o_proj, "
                   "nothing differential",
                   differential=False, scalar_lambda=False, head_norm=False, v2=False, output_gate=True),
+    AttentionKind("transformer_ssmax", "control: the baseline with scalable softmax (SSMax, Nakanishi 2025): "
+                  "logits times s log n, n the keys attended, s learned per head; nothing differential",
+                  differential=False, scalar_lambda=False, head_norm=False, v2=False, scalable_softmax=True),
 )}
 
 

@@ -42,7 +42,7 @@ class SwiGLU(nn.Module):
 
 def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtype=None) -> nn.Module:
     """The one place that maps `config.attention` (a row of the kinds table) to a layer."""
-    common = dict(rope_theta=config.rope_theta, backend=config.attn_backend,
+    common = dict(rope_theta=config.rope_theta, position_encoding=config.position_encoding, backend=config.attn_backend,
                   max_seq_len=config.max_position_embeddings, device=device, dtype=dtype)
     E, H, KV = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     kind = config.kind
@@ -54,7 +54,8 @@ def build_attention(config: DiffTransformerConfig, depth: int, device=None, dtyp
                                       head_dim=config.attention_head_dim, head_norm_ramp=kind.head_norm_ramp,
                                       **common)
     return MultiheadAttention(E, depth, H, KV, head_norm=kind.head_norm, norm_eps=config.rms_norm_eps,
-                              output_gate=kind.output_gate, **common)
+                              output_gate=kind.output_gate, scalable_softmax=kind.scalable_softmax,
+                              ssmax_init_length=config.ssmax_init_length, **common)
 
 
 class DecoderBlock(nn.Module):
@@ -117,7 +118,8 @@ class DiffTransformerLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, initializer_range) for linear and embedding weights (the output gate's W_g too, so a gated
-        model starts with every gate near sigmoid(0) = 1/2); lambda vectors N(0, 0.1); norms 1."""
+        model starts with every gate near sigmoid(0) = 1/2); lambda vectors N(0, 0.1); norms 1; SSMax's s
+        1 / log(ssmax_init_length)."""
         std = self.config.initializer_range
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -126,6 +128,8 @@ class DiffTransformerLM(nn.Module):
                 nn.init.ones_(m.weight)
             elif isinstance(m, MultiheadDiffAttention):
                 m.reset_lambda_parameters()
+            elif isinstance(m, MultiheadAttention):
+                m.reset_ssmax_parameters()
 
     def num_parameters(self, count_embedding_once: bool = True) -> int:
         """Parameter count; a tied embedding/LM head matrix counts once (as the paper counts)."""
