@@ -26,10 +26,12 @@ import torch
 from difftransformer._config import check_field_types
 from difftransformer._io import atomic_write_text
 from difftransformer.attention.backends import BACKENDS, resolve_backend
+from difftransformer.attention.rope import check_position_encoding
 from difftransformer.model.kinds import AttentionKind, attention_kind
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")  # counted in the configured kind's units
 _RETROFIT_FIELDS = ("attention_head_dim", "head_norm_ramp_steps")  # diff_retrofit's own (kinds.head_norm_ramp)
+_SSMAX_FIELDS = ("ssmax_init_length",)  # transformer_ssmax's own (kinds.scalable_softmax)
 log = logging.getLogger("difftransformer.model")
 # Fields that choose how attention is computed, not what the model is: a checkpoint resumes or
 # loads under other values of these.
@@ -47,7 +49,7 @@ TRANSFORMERS_KEYS = frozenset({"architectures", "transformers_version", "dtype",
 
 @dataclass
 class DiffTransformerConfig:
-    """Decoder-only LM: pre-RMSNorm blocks, SwiGLU FFN, RoPE, one attention kind per model."""
+    """Decoder-only LM: pre-RMSNorm blocks, SwiGLU FFN, RoPE (or NoPE), one attention kind per model."""
 
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -58,6 +60,8 @@ class DiffTransformerConfig:
     intermediate_size: int | None = None  # None: round(8/3 * hidden_size), as in the paper
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    # "rope": rotary embedding on every q/k head; "none": no position encoding at all (NoPE), for every kind.
+    position_encoding: str = "rope"
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a constant for ablations
@@ -71,10 +75,20 @@ class DiffTransformerConfig:
     # optimizer steps over which the trainer ramps the head norm in (α = min(1, step / steps)).
     attention_head_dim: int | None = None  # None: hidden_size // (2 * num_attention_heads)
     head_norm_ramp_steps: int = 0  # 0: the trainer leaves α as stored (1 = V1 head norm, 0 = none)
+    # Kinds with scalable softmax (transformer_ssmax) only: every head's s starts at 1 / log(this), so the
+    # untrained layer is ordinary attention for a query attending this many keys (a study's training length).
+    ssmax_init_length: int | None = None  # None: max_position_embeddings
 
     def __post_init__(self) -> None:
         check_field_types(self, "model")
         attention_kind(self.attention)  # a known kind, or a ValueError naming the nearest one
+        check_position_encoding(self.position_encoding, "model.position_encoding")
+        if self.ssmax_init_length is not None and not self.kind.scalable_softmax:
+            raise ValueError(f"model.ssmax_init_length ({self.ssmax_init_length}) applies to attention="
+                             f"'transformer_ssmax' only; got attention={self.attention!r}: leave it at null")
+        if self.ssmax_init_length is not None and self.ssmax_init_length < 2:
+            raise ValueError(f"model.ssmax_init_length must be an integer >= 2 (s starts at 1 / log of it), or null "
+                             f"for max_position_embeddings; got {self.ssmax_init_length}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.intermediate_size is None:
@@ -180,6 +194,8 @@ class DiffTransformerConfig:
             heads, kv = heads // 2, kv // 2
         # The retrofit fields belong to diff_retrofit only; another kind drops them.
         retrofit = {} if kind.head_norm_ramp else dict(attention_head_dim=None, head_norm_ramp_steps=0)
+        if not kind.scalable_softmax:  # likewise transformer_ssmax's
+            retrofit["ssmax_init_length"] = None
         return dataclasses.replace(self, attention=attention, num_attention_heads=heads, num_key_value_heads=kv,
                                    attn_backend=_backend_for(kind, self.attn_backend), **retrofit)
 
@@ -273,7 +289,7 @@ class Preset:
         backend fields apply to `attention` itself (so 'triton' for a kind without it is an error).
         """
         heads = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
-        runtime = {k: overrides.pop(k) for k in RUNTIME_FIELDS + _RETROFIT_FIELDS
+        runtime = {k: overrides.pop(k) for k in RUNTIME_FIELDS + _RETROFIT_FIELDS + _SSMAX_FIELDS
                    if k in overrides}  # asked of this kind itself
         spec = {**self.fields(), **overrides}
         # Put the requested heads into the DIFF-unit spec where they convert exactly, so a width that
