@@ -7,6 +7,10 @@ with the same corpus, vocabulary, split and training mixture shares one prepared
 `mixture` ([data.mixture], `MixtureConfig`) adds generated task documents to the TRAIN split (see
 data/mixture.py). Unset (every fraction 0) it changes nothing: not the data, not the folder name,
 not `to_dict()` (records of runs made before it existed stay identical).
+
+`task` ([data.task], a synthetic family of data/ood/, e.g. `family = "mqar"` and its settings) replaces
+the corpus: training batches are generated on the fly (loss on answer tokens only) and the prepared
+folder holds only the task's word-level tokenizer and its manifest. Unset, it changes nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._config import check_field_types
+from .ood import Family, family_from_dict
 from .tokenizer import Tokenizer
 
 _DEFAULT_SPLIT = (0.05, 0.05, 0)  # (val_fraction, test_fraction, split_seed): no suffix on the folder name
@@ -113,6 +118,7 @@ class DataConfig:
     test_fraction: float = 0.05
     split_seed: int = 0  # seeds the document split only (training has its own seed, train.seed)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)  # [data.mixture]: generated task documents
+    task: Any = None  # [data.task]: a synthetic task family (data/ood/) instead of the corpus; None: the corpus
 
     def __post_init__(self) -> None:
         if isinstance(self.mixture, dict):
@@ -120,6 +126,11 @@ class DataConfig:
         elif not isinstance(self.mixture, MixtureConfig):
             raise ValueError(f"data.mixture must be a table of settings (needle, needles_only, icl, qa, length, "
                              f"max_needles, seed), got {self.mixture!r}")
+        if self.task is not None and not isinstance(self.task, Family):
+            self.task = family_from_dict(self.task)
+        if self.task is not None and self.mixture.active:
+            raise ValueError("data.task generates every training sequence, so it takes no data.mixture; remove "
+                             "one of the two tables")
         if not isinstance(self.corpus, str) or not self.corpus:
             raise ValueError(f"data.corpus must be a non-empty corpus spec such as 'sotu' or 'notes/', "
                              f"got {self.corpus!r}")
@@ -147,6 +158,8 @@ class DataConfig:
         """data_dir, or the cache folder these settings share with every other run that uses them."""
         if self.data_dir:
             return self.data_dir
+        if self.task is not None:
+            return f"cache/data/task-{self.task.name}-{self.task.fingerprint()[:12]}"
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.corpus.split("#")[0]).strip("._") or "corpus"
         split = (self.val_fraction, self.test_fraction, self.split_seed)
         tag = "" if split == _DEFAULT_SPLIT else "-val{:g}-test{:g}-splitseed{}".format(*split)
@@ -159,6 +172,10 @@ class DataConfig:
         out = dataclasses.asdict(self)
         if not self.mixture.active:
             del out["mixture"]
+        if self.task is None:
+            del out["task"]
+        else:
+            out["task"] = self.task.to_dict()
         return out
 
 

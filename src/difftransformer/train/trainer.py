@@ -27,6 +27,7 @@ from torch import nn
 
 from difftransformer._io import folder_lock
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
+from difftransformer.data.ood.sampler import TaskSampler, TaskValSet
 from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
@@ -106,23 +107,36 @@ def evaluate(model: nn.Module, dataset: TokenDataset, cfg: TrainConfig, micro: i
     model.eval()
     per_step = cfg.batch_size // micro  # micro-batches per global batch
     max_batches = cfg.eval_batches * per_step
-    n_batches = min(-(-num_eval_windows(dataset, cfg.seq_len) // micro), max_batches)
+    n_batches = min(-(-_val_windows(dataset, cfg.seq_len) // micro), max_batches)
     rounds = -(-n_batches // env.world_size)  # FSDP needs every rank to run the same number of forwards
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    batches = iter_eval_batches(dataset, micro, cfg.seq_len, max_batches, env.rank, env.world_size)
+    batches = _val_batches(dataset, micro, cfg.seq_len, max_batches, env.rank, env.world_size)
     for _ in range(rounds):
         batch = next(batches, None)
         weight = 1.0 if batch is not None else 0.0
         if batch is None:  # this rank ran out: a zero-weight forward keeps FSDP's collectives in step
-            batch = next(iter_eval_batches(dataset, micro, cfg.seq_len, 1))
+            batch = next(_val_batches(dataset, micro, cfg.seq_len, 1))
         x, y = (t.to(env.device, non_blocking=True) for t in batch)
         with amp:
             loss = model(x, y).loss
-        totals[0] += weight * loss.double() * y.numel()
-        totals[1] += weight * y.numel()
+        scored = (y != -100).sum()  # every token of a corpus window; the answers of a task's sequences
+        totals[0] += weight * loss.double() * scored
+        totals[1] += weight * scored
     env.all_reduce_sum(totals)
     model.train(was_training)
     return float(totals[0] / totals[1])
+
+
+def _val_windows(dataset: TokenDataset | TaskValSet, seq_len: int) -> int:
+    return len(dataset) if isinstance(dataset, TaskValSet) else num_eval_windows(dataset, seq_len)
+
+
+def _val_batches(dataset: TokenDataset | TaskValSet, micro: int, seq_len: int, max_batches: int | None,
+                 rank: int = 0, world_size: int = 1):
+    """Validation batches in order: a split's windows, or a task's fixed validation sequences."""
+    if isinstance(dataset, TaskValSet):
+        return dataset.batches(micro, max_batches, rank, world_size)
+    return iter_eval_batches(dataset, micro, seq_len, max_batches, rank, world_size)
 
 
 def _check_same_run(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig) -> None:
@@ -302,8 +316,8 @@ class _TrainData:
     """The prepared corpus, the step -> batch sampler and the validation split of one run."""
 
     prepared: PreparedData
-    sampler: BatchSampler
-    val: TokenDataset | None  # None when the val split is shorter than one window
+    sampler: BatchSampler | TaskSampler
+    val: TokenDataset | TaskValSet | None  # None when the val split is shorter than one window
     micro: int  # sequences per forward pass on one rank
 
     @classmethod
@@ -316,6 +330,11 @@ class _TrainData:
         if cfg.init_from is not None:
             check_init_tokenizer(cfg.init_from, data)
         micro = micro_batch_size(cfg, env.world_size)
+        family = data.family()
+        if family is not None:  # a synthetic task: generated batches, a fixed validation set of the same size
+            size = cfg.eval_batches * cfg.batch_size
+            return cls(data, TaskSampler(family, cfg.batch_size, cfg.seq_len, seed=cfg.seed),
+                       TaskValSet(family, cfg.seq_len, size), micro)
         sampler = BatchSampler(data.dataset("train"), cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         val: TokenDataset | None = data.dataset("val")
         if num_eval_windows(val, cfg.seq_len) == 0:

@@ -1,0 +1,25 @@
+"""Synthetic task families for out-of-distribution tests of attention (docs/evaluation.md, "Out-of-distribution
+retrieval"): seeded generators (families.py), the generated batches with each position's role (episodes.py),
+and the stateless train sampler and fixed test sets over them (sampler.py)."""
+
+from .episodes import IGNORE, ROLE_NAMES, Episodes, partition_bits
+from .families import (
+    EOS_ID,
+    FAMILIES,
+    PAD_ID,
+    SPECIALS,
+    TRAIN,
+    Condition,
+    Family,
+    FlipFlop,
+    Induction,
+    MaxRetrieval,
+    MQAR,
+    family_from_dict,
+    geometric,
+)
+
+__all__ = [
+    "EOS_ID", "FAMILIES", "IGNORE", "MQAR", "PAD_ID", "ROLE_NAMES", "SPECIALS", "TRAIN", "Condition", "Episodes",
+    "Family", "FlipFlop", "Induction", "MaxRetrieval", "family_from_dict", "geometric", "partition_bits",
+]

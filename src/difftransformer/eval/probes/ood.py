@@ -1,0 +1,315 @@
+"""`ood`: accuracy and attention on a synthetic task out of distribution (docs/evaluation.md,
+"Out-of-distribution retrieval").
+
+The model was trained on a task family of data/ood/ (its prepared-data folder, EvalConfig.data_dir,
+names the family and its settings). For each test condition, a fixed seeded test set (`eval_set`:
+sequences never trained on) is scored:
+
+- Conditions: the training distribution scaled in context `lengths` (factors; the number of items
+  unchanged, so the filler grows) and in distractor `densities` (more items at the training length).
+  A condition whose sequences exceed the model's position limit is skipped and listed as such.
+- Accuracy: teacher-forced greedy prediction at every answer position; a query (one key's value, one
+  read, one induction successor, the max) is right when all its answer tokens are. Error counts with
+  95% Wilson intervals per condition; `min_queries` queries per condition (10,000 by default: an error
+  rate of 1e-3 is then 10 +- 3 errors, resolved from 0).
+- Mechanism (attention=True), on the first `attention_sequences` sequences of each condition, at every
+  answer position, per layer and head: attention mass on the target (the positions of the item the
+  answer is read from, before the query), on distractors (every other item), on filler, and on the rest
+  (the leading EOS, the query part); the entropy of the non-negative maps; the largest pre-softmax
+  logit. For DIFF V1 and V2 the masses are measured on A1 - λA2 and on A1 and A2 apart ("diff", "a1",
+  "a2"); for ordinary attention "diff" and "a1" are the one softmax map.
+- temperature="adaptive": adaptive temperature at inference (Veličković et al. 2024, "softmax is not
+  enough"): every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's entropy H
+  exceeds 0.5 (β = 1 otherwise), p the authors' quartic fit (`ADAPTIVE_POLY`); no training change. On
+  DIFF it applies to each of the two maps. It goes through the layers' score hooks, so the eager
+  backend computes every condition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from difftransformer.data import PreparedData
+from difftransformer.data.ood import TRAIN, Condition, Episodes, Family
+from difftransformer.data.ood.episodes import FILLER, ITEM
+from difftransformer.data.ood.sampler import eval_set
+from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model
+from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+
+ADAPTIVE_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)  # highest degree first, as numpy.polyval takes it
+TEMPERATURES = ("none", "adaptive")
+MASSES = ("target", "distractor", "filler", "other")
+Z95 = 1.959963984540054
+
+
+def wilson_interval(errors: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of an error rate errors / n (95% by default); (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = errors / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def adaptive_beta(entropy: torch.Tensor) -> torch.Tensor:
+    """β(H) of adaptive temperature: max(1, p(H)) where H > 0.5, else 1 (p: ADAPTIVE_POLY)."""
+    poly = torch.zeros_like(entropy)
+    for c in ADAPTIVE_POLY:
+        poly = poly * entropy + c
+    return torch.where(entropy > 0.5, poly.clamp(min=1.0), torch.ones_like(entropy))
+
+
+def adaptive_temperature_hook(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """A score hook (attention/functional.py) that rescales every row's logits by `adaptive_beta` of the
+    entropy of its softmax over the visible keys."""
+    masked = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+    logp = torch.log_softmax(masked, dim=-1)
+    p = logp.exp()
+    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True)
+    return scores * adaptive_beta(entropy)
+
+
+@dataclass
+class OODOptions:
+    lengths: tuple[float, ...] = field(default=(1.0, 2.0, 4.0, 8.0, 16.0), metadata={
+        "help": "context-length factors over the training distribution (items unchanged)"})
+    densities: tuple[float, ...] = field(default=(1.0, 2.0, 3.0, 4.0), metadata={
+        "help": "distractor-density factors: items x factor at the training length"})
+    min_queries: int = field(default=10_000, metadata={"help": "queries scored per condition (at least)"})
+    attention: bool = field(default=True, metadata={"help": "measure the attention maps (mechanism)"})
+    attention_sequences: int = field(default=64, metadata={"help": "sequences per condition whose maps are measured"})
+    temperature: str = field(default="none", metadata={"help": "none | adaptive (adaptive temperature at inference)"})
+
+
+def conditions(options: OODOptions) -> list[Condition]:
+    """The training condition, the length factors at training density, the density factors at training
+    length (each once, in that order)."""
+    out = [TRAIN]
+    for c in [Condition(length=f) for f in options.lengths] + [Condition(density=f) for f in options.densities]:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def task_family(cfg: EvalConfig) -> Family:
+    """The family of the prepared-data folder cfg.data_dir, or a ValueError naming the fix."""
+    if cfg.data_dir is None:
+        raise ValueError("ood needs the prepared-data folder of the synthetic task the model was trained on "
+                         "(--data-dir cache/data/task-...); it names the family and its settings")
+    family = PreparedData.load(cfg.data_dir).family()
+    if family is None:
+        raise ValueError(f"{cfg.data_dir} holds a corpus, not a synthetic task (data.task); ood tests a model "
+                         f"trained on one, with that task's prepared-data folder as --data-dir")
+    return family
+
+
+@torch.no_grad()
+def score(model, episodes: Episodes, batch_size: int, device, hook=None) -> tuple[np.ndarray, np.ndarray]:
+    """(correct, query) at every answer position of `episodes`, flat over sequences: whether the greedy
+    next token is the answer, and a query id unique over the set (sequence * 2^20 + query)."""
+    correct, queries = [], []
+    if hook is not None:  # the eager backend: explicit maps, sized to the free memory
+        batch_size = probe_batch(model, episodes.inputs.shape[1], batch_size, device)
+    for start in range(0, len(episodes), batch_size):
+        part = episodes.take(np.arange(start, min(start + batch_size, len(episodes))))
+        ids = torch.from_numpy(part.inputs).to(device)
+        if hook is None:
+            logits = model(ids).logits
+        else:
+            with inspect_attention(model, lambda _: hook):
+                logits = model(ids).logits
+        answer = part.answer_mask
+        pred = logits.argmax(-1).cpu().numpy()
+        correct.append((pred == part.targets)[answer])
+        rows = np.nonzero(answer)[0] + start
+        queries.append(rows.astype(np.int64) * 2**20 + part.answer_query[answer])
+    return np.concatenate(correct), np.concatenate(queries)
+
+
+def query_accuracy(correct: np.ndarray, queries: np.ndarray) -> tuple[int, int]:
+    """(queries, errors): a query is right when every one of its answer tokens is."""
+    ids, inverse = np.unique(queries, return_inverse=True)
+    wrong = np.zeros(len(ids), bool)
+    np.logical_or.at(wrong, inverse, ~correct)
+    return len(ids), int(wrong.sum())
+
+
+def position_masses(rows: torch.Tensor, episodes: Episodes, b: int, t: int) -> torch.Tensor:
+    """(..., 4) sums of attention rows (..., S) for the answer position t of sequence b over the target
+    item, the distractors, the filler and the rest (MASSES), over the keys before t (t's own key counts
+    as "other": a query never reads its answer from itself)."""
+    support, role = episodes.support[b], episodes.role[b]
+    item = episodes.answer_item[b, t]
+    S = rows.shape[-1]
+    keys = np.arange(S) < t
+    groups = [keys & (support[:S] == item), keys & (role[:S] == ITEM) & (support[:S] != item),
+              keys & (role[:S] == FILLER)]
+    groups.append(~(groups[0] | groups[1] | groups[2]))
+    masks = torch.from_numpy(np.stack(groups, -1).astype(np.float64)).to(rows.device, rows.dtype)  # (S, 4)
+    return rows @ masks
+
+
+def entropy(rows: torch.Tensor) -> torch.Tensor:
+    p = rows.clamp(min=0)
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+
+
+@torch.no_grad()
+def mechanism(model, episodes: Episodes, device, temperature_hook=None) -> dict[str, Any]:
+    """Per layer and head, averaged over every answer position of `episodes`: masses on "diff", "a1",
+    "a2" (MASSES each), entropy of a1 and a2, and the largest logit of each map."""
+    layers = len(model.layers)
+    sums: dict[str, Any] = {}
+    count = 0
+    batch = probe_batch(model, episodes.inputs.shape[1], 8, device, maps_kept=layers)
+    for start in range(0, len(episodes), batch):
+        part = episodes.take(np.arange(start, min(start + batch, len(episodes))))
+        top: list[torch.Tensor | None] = [None] * layers
+
+        def hook_for(i: int):
+            def hook(scores, visible):
+                new = scores if temperature_hook is None else temperature_hook(scores, visible)
+                shown = new if visible is None else new.masked_fill(~visible, float("-inf"))
+                top[i] = shown.amax(-1)  # (B, heads, maps, T)
+                return None if temperature_hook is None else new
+            return hook
+
+        with inspect_attention(model, hook_for):
+            out = model(torch.from_numpy(part.inputs).to(device), return_attention=True)
+        for b, t in zip(*np.nonzero(part.answer_mask)):
+            count += 1
+            for i, maps in enumerate(out.attentions):
+                a2 = maps.a2 if maps.a2 is not None else maps.a1
+                rows = {"diff": maps.diff[b, :, t].double(), "a1": maps.a1[b, :, t].double(), "a2": a2[b, :, t].double()}
+                record = {f"{name}_mass": position_masses(r, part, b, t) for name, r in rows.items()}
+                record["a1_entropy"], record["a2_entropy"] = entropy(rows["a1"]), entropy(rows["a2"])
+                logit = top[i][b, :, :, t].double()  # (heads of the scores, maps)
+                record["a1_max_logit"] = logit[:, 0]
+                record["a2_max_logit"] = logit[:, -1]
+                for key, value in record.items():
+                    sums.setdefault((i, key), torch.zeros_like(value))
+                    sums[(i, key)] += value
+    per_layer = []
+    for i in range(layers):
+        entry = {}
+        for (layer, key), total in sums.items():
+            if layer == i:
+                mean = (total / max(count, 1)).tolist()
+                entry[key] = ({m: [h[j] for h in mean] for j, m in enumerate(MASSES)} if key.endswith("_mass")
+                              else mean)
+        per_layer.append(entry)
+    return {"answer_positions": count, "layers": per_layer}
+
+
+def summary_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[str, float]:
+    """The masses of `which` map averaged over layers and heads (the headline curve)."""
+    out = {}
+    for m in MASSES:
+        values = [v for layer in layers for v in layer[f"{which}_mass"][m]]
+        out[m] = float(np.mean(values)) if values else float("nan")
+    return out
+
+
+@register_task
+class OOD(Task):
+    name = "ood"
+    description = ("a synthetic task out of distribution: accuracy with Wilson intervals at longer contexts and "
+                   "denser distractors, and where each answer's attention goes (target, distractors, filler)")
+    Options = OODOptions
+    white_box = True
+    reads_seq_len = False
+
+    def check_options(self) -> None:
+        o = self.options
+        if o.temperature not in TEMPERATURES:
+            raise ValueError(f"ood.temperature must be one of {', '.join(TEMPERATURES)}, got {o.temperature!r}")
+        for name in ("lengths", "densities"):
+            for f in getattr(o, name):
+                Condition(length=f) if name == "lengths" else Condition(density=f)
+        if not 1 <= o.min_queries <= 10_000_000:
+            raise ValueError(f"ood.min_queries must lie in [1, 10,000,000], got {o.min_queries}")
+        if not 0 <= o.attention_sequences <= 100_000:
+            raise ValueError(f"ood.attention_sequences must lie in [0, 100,000], got {o.attention_sequences}")
+
+    def run(self, model, tokenizer, cfg: EvalConfig) -> TaskResult:
+        model = require_own_model(model, "ood")
+        family = task_family(cfg)
+        o = self.options
+        hook = adaptive_temperature_hook if o.temperature == "adaptive" else None
+        limit = model.config.max_position_embeddings
+        cells, skipped = [], []
+        for c in conditions(o):
+            try:
+                family.check_condition(c)
+            except ValueError as e:
+                skipped.append({"condition": c.name, "reason": str(e)})
+                continue
+            if family.max_length(c) > limit:
+                skipped.append({"condition": c.name, "reason": f"{family.max_length(c)} tokens exceed the "
+                                f"model's max_position_embeddings {limit}"})
+                continue
+            cells.append(self._cell(model, family, c, cfg, hook))
+        base = cells[0]
+        metrics = {"accuracy": base["accuracy"], "errors": base["errors"], "queries": base["queries"]}
+        for cell in cells[1:]:
+            metrics[f"accuracy_{cell['condition']}"] = cell["accuracy"]
+        settings = {"family": family.to_dict(), "position_limit": limit}
+        return TaskResult(self.name, metrics, settings, {"cells": cells, "skipped": skipped})
+
+    def _cell(self, model, family: Family, c: Condition, cfg: EvalConfig, hook) -> dict[str, Any]:
+        per_seq = _queries_per_sequence(family, c, cfg.eval_seed)
+        n = max(1, math.ceil(self.options.min_queries / per_seq))
+        episodes = eval_set(family, c, n, seed=cfg.eval_seed)
+        correct, queries = score(model, episodes, cfg.batch_size * 4, cfg.device, hook)
+        total, errors = query_accuracy(correct, queries)
+        lo, hi = wilson_interval(errors, total)
+        cell = {"condition": c.name, "length": c.length, "density": c.density, "sequences": len(episodes),
+                "tokens": int(family.max_length(c)), "queries": total, "errors": errors,
+                "accuracy": 1 - errors / total, "error_rate_ci95": [lo, hi]}
+        if self.options.attention and self.options.attention_sequences:
+            sample = episodes.take(np.arange(min(self.options.attention_sequences, len(episodes))))
+            cell["attention"] = mechanism(model, sample, cfg.device, hook)
+            cell["attention"]["mean"] = {w: summary_masses(cell["attention"]["layers"], w) for w in ("diff", "a1", "a2")}
+        return cell
+
+    def plot(self, result: TaskResult, path: Path) -> bool:
+        """Accuracy (with its Wilson interval) against the length and the density factor, and the answer's
+        attention mass on the target and on distractors + filler (the "noise") on the same axes."""
+        from matplotlib.figure import Figure
+
+        cells = result.details["cells"]
+        fig = Figure(figsize=(10, 3.6))
+        for n, axis in enumerate(("length", "density")):
+            ax = fig.add_subplot(1, 2, n + 1)
+            row = [c for c in cells if c["length" if axis == "density" else "density"] == 1.0]
+            x = [c[axis] for c in row]
+            acc = [c["accuracy"] for c in row]
+            err = [[c["accuracy"] - (1 - c["error_rate_ci95"][1]) for c in row],
+                   [(1 - c["error_rate_ci95"][0]) - c["accuracy"] for c in row]]
+            ax.errorbar(x, acc, yerr=err, marker="o", capsize=3, label="accuracy")
+            if all("attention" in c for c in row):
+                means = [c["attention"]["mean"]["diff"] for c in row]
+                ax.plot(x, [m["target"] for m in means], "s--", label="mass on target")
+                ax.plot(x, [m["distractor"] + m["filler"] for m in means], "v:", label="mass on noise")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"{axis} factor")
+            ax.set_ylim(-0.05, 1.05)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{result.settings['family']['family']}: out of distribution")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return True
+
+
+def _queries_per_sequence(family: Family, condition: Condition, seed: int) -> float:
+    """The mean number of queries of a sequence under `condition` (from a small pilot draw)."""
+    rng = np.random.default_rng([seed, 0x9170])
+    pilot = family.generate(rng, 64, condition)
+    return max(1.0, float((pilot.answer_query.max(axis=1) + 1).mean()))
