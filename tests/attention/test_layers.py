@@ -6,13 +6,22 @@ import pytest
 import torch
 
 from difftransformer import (
+    KVCache,
     MultiheadAttention,
     MultiheadDiffAttention,
     MultiheadDiffAttentionV2,
     lambda_init_fn,
 )
 from tests.helpers import BACKENDS, TRITON_DEVICE, check_forward_and_grads, padding_mask, rel_err, triton_runs_here
-from tests.reference import diff_layer_reference, lambda_init_reference, mha_reference, rope_reference
+from tests.reference import (
+    diff_layer_reference,
+    lambda_init_reference,
+    mha_layer_reference,
+    mha_reference,
+    rope_reference,
+    ssmax_layer_reference,
+    v2_layer_reference,
+)
 
 # ---------------------------------------------------------------- lambda
 
@@ -265,3 +274,89 @@ def test_a_cache_used_with_gradients_concatenates():
     ks2, _ = cache.update(0, k * 2, k.detach())
     ks2.sum().backward()
     assert torch.allclose(k.grad, torch.full_like(k, 3.0))
+
+
+# ---------------------------------------------------------------- no position encoding (NoPE)
+
+
+def _nope_layer(which: str, backend: str):
+    """A layer of each kind's class with position_encoding='none', parameters off their init."""
+    E = 64
+    if which == "diff":
+        layer = MultiheadDiffAttention(E, 3, 2, 1, backend=backend, position_encoding="none")
+    elif which == "v2":
+        layer = MultiheadDiffAttentionV2(E, 0, 4, 2, backend=backend, position_encoding="none")
+    else:
+        layer = MultiheadAttention(E, 0, 4, 2, backend=backend, position_encoding="none", max_seq_len=64,
+                                   head_norm=which == "headnorm", scalable_softmax=which == "ssmax")
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if not name.endswith("proj.weight"):
+                p.add_(torch.rand_like(p) * 0.5)  # λ vectors, norm weights, SSMax's s
+    return layer
+
+
+def _nope_reference(which: str, layer, sd: dict, x: torch.Tensor):
+    if which == "diff":
+        return diff_layer_reference(sd, x, depth=3, num_heads=2, num_kv_heads=1, rope=False)
+    if which == "v2":
+        return v2_layer_reference(sd, x, num_heads=4, num_kv_heads=2, rope=False)
+    if which == "ssmax":
+        return ssmax_layer_reference(sd, x, num_heads=4, num_kv_heads=2, rope=False)
+    return mha_layer_reference(sd, x, num_heads=4, num_kv_heads=2, head_norm=which == "headnorm", rope=False)
+
+
+NOPE_LAYERS = ["diff", "v2", "transformer", "headnorm", "ssmax"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", NOPE_LAYERS)
+def test_nope_layers_match_the_reference_without_rotation(which, backend):
+    torch.manual_seed(11)
+    layer = _nope_layer(which, backend)
+    assert layer.rotary is None
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    y = layer(x)
+    sd = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
+    xr = x.detach().double().requires_grad_(True)
+    ref = _nope_reference(which, layer, sd, xr)
+    params = dict(layer.named_parameters())
+    check_forward_and_grads(y, ref, [x, *(params[n] for n in sd)], [xr, *sd.values()], names=["x", *sd])
+
+
+@pytest.mark.parametrize("which", NOPE_LAYERS)
+def test_nope_q_and_k_are_the_projections(which):
+    layer = _nope_layer(which, "eager")
+    x = torch.randn(2, 7, 64)
+    heads = {"diff": (4, 2, 16, 32), "v2": (8, 2, 16, 16)}.get(which, (4, 2, 16, 16))
+    q, k, v = layer._project(x, torch.arange(40, 47), None, *heads)
+    assert torch.equal(q, layer.q_proj(x).view(2, 7, heads[0], heads[2]).transpose(1, 2))
+    assert torch.equal(k, layer.k_proj(x).view(2, 7, heads[1], heads[2]).transpose(1, 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", NOPE_LAYERS)
+def test_nope_outputs_do_not_depend_on_positions(which, backend):
+    """Decoding after a gap (cached keys at 0..5, new queries at 30 + t) changes nothing without RoPE, and
+    changes the outputs with it (so the test can fail)."""
+    torch.manual_seed(12)
+    layer = _nope_layer(which, backend)
+    x = torch.randn(2, 11, 64)
+
+    def with_a_gap():
+        cache = KVCache()
+        out = [layer(x[:, :6], position_ids=torch.arange(6), kv_cache=cache)]
+        out += [layer(x[:, t:t + 1], position_ids=torch.tensor([30 + t]), kv_cache=cache) for t in range(6, 11)]
+        return torch.cat(out, dim=1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(with_a_gap(), layer(x), rtol=1e-5, atol=1e-6)
+        layer._make_rotary(16, 10000.0, "rope")
+        assert rel_err(with_a_gap()[:, 6:], layer(x)[:, 6:]) > 1e-3
+
+
+def test_position_encoding_must_be_rope_or_none():
+    with pytest.raises(ValueError, match="position_encoding must be 'rope' .* or 'none' .*, got 'alibi'"):
+        MultiheadAttention(64, 0, 4, position_encoding="alibi")
+    assert MultiheadDiffAttention(64, 0, 2).rotary is not None
+    assert "position_encoding=none" in repr(MultiheadDiffAttention(64, 0, 2, position_encoding="none"))

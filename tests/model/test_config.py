@@ -102,3 +102,16 @@ def test_gpu_aligned_dims_are_multiples_of_64_the_config_accepts():
         fixed = DiffTransformerConfig(hidden_size=cfg.gpu_aligned_dims()["hidden_size"], num_attention_heads=5,
                                       attention=name)
         assert "hidden_size" not in fixed.gpu_unaligned_dims()  # and it constructed: a valid config
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
+def test_position_encoding_is_checked_and_flows_through_matched(kind):
+    nope = get_preset("tiny").config(kind, position_encoding="none")
+    assert nope.position_encoding == "none" and tiny(kind).position_encoding == "rope"
+    for other in ATTENTION_KINDS:
+        assert nope.matched(other).position_encoding == "none"
+    assert DiffTransformerConfig.from_dict(nope.to_dict()) == nope
+    with pytest.raises(ValueError, match="model.position_encoding must be 'rope' .* or 'none' .*, got 'NoPE'"):
+        tiny(kind, position_encoding="NoPE")
+    with pytest.raises(TypeError, match="model.position_encoding must be a str"):
+        tiny(kind, position_encoding=None)

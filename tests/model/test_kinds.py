@@ -18,6 +18,7 @@ EXPECTED = {
     "transformer_headnorm": (MultiheadAttention, True, False),
     "diff_retrofit": (MultiheadDiffAttention, True, True),
     "transformer_gated": (MultiheadAttention, False, False),
+    "transformer_ssmax": (MultiheadAttention, False, False),
 }
 
 
@@ -27,9 +28,12 @@ def test_the_table_answers_the_four_questions():
     assert rows == {"diff": (True, True, True, False), "diff_no_headnorm": (True, True, False, False),
                     "diff_v2": (True, False, False, True), "transformer": (False, False, False, False),
                     "transformer_headnorm": (False, False, True, False),
-                    "diff_retrofit": (True, True, True, False), "transformer_gated": (False, False, False, False)}
+                    "diff_retrofit": (True, True, True, False), "transformer_gated": (False, False, False, False),
+                    "transformer_ssmax": (False, False, False, False)}
     assert [k for k, v in ATTENTION_KINDS.items() if v.diff_heads] == ["diff", "diff_no_headnorm", "diff_retrofit"]
     assert [k for k, v in ATTENTION_KINDS.items() if v.head_norm_ramp] == ["diff_retrofit"]
+    assert [k for k, v in ATTENTION_KINDS.items() if v.output_gate] == ["transformer_gated"]
+    assert [k for k, v in ATTENTION_KINDS.items() if v.scalable_softmax] == ["transformer_ssmax"]
     assert all(v.description for v in ATTENTION_KINDS.values())
 
 
@@ -40,6 +44,8 @@ def test_layers_follow_the_table(kind):
     assert type(layer) is cls
     assert (getattr(layer, "subln", None) is not None) == head_norm
     assert hasattr(layer, "lambda_q1") == scalar
+    assert (getattr(layer, "ssmax_scale", None) is not None) == ATTENTION_KINDS[kind].scalable_softmax
+    assert layer.rotary is not None and build_attention(tiny(kind, position_encoding="none"), depth=1).rotary is None
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))

@@ -86,3 +86,60 @@ def test_logits_to_keep_gives_the_last_positions_logits(kind):
         model(ids, ids, logits_to_keep=1)
     with pytest.raises(ValueError, match="logits_to_keep must be >= 0"):
         model(ids, logits_to_keep=-1)
+
+
+# ---------------------------------------------------------------- no position encoding (NoPE)
+
+
+def _nope(kind: str, **overrides) -> DiffTransformerLM:
+    torch.manual_seed(6)
+    return DiffTransformerLM(tiny(kind, position_encoding="none", initializer_range=0.1, **overrides)).eval()
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
+def test_a_nope_model_has_no_rotation_and_its_cache_and_generation_are_exact(kind):
+    model = _nope(kind, num_key_value_heads=1)
+    assert all(block.self_attn.rotary is None for block in model.layers)
+    assert all(block.self_attn.rotary is not None for block in DiffTransformerLM(tiny(kind)).layers)
+    ids = torch.randint(0, 512, (2, 15))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = KVCache()
+        got = torch.cat([model(c, kv_cache=cache).logits for c in (ids[:, :6], ids[:, 6:7], ids[:, 7:])], dim=1)
+        torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+        shifted = model(ids, position_ids=torch.arange(100, 115)).logits  # no position reaches the layers
+        torch.testing.assert_close(shifted, full, rtol=1e-5, atol=1e-5)
+    prompt = ids[:, :4]
+    assert torch.equal(model.generate(prompt, 8, temperature=0.0, use_cache=True),
+                       model.generate(prompt, 8, temperature=0.0, use_cache=False))
+
+
+def test_nope_is_saved_in_config_json_and_old_configs_load_as_rope(tmp_path):
+    import json
+
+    from difftransformer import DiffTransformerConfig
+
+    model = _nope("diff")
+    model.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["position_encoding"] == "none"
+    loaded = DiffTransformerLM.from_pretrained(tmp_path).eval()
+    assert loaded.config == model.config and loaded.layers[0].self_attn.rotary is None
+    ids = torch.randint(0, 512, (1, 9))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    del data["position_encoding"]  # a config.json written before the field existed
+    assert DiffTransformerConfig.from_dict(data).position_encoding == "rope"
+
+
+@pytest.mark.parametrize("to, kind", [("llama", "transformer"), ("diffllama", "diff"), ("unilm", "diff")])
+def test_converters_refuse_nope(to, kind):
+    from difftransformer.convert import ConversionError, convert
+
+    cfg = tiny(kind, vocab_size=64, hidden_size=32, num_hidden_layers=1, position_encoding="none")
+    state = DiffTransformerLM(cfg).state_dict()
+    with pytest.raises(ConversionError, match="position_encoding='none'.*always applies RoPE") as e:
+        convert(state, cfg.to_dict(), "ours", to)
+    assert "\n" not in str(e.value)
+    assert convert(state, cfg.to_dict(), "ours", "ours")[1] == cfg
+    convert(DiffTransformerLM(tiny(kind, vocab_size=64, hidden_size=32, num_hidden_layers=1)).state_dict(),
+            tiny(kind, vocab_size=64, hidden_size=32, num_hidden_layers=1).to_dict(), "ours", to)  # RoPE converts
