@@ -33,14 +33,16 @@ def fsync_dir(path: Path) -> None:
 
 
 _TMP_TOKEN_BYTES = 4  # _new_tmp's random part: 8 hex digits
-_TMP_NAME = re.compile(rf".+\.[0-9a-f]{{{2 * _TMP_TOKEN_BYTES}}}\.tmp")  # what _new_tmp names its files
+# what _new_tmp names its files: <name>.<8 hex>.tmp, and .tmp.<ext> for writers that pick a format by suffix
+_TMP_NAME = re.compile(rf".+\.[0-9a-f]{{{2 * _TMP_TOKEN_BYTES}}}\.tmp(\.[A-Za-z0-9]{{1,8}})?")
 
 
-def _new_tmp(path: Path) -> Path:
+def _new_tmp(path: Path, suffix: str = "") -> Path:
     """A fresh file beside `path` (same filesystem, so os.replace is atomic), unique so that concurrent
-    writers never share one, and created with the umask's permissions (mkstemp would force 0600)."""
+    writers never share one, and created with the umask's permissions (mkstemp would force 0600).
+    suffix: appended after '.tmp' (".png": a plotting library reads the format from the name)."""
     while True:
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(_TMP_TOKEN_BYTES)}.tmp")
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(_TMP_TOKEN_BYTES)}.tmp{suffix}")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp
@@ -93,13 +95,15 @@ def broken_link(link: str | Path) -> str | None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | Path, *, fsync: bool = False, suffix: str = "") -> Iterator[Path]:
     """Yield a temp path to write; on success it replaces `path`, on failure it is removed.
 
     fsync=True also flushes the file and the rename to disk, for files that must survive power loss.
+    suffix: the temporary name's ending after '.tmp' (for writers that choose a format by the name).
+    A killed writer's temporary is swept by the next holder of the folder's lock (folder_lock).
     """
     path = Path(path)
-    tmp = _new_tmp(path)
+    tmp = _new_tmp(path, suffix)
     try:
         with writing(path):
             yield tmp
@@ -180,6 +184,15 @@ def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> No
         tmp.write_text(text, encoding="utf-8")
 
 
+def atomic_copy(src: str | Path, dst: str | Path) -> None:
+    """Copy a file to `dst` whole or not at all: a full disk or a kill leaves the old `dst` (or none)."""
+    import shutil
+
+    with atomic_path(dst) as tmp:
+        with writing(dst):
+            shutil.copyfile(src, tmp)
+
+
 def atomic_savefig(fig, path: str | Path, **savefig_kwargs) -> None:
     """Save a matplotlib figure to `path` atomically: `fig.savefig(path)` truncates the old file first, so
     a full disk or a kill mid-write left a torn plot where a good one was; here the old plot stays
@@ -235,22 +248,24 @@ def check_folder_kind(folder: str | Path, kind: str) -> None:
             raise ForeignFolderError(f"{folder} holds {other}; {kind} is not written into it: choose another folder")
 
 
-def _remove_stale_temporaries(folder: Path) -> None:
-    """Delete `_new_tmp`'s files directly in `folder` (none of them is a complete file: see folder_lock)."""
+def _remove_stale_temporaries(folder: Path, recursive: bool = False) -> None:
+    """Delete `_new_tmp`'s files in `folder` (below it too when `recursive`): none of them is a complete
+    file, and with the folder's lock held nobody is writing them (see folder_lock)."""
     if folder.is_dir():
-        for tmp in folder.glob("*.tmp"):
+        for tmp in (folder.rglob("*.tmp*") if recursive else folder.glob("*.tmp*")):
             if _TMP_NAME.fullmatch(tmp.name) and tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: str | None = None,
-                owns: tuple[str, ...] = ()) -> Iterator[None]:
+                owns: tuple[str, ...] = (), sweep_all: bool = False) -> Iterator[None]:
     """Hold the exclusive lock of `folder` (created if missing) while the block runs.
 
     On taking it, the temporary files `atomic_path` leaves when its writer is killed between creating one
     and renaming it into place are deleted from `folder` and from its subfolders named in `owns` (those
-    the holder alone writes): with the lock held nobody else can be writing them.
+    the holder alone writes), or from the whole tree below it with `sweep_all` (a folder of result files
+    meant to be committed): with the lock held nobody else can be writing them.
 
     A second process that asks for it fails at once with FolderInUseError naming the holder (pid,
     host, command, start time). The lock is an advisory flock on `folder/.lock`: the operating
@@ -295,7 +310,7 @@ def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: s
     _held[key] = (fd, 1)
     try:
         for place in (folder, *(folder / sub for sub in owns)):
-            _remove_stale_temporaries(place)
+            _remove_stale_temporaries(place, recursive=sweep_all)
         import datetime as dt
         import socket
         import sys

@@ -132,7 +132,9 @@ def test_compare_continues_unfinished_arms_and_refuses_another_study(workdir, tm
                  "--set", "compare.sample_tokens=2"]) == 0
     caplog.set_level("INFO")
     assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=8",
-                 "--set", "compare.sample_tokens=2"]) == 0
+                 "--set", "compare.sample_tokens=2"]) == 2  # the 4-step result files are not replaced silently
+    assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=8",
+                 "--set", "compare.sample_tokens=2", "--replace-results"]) == 0
     assert "resumed from" in caplog.text  # from the step-4 checkpoint, not from scratch
     for arm in ("diff", "transformer"):
         steps = [json.loads(line)["step"] for line in (out / arm / "metrics.jsonl").read_text().splitlines()]

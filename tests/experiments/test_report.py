@@ -66,3 +66,36 @@ def test_lambda_table_shows_the_logged_lambda_and_lambda_init(tmp_path):
     text = write_report(_synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]}), samples=False).read_text()
     table = text.split("## λ per layer")[1]
     assert "| 0 | 0.250 | 0.300 ± 0.000 |" in table and "| 1 | 0.500 | 0.500 ± 0.000 |" in table
+
+
+@pytest.mark.parametrize("key, value, shown", [("seeds", [0, "1"], '[0, "1"]'), ("arms", ["diff", 5], '["diff", 5]'),
+                                               ("tokens", [10**400], "1000000"), ("wall_s", {"diff": "x"}, '"x"')])
+def test_a_hand_edited_manifest_is_one_error_naming_file_key_and_value(tmp_path, key, value, shown):
+    root = _synthetic(tmp_path, {"diff": [3.0], "transformer": [3.5]})
+    manifest = json.loads((root / "compare.json").read_text())
+    (root / "compare.json").write_text(json.dumps({**manifest, key: value}))
+    with pytest.raises(ValueError, match=f"compare.json: {key} is .*not a") as e:
+        write_report(root, samples=False)
+    assert shown in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_report_holds_the_study_folders_lock(tmp_path):
+    """A report written while `compare` (or another report) writes the folder is refused at once, not torn."""
+    import subprocess
+    import sys
+
+    from difftransformer._io import FolderInUseError
+
+    root = _synthetic(tmp_path, {"diff": [3.0], "transformer": [3.5]})
+    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderInUseError, match=f"pid {proc.pid}"):
+            write_report(root, samples=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (root / "report.md").exists()
+    assert write_report(root, samples=False).is_file()

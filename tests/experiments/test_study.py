@@ -260,3 +260,71 @@ def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplo
     assert "result reused" not in caplog.text and caplog.text.count("training into") == 2
     with pytest.raises(ValueError, match="compare.reuse must be a list"):
         CompareConfig(reuse="results/paper-cpu")
+
+
+def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, tmp_path):
+    """Committed result files (no run folders) and a run of the same study with another max_steps: refused
+    before anything is written, naming train.max_steps; with the run folders there, a shorter recipe is refused
+    even without result files (their weights are no result of it); --replace-results replaces, on purpose."""
+    from difftransformer.experiments import StudyMismatchError
+
+    results = tmp_path / "committed"
+    base = _study(data_dir, results)
+    recipe = lambda steps: dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=steps))
+    run_compare(recipe(3), tmp_path / "machine1", report=False)
+    files = sorted(results.rglob("*.json"))
+    before = {p: p.read_bytes() for p in files}
+    for out, steps in ((tmp_path / "machine2", 2), (tmp_path / "machine2", 4), (tmp_path / "machine1", 2)):
+        with pytest.raises(ResultFileError, match=r"train\.max_steps: 3 before, %d now.*--replace-results" % steps):
+            run_compare(recipe(steps), out, report=False)
+        assert {p: p.read_bytes() for p in files} == before  # nothing rewritten, the manifest copy included
+    assert not (tmp_path / "machine2" / "diff").exists()
+    for p in files:
+        if p.name != "compare.json":
+            p.unlink()
+    with pytest.raises(StudyMismatchError, match="trained to step 3, past train.max_steps 2.*--no-resume"):
+        run_compare(recipe(2), tmp_path / "machine1", report=False)
+    run_compare(recipe(3), tmp_path / "machine1", report=False)  # the result files come back from the runs
+    run_compare(recipe(4), tmp_path / "machine1", report=False, replace_results=True)
+    record = json.loads(result_path(results, Unit(None, None, 0, "diff"), False).read_text())
+    assert record["max_steps"] == record["last_step"] == record["identity"]["train"]["max_steps"] == 4
+
+
+def test_a_result_file_with_a_metric_no_float_holds_is_named_not_a_traceback(tmp_path):
+    record = _record(Unit(None, None, 0, "diff"), 3.0, 1000, {"needle": {"metrics": {"acc": 10**400}}})
+    _write_results(tmp_path / "r", [record, _record(Unit(None, None, 0, "transformer"), 3.1, 1000)], [], [0])
+    with pytest.raises(ResultFileError, match=r"diff.json is not a valid result file \(evals.needle.metrics.acc is "
+                                              r"1000000.*, not a number"):
+        write_report(tmp_path / "r", samples=False)
+
+
+def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(data_dir, tmp_path):
+    """Study folders a and b write one results_dir: the manifest beside the result files keeps the arms of both
+    whichever runs last, so the report of the result files lists every arm; while one study writes there,
+    another is refused at once; temporaries that killed writes left among the result files are swept."""
+    import subprocess
+    import sys
+
+    from difftransformer._io import FolderInUseError
+
+    results = tmp_path / "shared"
+    run_compare(_study(data_dir, results), tmp_path / "a", report=False)
+    run_compare(_study(data_dir, results, arms=["diff_v2"]), tmp_path / "b", report=False)
+    left = [results / "diff.json.0123abcd.tmp", results / "sub" / "x.json.89abcdef.tmp"]
+    for p in left:
+        p.parent.mkdir(exist_ok=True)
+        p.write_text("half")
+    run_compare(_study(data_dir, results), tmp_path / "a", report=False)  # a again: nothing to train
+    assert json.loads((results / "compare.json").read_text())["arms"] == ["diff", "transformer", "diff_v2"]
+    assert "| `diff_v2` |" in write_report(results, samples=False).read_text()
+    assert not any(p.exists() for p in left)
+    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(results)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*another compare.results_dir"):
+            run_compare(_study(data_dir, results), tmp_path / "c", report=False)
+    finally:
+        proc.kill()
+        proc.wait()

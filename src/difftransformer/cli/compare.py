@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: [compare].arms, else diff,transformer); the first is the paired-init reference")
     p.add_argument("--seeds", metavar="LIST", help="comma-separated training seeds, e.g. 0,1,2 (default: "
                    "[compare].seeds, else [train].seed)")
+    p.add_argument("--replace-results", action="store_true",
+                   help="replace stored result files of another training length (train.max_steps): their units "
+                        "train again (from their checkpoints where there are some); without it such a file is "
+                        "refused, naming what differs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.resolve_vocab(data.vocab_size)
     t0 = time.perf_counter()
     run_compare(Study(cfg.model, cfg.train, cfg.data, cfg.compare, cfg.source), study_dir.path, arms=arms,
-                seeds=seeds, resume=not args.no_resume)
+                seeds=seeds, resume=not args.no_resume, replace_results=args.replace_results)
     if dist.is_main():
         print(f"\ncompare finished in {(time.perf_counter() - t0) / 60:.1f} min; report: {study_dir.report}")
         print_section(study_dir.report, "## Verdict")

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.dir.strip():
+        raise ConfigError("DIR is empty; name the study folder (the --out-dir of a `difftransformer compare` run), "
+                          "e.g. `difftransformer report runs/demo`, or `.` for the current folder")
     if not Path(args.dir).is_dir():
         raise ConfigError(f"{args.dir} is not a folder; give the --out-dir of a `difftransformer compare` run")
     report = write_report(args.dir, samples=not args.no_samples)

@@ -60,7 +60,8 @@ def record_problem(data: Any, task: str) -> str | None:
 
 
 def _number(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and (isinstance(value, float) or abs(value) < 2**63))
 
 
 class ResultsDir:

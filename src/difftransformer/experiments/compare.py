@@ -103,17 +103,27 @@ class Study:
 
 
 def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
-                resume: bool = True, command: str | None = None, report: bool = True) -> Path:
+                resume: bool = True, command: str | None = None, report: bool = True,
+                replace_results: bool = False) -> Path:
     """Train and evaluate every unit (arm x seed x size x budget, paired per seed), write each unit's
     result file, then <out_dir>/report.md; returns out_dir. Units with a result file are skipped.
 
-    One study at a time per folder: a second one refuses at once (FolderInUseError)."""
+    A stored result file is never replaced by a run of another recipe: one of another training length
+    (train.max_steps) is refused before anything is written, unless `replace_results` (the unit then
+    trains again, from its checkpoints where it has them, and its file is replaced) or `resume=False`
+    (everything starts over); a run folder trained past max_steps is refused unless `resume=False`.
+
+    One study at a time per folder: a second one refuses at once (FolderInUseError); so does a second
+    study writing the same compare.results_dir."""
     folder = StudyDir(out_dir)
     _check_folders(study, folder.path)
+    args = (study, folder, arms, seeds, resume, command, report, replace_results)
     if not dist.is_main():
-        return _run_compare(study, folder, arms, seeds, resume, command, report)
-    with folder_lock(folder.path, purpose="compare into another --out-dir", kind="a study"):
-        return _run_compare(study, folder, arms, seeds, resume, command, report)
+        return _run_compare(*args)
+    with folder_lock(folder.path, purpose="compare into another --out-dir", kind="a study"), \
+            folder_lock(study.results_dir(folder.path), purpose="give this study another compare.results_dir",
+                        sweep_all=True):
+        return _run_compare(*args)
 
 
 def _check_folders(study: Study, out_dir: Path) -> None:
@@ -133,7 +143,7 @@ def _check_folders(study: Study, out_dir: Path) -> None:
 
 
 def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
-                 command: str | None, report: bool) -> Path:
+                 command: str | None, report: bool, replace: bool) -> Path:
     arms = list(arms or study.compare.arm_names)
     seeds = list(seeds if seeds is not None else (study.compare.seeds or [study.train.seed]))
     data = ensure_data(study.data)
@@ -142,16 +152,19 @@ def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: 
         study.train_for(tokens)  # every budget is checked before anything trains
     results = study.results_dir(folder.path)
     manifest = _merge_manifest(folder, results, _manifest(study, arms, seeds, data, command))
-    if dist.is_main():
-        folder.path.mkdir(parents=True, exist_ok=True)
-        _save_manifest(folder, results, manifest)
     # the layout follows the study's seeds, not this invocation's: `--seeds 5` on a one-seed study is its
     # second seed (seed5/<arm>), never a claim on <arm>/ and <arm>.json, which hold seed 0's run and result
     multi = len(manifest["seeds"]) > 1
-    for size, tokens in study.cells():
-        for seed in seeds:
-            cell = _Cell(study, folder, manifest, results, data, size, tokens, seed, multi)
-            cell.run(arms, resume)
+    cells = [_Cell(study, folder, manifest, results, data, size, tokens, seed, multi, replace)
+             for size, tokens in study.cells() for seed in seeds]
+    if resume:
+        for cell in cells:  # every stored result and run is checked before anything is written
+            cell.check(arms)
+    if dist.is_main():
+        folder.path.mkdir(parents=True, exist_ok=True)
+        _save_manifest(folder, results, manifest)
+    for cell in cells:
+        cell.run(arms, resume)
     if dist.is_main():
         manifest["finished"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
         _save_manifest(folder, results, manifest)
@@ -175,9 +188,26 @@ class _Cell:
     tokens: int | None
     seed: int
     multi: bool
+    replace: bool = False  # a stored result of another training length may be replaced (--replace-results)
 
     def unit(self, arm: str) -> Unit:
         return Unit(self.size.name if self.size else None, self.tokens, self.seed, arm)
+
+    def check(self, arms: list[str]) -> None:
+        """Refuse, before anything is written, a stored result or a run folder that this invocation would
+        replace or mislabel: a result file of another recipe (check_identity), or a run trained past
+        this recipe's max_steps (its weights are not a result of the shorter recipe)."""
+        train_cfg = self.study.train_for(self.tokens)
+        for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
+            unit = self.unit(arm)
+            if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
+                continue
+            run = self.folder.unit_dir(unit, self.multi)
+            if run.has_metrics() and run.last_step() > train_cfg.max_steps:
+                raise StudyMismatchError(
+                    f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
+                    f"its weights are no {train_cfg.max_steps}-step result; use another --out-dir (and "
+                    f"compare.results_dir) for the shorter recipe, or pass --no-resume to train the study again")
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
@@ -216,12 +246,12 @@ class _Cell:
         record = read_result(other)  # <arm>.json of a one-seed study is its seed's only: check it is this one
         return other if record is not None and Unit.from_dict(record["unit"]) == unit else path
 
-    def _has_result(self, unit: Unit, identity: dict[str, Any]) -> bool:
+    def _has_result(self, unit: Unit, identity: dict[str, Any], reuse: bool = True) -> bool:
         path = self._result_file(unit)
         record = read_result(path)
         if record is not None:
-            return check_identity(path, record, identity)
-        return self._reuse(unit, identity, result_path(self.results, unit, self.multi))
+            return check_identity(path, record, identity, replace=self.replace)
+        return reuse and self._reuse(unit, identity, result_path(self.results, unit, self.multi))
 
     def _reuse(self, unit: Unit, identity: dict[str, Any], path: Path) -> bool:
         """Copy another study's result for this very unit (compare.reuse) into `path`: same unit, same
@@ -330,16 +360,21 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
 
 
 def _merge_manifest(folder: StudyDir, results: Path, new: dict[str, Any]) -> dict[str, Any]:
-    """Continue the manifest of an earlier invocation in the same folder, or of the result files (a study
-    continued on another machine), refusing another study: arms and seeds from before stay, so the
-    report covers everything."""
-    source = folder.manifest if folder.manifest.is_file() else results / MANIFEST_COPY
+    """Continue the manifests of earlier invocations: the study folder's and the one beside the result files
+    (a study continued on another machine, or another study folder writing the same results_dir), refusing
+    another study: arms and seeds from either stay, so neither report loses an arm."""
+    for source in dict.fromkeys((results / MANIFEST_COPY, folder.manifest)):
+        new = _merge_one(source, new)
+    return new
+
+
+def _merge_one(source: Path, new: dict[str, Any]) -> dict[str, Any]:
     old = StudyDir(source.parent).read_manifest()
     if old is None:
         return new
     _check_same_study(old, new, source)
-    new["started"] = old.get("started", new["started"])
-    new["wall_s"] = old.get("wall_s", {})
+    new["started"] = min(str(old.get("started", new["started"])), new["started"])
+    new["wall_s"] = {**new["wall_s"], **(old.get("wall_s") or {})}
     new["arms"] = new["arms"] + [a for a in old.get("arms", []) if a not in new["arms"]]
     new["baseline"] = baseline_arm(new["arms"])
     new["seeds"] = sorted(set(new["seeds"]) | set(old.get("seeds", [])))

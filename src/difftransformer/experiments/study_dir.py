@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from difftransformer._io import Folder, folder_entry, register_folder_kind
 from difftransformer.experiments.units import MANIFEST_COPY, Unit
@@ -30,6 +30,53 @@ HTML_FILE = "report.html"
 LOSS_PLOT_FILE = "loss_curves.png"
 LAMBDA_PLOT_FILE = "lambda.png"
 _SEED_PREFIX = "seed"
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _table_of(kind: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(kind(x) for x in v.values())
+
+
+def _list_of(kind: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or (isinstance(v, list) and all(kind(x) for x in v))
+
+
+_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 2**63  # noqa: E731
+# What the runner and the report read of a manifest, and the type each element must have.
+_MANIFEST_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "arms": (lambda v: isinstance(v, list) and all(isinstance(a, str) and a for a in v), "a list of arm names"),
+    "seeds": (lambda v: isinstance(v, list) and all(map(_integer, v)), "a list of integer seeds >= 0"),
+    "baseline": (lambda v: v is None or isinstance(v, str), "an arm name"),
+    "sizes": (_list_of(lambda s: isinstance(s, dict) and isinstance(s.get("name"), str)),
+              "a list of sizes with a name"),
+    "tokens": (_list_of(_integer), "a list of integer token budgets"),
+    "results_dir": (lambda v: v is None or isinstance(v, str), "a folder path"),
+    "train": (_table_of(lambda x: True), "a table of training settings"),
+    "data": (_table_of(lambda x: True), "a table of data settings"),
+    "report": (_table_of(lambda x: True), "a table of report settings"),
+    "models": (_table_of(lambda m: isinstance(m, dict)), "a table of model configs"),
+    "arm_specs": (_table_of(lambda m: isinstance(m, dict)), "a table of arm settings"),
+    "parameters": (_table_of(lambda n: n is None or _integer(n)), "a table of parameter counts"),
+    "wall_s": (_table_of(lambda n: n is None or _number(n)), "a table of seconds"),
+    "eval_tasks": (_list_of(lambda t: isinstance(t, str)), "a list of task names"),
+}
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What in a manifest has the wrong type for the runner and the report that read it, naming the key and
+    the value (None: all fine)."""
+    for key, (ok, what) in _MANIFEST_FIELDS.items():
+        if key in manifest and not ok(manifest[key]):
+            return f"{key} is {_shown(manifest[key])}, not {what}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class StudyDir(Folder):
@@ -68,6 +115,10 @@ class StudyDir(Folder):
                 or not isinstance(manifest.get("seeds"), list):
             raise ValueError(f"{self.manifest} lacks its list of arms or seeds; restore it, or delete it to have "
                              f"the study read from its run folders")
+        problem = manifest_problem(manifest)
+        if problem:
+            raise ValueError(f"{self.manifest}: {problem} (edited by hand?); restore it, or delete it to have the "
+                             f"study read from its run folders")
         return manifest
 
     def run_dir(self, arm: str, seed: int, multi_seed: bool) -> RunDir:

@@ -102,7 +102,8 @@ def read_result(path: Path) -> dict[str, Any] | None:
 
 
 def _number(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+             and (isinstance(v, float) or abs(v) < 2**63))
 
 
 def _rows(rows: Any, numeric: tuple[str, ...]) -> bool:
@@ -127,11 +128,15 @@ def _shape_problem(record: dict[str, Any]) -> str | None:
         ("train", _rows(record.get("train", []), ("step", "loss", "tokens", "lr", "grad_norm", "tokens_per_s")),
          "a list of {step, loss, tokens, ...} rows"),
         ("evals", isinstance(record.get("evals", {}), dict) and all(
-            isinstance(v, dict) and isinstance(v.get("metrics"), dict) and all(map(_number, v["metrics"].values()))
-            for v in (record.get("evals") or {}).values()), "a table of task results with their metrics"),
+            isinstance(v, dict) and isinstance(v.get("metrics"), dict) for v in (record.get("evals") or {}).values()),
+         "a table of task results with their metrics"),
         ("samples", record.get("samples") is None or isinstance(record["samples"], list), "a list or null"),
     ]
     bad = [f"{name} is not {what}" for name, ok, what in checks if not ok]
+    evals = record.get("evals") if isinstance(record.get("evals"), dict) else {}
+    bad += [f"evals.{task}.metrics.{k} is {str(v)[:40]}, not a number" for task, e in evals.items()
+            if isinstance(e, dict) and isinstance(e.get("metrics"), dict)
+            for k, v in e["metrics"].items() if not _number(v)][:1]
     return "; ".join(bad) or None
 
 
@@ -147,11 +152,7 @@ def identity_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     before a training setting existed is read with that setting at its default (a new field's default
     is what the code did before it: adding `init_from` must not make every committed result "another
     experiment", retrained or refused)."""
-    old_train, new_train = old.get("train"), new.get("train")
-    if isinstance(old_train, dict) and isinstance(new_train, dict):
-        defaults = _train_defaults()
-        old = {**old, "train": {**{k: defaults[k] for k in new_train if k not in old_train and k in defaults},
-                                **old_train}}
+    old = _with_defaults(old, new)
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
@@ -161,21 +162,46 @@ def _train_defaults() -> dict[str, Any]:
     return TrainConfig().to_dict()
 
 
-def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any]) -> bool:
-    """Whether `record` was produced for `identity` (then the unit is done). A record of the same unit
-    trained for another number of steps is stale (False: the unit is continued and the file replaced);
-    one for another model, recipe or data is a ResultFileError: reusing it would report another
-    experiment's numbers."""
+def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted keys at which two recorded identities (or parts of them) differ, with both values, for
+    messages: ["train.max_steps: 4 before, 2 now"]."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for k in sorted(set(old) | set(new), key=str)
+                for line in differing_keys(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))]
+    return [] if old == new else [f"{prefix or 'identity'}: {old!r} before, {new!r} now"]
+
+
+def _with_defaults(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` with the training settings it predates at their defaults (see identity_differences)."""
+    old_train, new_train = old.get("train"), new.get("train")
+    if not (isinstance(old_train, dict) and isinstance(new_train, dict)):
+        return old
+    defaults = _train_defaults()
+    return {**old, "train": {**{k: defaults[k] for k in new_train if k not in old_train and k in defaults},
+                             **old_train}}
+
+
+def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any], *, replace: bool = False) -> bool:
+    """Whether `record` was produced for `identity` (then the unit is done). A stored result is never
+    replaced silently: one of the same unit trained for another number of steps is a ResultFileError
+    naming the steps, unless `replace` (then False: the unit is trained again and the file replaced);
+    one for another model, recipe or data is a ResultFileError naming the keys that differ, whatever
+    `replace` says (reusing it would report another experiment's numbers)."""
     old = record.get("identity") or {}
     differ = identity_differences(old, identity)
+    if not differ:
+        return True
+    keys = "; ".join(differing_keys(_with_defaults(old, identity), identity))
     if differ == ["train"]:
         steps = lambda d: {**d, "train": {k: v for k, v in (d.get("train") or {}).items() if k != "max_steps"}}
         if not identity_differences(steps(old), steps(identity)):
-            return False
-    if differ:
-        raise ResultFileError(f"{path} holds the result of another experiment ({', '.join(differ)} differ); use "
-                              f"another compare.results_dir, or delete the file to train this unit again")
-    return True
+            if replace:
+                return False
+            raise ResultFileError(f"{path} holds a finished result of another training length ({keys}); a stored "
+                                  f"result is not replaced silently: give the new recipe its own compare.results_dir "
+                                  f"and --out-dir, or pass --replace-results to train it again and replace the file")
+    raise ResultFileError(f"{path} holds the result of another experiment ({', '.join(differ)} differ: {keys}); use "
+                          f"another compare.results_dir, or delete the file to train this unit again")
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from difftransformer._io import atomic_write_text
+from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.report import sections
 from difftransformer.experiments.report.html import write_html
@@ -29,8 +29,16 @@ def write_report(study_dir: str | Path, *, samples: bool = True, html: bool = Tr
 
     `study_dir` is a study folder, or a results folder alone (its result files and the manifest copy):
     both give the same report, because every number is read from the units' result records, or from a
-    run folder for a unit that has no result file yet."""
-    ctx = _context(StudyDir(study_dir), samples)
+    run folder for a unit that has no result file yet. It holds the folder's lock while it writes (a
+    `compare` running there refuses, and the reverse: FolderInUseError)."""
+    if not Path(study_dir).is_dir():
+        raise FileNotFoundError(f"{study_dir} is not a folder; give the --out-dir of a `difftransformer compare` run")
+    with folder_lock(study_dir, purpose="wait for it to finish, then write the report again", kind="a study"):
+        return _write_report(StudyDir(study_dir), samples, html)
+
+
+def _write_report(study: StudyDir, samples: bool, html: bool) -> Path:
+    ctx = _context(study, samples)
     plot_losses(ctx.runs, ctx.arms, ctx.seeds, ctx.study.loss_plot)
     has_lambda_plot = plot_lambdas(ctx.runs, ctx.arms, ctx.seeds[0], ctx.study.lambda_plot)
     has_scaling = plot_scaling(ctx, ctx.study.path)
