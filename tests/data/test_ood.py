@@ -132,6 +132,9 @@ def test_sampler_batches_are_padded_windows_with_loss_on_answers_only():
     e = sampler.episodes(0)
     assert torch.equal(y, torch.from_numpy(e.targets))
     assert ((y != IGNORE).sum(1) == family.queries * family.value_len).all()
+    few = TaskSampler(MQAR(min_pairs=1, max_pairs=3, queries=8), 64, 100).episodes(0)
+    pairs = [len(np.unique(few.support[b][few.support[b] >= 0])) for b in range(64)]
+    assert list((few.answer_query.max(1) + 1)) == pairs, "min(queries, pairs) queries"
     halves = [sampler.batch(0, r, 2) for r in range(2)]
     assert torch.equal(torch.cat([h[0] for h in halves]), x)
     with pytest.raises(ValueError, match="seq_len"):
@@ -190,8 +193,6 @@ def test_task_configs_validate_early_and_name_the_fix():
         family_from_dict({"family": "mqr"})
     with pytest.raises(ValueError, match="did you mean 'min_pairs'"):
         family_from_dict({"family": "mqar", "min_pair": 4})
-    with pytest.raises(ValueError, match="queries"):
-        MQAR(queries=9, min_pairs=8)
     with pytest.raises(ValueError, match="p_ignore"):
         FlipFlop(p_ignore=1.0)
     with pytest.raises(TypeError, match="must be an int"):

@@ -18,11 +18,12 @@ sequences never trained on) is scored:
   (the leading EOS, the query part); the entropy of the non-negative maps; the largest pre-softmax
   logit. For DIFF V1 and V2 the masses are measured on A1 - λA2 and on A1 and A2 apart ("diff", "a1",
   "a2"); for ordinary attention "diff" and "a1" are the one softmax map.
-- temperature="adaptive": adaptive temperature at inference (Veličković et al. 2024, "softmax is not
-  enough"): every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's entropy H
-  exceeds 0.5 (β = 1 otherwise), p the authors' quartic fit (`ADAPTIVE_POLY`); no training change. On
-  DIFF it applies to each of the two maps. It goes through the layers' score hooks, so the eager
-  backend computes every condition.
+- adaptive_temperature=True: each condition is scored a second time with adaptive temperature at
+  inference (Veličković et al. 2024, "softmax is not enough"), a dispersion fix without any subtraction
+  and without training: every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's
+  entropy H exceeds 0.5 (β = 1 otherwise), p the authors' quartic fit (`ADAPTIVE_POLY`). On DIFF it
+  applies to each of the two maps. It goes through the layers' score hooks (the eager backend). The
+  mechanism is measured without it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, re
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 ADAPTIVE_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)  # highest degree first, as numpy.polyval takes it
-TEMPERATURES = ("none", "adaptive")
 MASSES = ("target", "distractor", "filler", "other")
 Z95 = 1.959963984540054
 
@@ -85,7 +85,8 @@ class OODOptions:
     min_queries: int = field(default=10_000, metadata={"help": "queries scored per condition (at least)"})
     attention: bool = field(default=True, metadata={"help": "measure the attention maps (mechanism)"})
     attention_sequences: int = field(default=64, metadata={"help": "sequences per condition whose maps are measured"})
-    temperature: str = field(default="none", metadata={"help": "none | adaptive (adaptive temperature at inference)"})
+    adaptive_temperature: bool = field(default=True, metadata={
+        "help": "also score every condition with adaptive temperature at inference (Velickovic et al. 2024)"})
 
 
 def conditions(options: OODOptions) -> list[Condition]:
@@ -162,7 +163,7 @@ def entropy(rows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mechanism(model, episodes: Episodes, device, temperature_hook=None) -> dict[str, Any]:
+def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
     """Per layer and head, averaged over every answer position of `episodes`: masses on "diff", "a1",
     "a2" (MASSES each), entropy of a1 and a2, and the largest logit of each map."""
     layers = len(model.layers)
@@ -175,10 +176,8 @@ def mechanism(model, episodes: Episodes, device, temperature_hook=None) -> dict[
 
         def hook_for(i: int):
             def hook(scores, visible):
-                new = scores if temperature_hook is None else temperature_hook(scores, visible)
-                shown = new if visible is None else new.masked_fill(~visible, float("-inf"))
+                shown = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
                 top[i] = shown.amax(-1)  # (B, heads, maps, T)
-                return None if temperature_hook is None else new
             return hook
 
         with inspect_attention(model, hook_for):
@@ -228,8 +227,6 @@ class OOD(Task):
 
     def check_options(self) -> None:
         o = self.options
-        if o.temperature not in TEMPERATURES:
-            raise ValueError(f"ood.temperature must be one of {', '.join(TEMPERATURES)}, got {o.temperature!r}")
         for name in ("lengths", "densities"):
             for f in getattr(o, name):
                 Condition(length=f) if name == "lengths" else Condition(density=f)
@@ -242,7 +239,6 @@ class OOD(Task):
         model = require_own_model(model, "ood")
         family = task_family(cfg)
         o = self.options
-        hook = adaptive_temperature_hook if o.temperature == "adaptive" else None
         limit = model.config.max_position_embeddings
         cells, skipped = [], []
         for c in conditions(o):
@@ -255,27 +251,29 @@ class OOD(Task):
                 skipped.append({"condition": c.name, "reason": f"{family.max_length(c)} tokens exceed the "
                                 f"model's max_position_embeddings {limit}"})
                 continue
-            cells.append(self._cell(model, family, c, cfg, hook))
+            cells.append(self._cell(model, family, c, cfg))
         base = cells[0]
         metrics = {"accuracy": base["accuracy"], "errors": base["errors"], "queries": base["queries"]}
         for cell in cells[1:]:
             metrics[f"accuracy_{cell['condition']}"] = cell["accuracy"]
+        for cell in cells if o.adaptive_temperature else ():
+            metrics[f"adaptive_accuracy_{cell['condition']}"] = cell["adaptive"]["accuracy"]
         settings = {"family": family.to_dict(), "position_limit": limit}
         return TaskResult(self.name, metrics, settings, {"cells": cells, "skipped": skipped})
 
-    def _cell(self, model, family: Family, c: Condition, cfg: EvalConfig, hook) -> dict[str, Any]:
+    def _cell(self, model, family: Family, c: Condition, cfg: EvalConfig) -> dict[str, Any]:
         per_seq = _queries_per_sequence(family, c, cfg.eval_seed)
         n = max(1, math.ceil(self.options.min_queries / per_seq))
         episodes = eval_set(family, c, n, seed=cfg.eval_seed)
-        correct, queries = score(model, episodes, cfg.batch_size * 4, cfg.device, hook)
-        total, errors = query_accuracy(correct, queries)
-        lo, hi = wilson_interval(errors, total)
         cell = {"condition": c.name, "length": c.length, "density": c.density, "sequences": len(episodes),
-                "tokens": int(family.max_length(c)), "queries": total, "errors": errors,
-                "accuracy": 1 - errors / total, "error_rate_ci95": [lo, hi]}
+                "tokens": int(family.max_length(c)),
+                **_accuracy(*score(model, episodes, cfg.batch_size * 4, cfg.device))}
+        if self.options.adaptive_temperature:
+            cell["adaptive"] = _accuracy(*score(model, episodes, cfg.batch_size * 4, cfg.device,
+                                                adaptive_temperature_hook))
         if self.options.attention and self.options.attention_sequences:
             sample = episodes.take(np.arange(min(self.options.attention_sequences, len(episodes))))
-            cell["attention"] = mechanism(model, sample, cfg.device, hook)
+            cell["attention"] = mechanism(model, sample, cfg.device)
             cell["attention"]["mean"] = {w: summary_masses(cell["attention"]["layers"], w) for w in ("diff", "a1", "a2")}
         return cell
 
@@ -306,6 +304,12 @@ class OOD(Task):
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         return True
+
+
+def _accuracy(correct: np.ndarray, queries: np.ndarray) -> dict[str, Any]:
+    total, errors = query_accuracy(correct, queries)
+    return {"queries": total, "errors": errors, "accuracy": 1 - errors / total,
+            "error_rate_ci95": list(wilson_interval(errors, total))}
 
 
 def _queries_per_sequence(family: Family, condition: Condition, seed: int) -> float:

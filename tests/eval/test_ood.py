@@ -1,0 +1,178 @@
+"""The `ood` probe: accuracy per query with Wilson intervals, adaptive temperature, and attention masses, each on
+cases whose answer is known by hand (an oracle, a guesser, attention planted on the target)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from difftransformer import DiffTransformerLM, get_preset
+from difftransformer.data.ood import MQAR, TRAIN, Condition, FlipFlop
+from difftransformer.data.ood.sampler import eval_set
+from difftransformer.data.prepare import prepare_task
+from difftransformer.eval import EvalConfig, get_task, run_task
+from difftransformer.eval.probes.ood import (
+    ADAPTIVE_POLY, OODOptions, adaptive_beta, adaptive_temperature_hook, conditions, mechanism, query_accuracy,
+    score, wilson_interval,
+)
+
+
+def test_wilson_interval_matches_hand_values():
+    lo, hi = wilson_interval(5, 10)  # p = 0.5, n = 10: the textbook 95% interval
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
+    lo, hi = wilson_interval(0, 10_000)
+    assert lo == 0 and hi == pytest.approx(3.8415 / (10_000 + 3.8415), rel=1e-3)  # z^2 / (n + z^2) at 0 errors
+    lo, hi = wilson_interval(10, 10_000)  # a 1e-3 error rate is resolved from 0 at the default query count
+    assert 0 < lo < 1e-3 < hi < 2e-3
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_query_is_right_only_when_every_answer_token_is():
+    correct = np.array([True, False, True, True, True])
+    queries = np.array([1, 1, 2, 3, 3])
+    assert query_accuracy(correct, queries) == (3, 1)
+
+
+class Oracle(nn.Module):
+    """Logits that put the answer first at every position: reads the answers of known episodes."""
+
+    def __init__(self, episodes, vocab, wrong=False):
+        super().__init__()
+        self.answers = {tuple(r[:n]): t for r, t, n in zip(episodes.inputs, episodes.targets, episodes.lengths)}
+        self.vocab, self.wrong = vocab, wrong
+
+    def forward(self, ids):
+        out = torch.zeros(*ids.shape, self.vocab)
+        for b, row in enumerate(ids.tolist()):
+            for n in range(len(row), 0, -1):
+                if tuple(row[:n]) in self.answers:
+                    targets = torch.as_tensor(self.answers[tuple(row[:n])])
+                    break
+            keep = targets >= 0
+            pos = torch.nonzero(keep).squeeze(1)
+            out[b, pos, (targets[keep] + int(self.wrong)) % self.vocab] = 1.0
+        return type("Out", (), {"logits": out})()
+
+
+class Guesser(nn.Module):
+    """Random logits over the value tokens only: a model that knows the format but not the pairs."""
+
+    def __init__(self, family):
+        super().__init__()
+        self.values = family.ids()["value"], family.ids()["value"] + family.num_values
+        self.vocab = family.vocab_size
+
+    def forward(self, ids):
+        logits = torch.full((*ids.shape, self.vocab), -1e9)
+        logits[..., self.values[0]:self.values[1]] = torch.rand(*ids.shape, self.values[1] - self.values[0])
+        return type("Out", (), {"logits": logits})()
+
+
+def test_an_oracle_scores_one_a_wrong_oracle_zero_and_a_guesser_chance():
+    family = MQAR(num_values=8)
+    episodes = eval_set(family, TRAIN, 300)
+    total, errors = query_accuracy(*score(Oracle(episodes, family.vocab_size), episodes, 64, "cpu"))
+    assert total == 300 * family.queries and errors == 0
+    total, errors = query_accuracy(*score(Oracle(episodes, family.vocab_size, wrong=True), episodes, 64, "cpu"))
+    assert errors == total
+    torch.manual_seed(0)
+    total, errors = query_accuracy(*score(Guesser(family), episodes, 64, "cpu"))
+    lo, hi = wilson_interval(total - errors, total)
+    assert lo < 1 / 8 < hi  # chance is 1 / num_values
+
+
+def test_conditions_are_the_training_one_then_lengths_then_densities():
+    got = conditions(OODOptions(lengths=(1.0, 2.0, 4.0), densities=(1.0, 3.0)))
+    assert got == [TRAIN, Condition(length=2), Condition(length=4), Condition(density=3)]
+
+
+def test_adaptive_beta_is_the_authors_fit_above_half_a_nat():
+    h = torch.tensor([0.1, 0.5, 0.6, 1.0, 2.0, 3.0], dtype=torch.float64)
+    want = np.where(h.numpy() > 0.5, np.maximum(1.0, np.polyval(ADAPTIVE_POLY, h.numpy())), 1.0)
+    assert torch.allclose(adaptive_beta(h), torch.from_numpy(want))
+    assert adaptive_beta(torch.tensor([2.0])).item() > 1  # a dispersed map is sharpened
+
+
+def test_adaptive_temperature_sharpens_dispersed_rows_and_keeps_sharp_ones():
+    scores = torch.tensor([[[[[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]]]],  # near uniform over 8: H ~ 2.07
+                           [[[[20.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]]]])  # one-hot: H ~ 0
+    out = adaptive_temperature_hook(scores, None)
+    beta = np.maximum(1.0, np.polyval(ADAPTIVE_POLY, float(-(torch.softmax(scores[0, 0, 0, 0], -1)
+                                                             * torch.log_softmax(scores[0, 0, 0, 0], -1)).sum())))
+    assert torch.allclose(out[0], scores[0] * beta) and beta > 1
+    assert torch.equal(out[1], scores[1])
+    visible = torch.ones_like(scores, dtype=torch.bool)
+    visible[..., 4:] = False  # hidden keys do not count in the entropy
+    masked = adaptive_temperature_hook(scores, visible)
+    h = -(torch.softmax(scores[0, 0, 0, 0, :4], -1) * torch.log_softmax(scores[0, 0, 0, 0, :4], -1)).sum()
+    assert torch.allclose(masked[0], scores[0] * adaptive_beta(h))
+
+
+def _planted(model, episodes):
+    """Score hooks that put every answer row's attention on its target item (logits 0 there, -1e4 elsewhere)."""
+    masks = torch.zeros(*episodes.inputs.shape, episodes.inputs.shape[1], dtype=torch.bool)
+    for b, t in zip(*np.nonzero(episodes.answer_mask)):
+        keys = (np.arange(episodes.inputs.shape[1]) < t) & (episodes.support[b] == episodes.answer_item[b, t])
+        masks[b, t] = torch.from_numpy(keys)
+    answer_rows = torch.from_numpy(episodes.answer_mask)
+
+    def hook(scores, visible):
+        T, S = scores.shape[-2:]
+        planted = torch.where(masks[:, None, None, :T, :S], 0.0, -1e4).to(scores.dtype)
+        return torch.where(answer_rows[:, None, None, :T, None], planted, scores)
+
+    for block in model.layers:
+        block.self_attn.score_hook = hook
+
+
+@pytest.mark.parametrize("attention", ["transformer", "diff"])
+def test_attention_planted_on_the_target_measures_target_mass_one(attention):
+    family = FlipFlop(min_instructions=8, max_instructions=12)
+    episodes = eval_set(family, TRAIN, 6)
+    cfg = get_preset("tiny").config(attention)
+    torch.manual_seed(0)
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size})).eval()
+    _planted(model, episodes)
+    got = mechanism(model, episodes, "cpu")
+    assert got["answer_positions"] == int(episodes.answer_mask.sum())
+    for layer, block in zip(got["layers"], model.layers):
+        for which in ("a1", "a2"):
+            masses = layer[f"{which}_mass"]
+            assert masses["target"] == pytest.approx([1.0] * len(masses["target"]), abs=1e-6)
+            for other in ("distractor", "filler", "other"):
+                assert masses[other] == pytest.approx([0.0] * len(masses[other]), abs=1e-6)
+        want = 1 - block.self_attn.lambda_full().item() if attention == "diff" else 1.0
+        assert layer["diff_mass"]["target"] == pytest.approx([want] * len(layer["diff_mass"]["target"]), abs=1e-5)
+        assert all(h >= 0 for h in layer["a1_entropy"]) and all(abs(x) < 1e-3 for x in layer["a1_max_logit"])
+
+
+def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path):
+    family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
+    data = prepare_task(family, tmp_path / "data")
+    cfg = get_preset("tiny").config("diff")
+    cfg = type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size, "max_position_embeddings": 64})
+    model = DiffTransformerLM(cfg)
+    task = get_task("ood", lengths=(1.0, 2.0, 4.0), densities=(1.0, 2.0), min_queries=40, attention_sequences=4)
+    result = run_task(task, model, data.tokenizer(), EvalConfig(data_dir=str(data.out_dir)))
+    names = [c["condition"] for c in result.details["cells"]]
+    assert names == ["length1x-density1x", "length2x-density1x", "length1x-density2x"]
+    assert [s["condition"] for s in result.details["skipped"]] == ["length4x-density1x"]  # > 64 positions
+    cell = result.details["cells"][0]
+    assert cell["queries"] >= 40 and 0 <= cell["accuracy"] <= 1 and "adaptive" in cell
+    lo, hi = cell["error_rate_ci95"]
+    assert lo <= 1 - cell["accuracy"] <= hi
+    assert set(cell["attention"]["mean"]["diff"]) == {"target", "distractor", "filler", "other"}
+    assert result.metrics["accuracy"] == cell["accuracy"]
+    assert task.plot(result, tmp_path / "ood.png") and (tmp_path / "ood.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="synthetic task"):
+        get_task("ood").run(model, None, EvalConfig())
+
+
+def test_options_are_bounded():
+    with pytest.raises(ValueError, match="min_queries"):
+        get_task("ood", min_queries=0)
+    with pytest.raises(ValueError, match="factor"):
+        get_task("ood", lengths=(0.0,))
+    assert math.isfinite(get_task("ood").options.min_queries)
