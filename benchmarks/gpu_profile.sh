@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the fused kernel's time goes on a CUDA machine, in one call that fits a 10-minute limit
-# (issue 16, item 2: the 4K/d=128 targets and the d=64 backward of the 160 M model's step):
+# (the 4K/d=128 targets and the d=64 backward of the 160 M model's step, docs/benchmarks.md):
 #   1. benchmarks/gpu_trace.py: one forward + backward, kernel by kernel (torch.profiler), with the
 #      call's wall and host time, fused (both backwards) and the SDPA baseline: is the GPU waiting
 #      on the host, and which pass takes the time;

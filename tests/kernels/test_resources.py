@@ -31,7 +31,7 @@ TILES = df.TILES
 H100_SMEM_KIB = 227  # the most shared memory one block may use on sm_90
 
 
-MAX_SPILL_BYTES = 256  # the chosen d = 128 tiles spill at most 168 B (Triton 3.9, docs/benchmarks.md)
+MAX_SPILL_BYTES = 256  # the chosen d = 128 tiles spill at most 168 B (Triton 3.9, benchmarks/kernel_resources.py)
 
 
 @pytest.fixture(scope="module")

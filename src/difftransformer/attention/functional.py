@@ -109,8 +109,8 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
     """q, k, v (and the key padding mask) on one device, and q, k, v floating point, or an error naming them.
 
     Why: the backend is chosen from q alone, and the fused CPU kernel reads k's, v's and the mask's memory
-    as CPU data whatever device holds it (k on 'meta' gave finite garbage, hostile pass 9's P68); integer
-    tensors fail deep inside a backend (P67). Attribute compares only: this runs per layer per decoding step.
+    as CPU data whatever device holds it (k on 'meta' gave finite garbage); integer tensors fail deep inside
+    a backend. Attribute compares only: this runs per layer per decoding step.
     Mixed floating dtypes stay allowed (the backends compute in q's)."""
     mask_elsewhere = key_padding_mask is not None and key_padding_mask.device != q.device
     if mask_elsewhere or not q.device == k.device == v.device:

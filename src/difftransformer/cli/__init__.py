@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands whose optional positional may come after their options: `generate RUN --prompt a b` left "b"
-# over ("unrecognized arguments: b", hostile pass 8, G10), as argparse gives the positional its empty
+# over ("unrecognized arguments: b"), as argparse gives the positional its empty
 # value before it reaches the options; these commands' own arguments are parsed again intermixed, so the
 # command sees both prompts and says which rule they break. (`eval` cannot be: it has subcommands.)
 INTERMIXED = ("generate",)

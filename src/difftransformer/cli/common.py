@@ -114,8 +114,8 @@ def model_type(path: str) -> str:
 
 def refuse_inside_study(out: str) -> None:
     """A folder inside a study (an arm, a seed or a cell of a grid) is `compare`'s to write: a run trained
-    there replaces the arm's weights while the study keeps the results of the old ones (hostile pass 7, T03).
-    os.path.realpath, not Path.resolve (which raises on a symlink loop, pass 8 Y01): a path that is no folder
+    there replaces the arm's weights while the study keeps the results of the old ones.
+    os.path.realpath, not Path.resolve (which raises on a symlink loop): a path that is no folder
     is left to the out-dir checks that follow, which name it in one line."""
     for parent in list(Path(os.path.realpath(out)).parents)[:3]:  # STUDY/arm, STUDY/seedN/arm, STUDY/cell/seedN/arm
         if StudyDir(parent).is_study():

@@ -1,4 +1,4 @@
-"""Exact weight converters between our format and others (issue 12, item 2).
+"""Exact weight converters between our format and others.
 
     from difftransformer.convert import convert, read_checkpoint
     ckpt = read_checkpoint("hf/diffllama-folder")              # format detected from config.json

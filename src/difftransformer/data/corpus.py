@@ -235,7 +235,7 @@ def _load_paths(base: str, text_field: str, id_field: str, errors: str,
 def _path_id(name: str) -> str:
     """A file's document id: its path as text. The bytes of a file name that is not UTF-8 (which Python
     holds as lone surrogates, os.fsdecode) are written as \\xNN: the id must encode as UTF-8, since the
-    split and corpus_hash hash it, and the same name always gives the same id (hostile pass 8, FL03)."""
+    split and corpus_hash hash it, and the same name always gives the same id."""
     return os.fsencode(name).decode("utf-8", errors="backslashreplace")
 
 

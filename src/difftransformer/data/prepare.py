@@ -347,7 +347,7 @@ def _prepare_as_rank0(config: DataConfig, data_dir: Path) -> PreparedData:
     """Prepare the data (rank 0), clearing an older launch's failure note first. A data_dir that is not a
     folder (a file, a dangling link, a symlink loop) is left to prepare_data, whose out-dir check names it
     and the fix, as `prepare --out-dir` does; reaching through it to the note gave an error naming
-    prepare-failed.txt, a file the user never named (hostile pass 8, Y11)."""
+    prepare-failed.txt, a file the user never named."""
     failed = data_dir / FAILED_FILE
     if data_dir.is_dir():
         failed.unlink(missing_ok=True)

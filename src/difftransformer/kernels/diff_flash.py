@@ -55,8 +55,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Tiles (BLOCK_M queries, BLOCK_N keys, warps, stages) per class: bf16/fp16 with d <= 64 and with
-# d <= 128, and exact fp32. Chosen from what ptxas reports for sm_90 (kernels/resources.py;
-# table in docs/benchmarks.md): no serialised wgmma, at most a few hundred bytes spilled, shared
+# d <= 128, and exact fp32. Chosen from what ptxas reports for sm_90 (kernels/resources.py,
+# benchmarks/kernel_resources.py): no serialised wgmma, at most a few hundred bytes spilled, shared
 # memory well under the 227 KiB an H100 block can have. A DIFF head carries two maps and a 2d-wide
 # V, so its fp32 accumulators are twice a baseline head's: above d = 64 only 64-row tiles with 8
 # warps fit (every 128-row tile spills kilobytes there), and the unsplit key-block kernel trades
@@ -73,8 +73,8 @@ SPLIT_FLAG = "split"  # a tile's optional fifth field
 FWD_TILES = {64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
              128: [(64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2)],
              "ieee": [(32, 16, 8, 2), (32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 1)]}
-# Unsplit key-block tiles at least 1.37x slower than the best at every shape timed on an H100 (the
-# second session's tile_times.md: causal bf16, d 64 at T 1K and 2K, d 128 at 4K) are out of the
+# Unsplit key-block tiles at least 1.37x slower than the best at every shape timed on an H100
+# (results/gpu-h100/session2/tile_times.md: causal bf16, d 64 at T 1K and 2K, d 128 at 4K) are out of the
 # lists, so that a GPU's first call tunes fewer: 16 x 64 and 64 x 32 at d = 64, 16 x 64 and 32 x 32
 # at d = 128.
 BWD_KV_TILES = {64: [(32, 64, 4, 2), (32, 128, 8, 2), (32, 64, 8, 2),
@@ -528,8 +528,8 @@ def _dkdv_program(Q, K, V, Lam, DO, LSE1, LSE2, D1, R2, DK, DV, DQ,
         else:
             # One loop, masked throughout when causal. Split in two like the above, Triton 3.6 (the
             # GPU image's) makes ptxas serialise every wgmma of the deterministic kernel, and 3.9
-            # spills more at d = 128; the causal one-pass kernel is the other way round. See
-            # docs/benchmarks.md.
+            # spills more at d = 128; the causal one-pass kernel is the other way round
+            # (benchmarks/kernel_resources.py shows both).
             dk1, dk2, dv = _bwd_query_loop(
                 dk1, dk2, dv, k1, k2, v, lam, Q1, Q1 + sq_h, DOi, LSE1 + bh * T, LSE2 + bh * T,
                 D1 + bh * T, R2 + bh * T, DQ1, DQ1 + sdq_h, sq_t, sq_d, sdo_t, sdo_d, sdq_t, offs_n, offs_d,
@@ -926,7 +926,7 @@ def diff_flash_attention(q, k, v, lam, *, causal: bool = True, scale: float | No
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad or lam.requires_grad
                                            or (weight is not None and weight.requires_grad)):
         # No gradient wanted (decoding, evaluation): the forward alone, without autograd's wrapper, and
-        # without the op's dispatch (~20 us of host time per call) unless a trace or mode must see it.
+        # without the op's dispatch (host time on every call) unless a trace or mode must see it.
         forward = torch.ops.difftransformer.diff_flash_fwd if ops_observed() else _fwd_impl
         out, _, _, _, y, _ = forward(q, k, v, lam, weight, bool(causal), scale, float(eps))
         return out if weight is None else y

@@ -140,8 +140,8 @@ class DiffTransformerConfig:
     def gpu_unaligned_dims(self) -> dict[str, int]:
         """The matrix dimensions (width, FFN width, vocabulary) that are not multiples of 8. On CUDA,
         half-precision matrix products with such a dimension cannot use the tensor-core kernels that
-        need 16-byte alignment: with gpu-small's FFN width at 2731, three fallback kernels took 158 of a
-        265 ms training step on an H100 (2026-11-24; 133.5 ms at 2752). Harmless on CPU."""
+        need 16-byte alignment, and cuBLAS falls back to slow kernels (figures: docs/benchmarks.md, "Fused
+        Triton kernel on GPU"). Harmless on CPU."""
         dims = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "vocab_size": self.vocab_size}
         return {name: value for name, value in dims.items() if value % 8}
@@ -325,11 +325,10 @@ PRESETS: dict[str, Preset] = {
                            description="5.2M params, cpu-small with 8 DIFF heads of 2 x 16 (16 baseline heads of 16)"),
     "cpu-medium-h8": Preset(512, 4, 8, vocab_size=8192, max_position_embeddings=512,
                             description="16.8M params, 8 DIFF heads of 2 x 32 (16 baseline heads of 32)"),
-    # One GPU (issue 16's end-to-end pair): GPT-2-small depth at width 1024, with the bundled corpus's
-    # 8k vocabulary, so that the attention and FFN, not the embeddings, hold the parameters. The FFN
+    # One GPU (the end-to-end pair of docs/benchmarks.md): GPT-2-small depth at width 1024, with the bundled
+    # corpus's 8k vocabulary, so that the attention and FFN, not the embeddings, hold the parameters. The FFN
     # width is 8/3 x 1024 rounded up to a multiple of 64 (2752, not 2731): bf16 matrix products on
-    # CUDA need dims that are multiples of 8, and at 2731 cuBLAS fell back to kernels that took 158
-    # of a 265 ms training step on an H100 (2026-11-24).
+    # CUDA need dims that are multiples of 8, else cuBLAS falls back to slow kernels.
     "gpu-small": Preset(1024, 12, 8, intermediate_size=2752, vocab_size=8192, max_position_embeddings=4096,
                         description="160M params, 12 layers of width 1024, 8 DIFF heads of 2 x 64 (16 baseline heads of 64)"),
 }

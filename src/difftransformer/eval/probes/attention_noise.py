@@ -1,6 +1,6 @@
 """`attention-noise`: how the answer-producing attention is spread over a retrieval prompt (paper Fig. 1, Table 3).
 
-Protocol (evaluation-protocols.md, section 2): needle prompts from `eval/synthetic.py` (default:
+Protocol (docs/evaluation.md, "`attention-noise`"): needle prompts from `eval/synthetic.py` (default:
 one needle in held-out text; the option `length`, else EvalConfig.seq_len, else the model's context
 long; the answer needle at depth 0/25/50/75/100%). Each prompt is cut into five segments: BOS, the
 context before the answer needle (the instruction included), the answer, the context after it,

@@ -90,8 +90,8 @@ def capture_layer_outputs(model: nn.Module, fn: Callable[[int, torch.Tensor], No
 
 
 # Live (maps, T, T) float32 tensors of one layer on the eager path: scores, their softmax, the hook's
-# working copy and the map it returns, and the allocator's slack (measured peak per window on CPU: 5.3-5.7
-# here, hostile pass 5, M01, but 7.06 on the CI machine, 2026-11-24; 8 leaves headroom for both).
+# working copy and the map it returns, and the allocator's slack (the measured peak per window on CPU
+# varies by machine, from 5.3 to 7.06 maps' worth; 8 leaves headroom for both).
 _EAGER_COPIES = 8
 
 

@@ -1,6 +1,6 @@
 """`outliers`: the largest and the typical magnitudes of attention logits and hidden states (paper Table 5).
 
-Protocol (evaluation-protocols.md, section 6):
+Protocol (docs/evaluation.md, "`outliers`"):
 - Two kinds of values, each reported as top-1, top-2, top-3, top-10, top-100 (the k-th largest value)
   and the median, global over layers, heads, positions and keys / channels, and also per layer:
   * |attention logits|: exactly the `scores` a score hook receives (attention/functional.py), i.e.

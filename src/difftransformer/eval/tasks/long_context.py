@@ -1,7 +1,7 @@
 """`long-context`: NLL by position in long held-out documents (paper Fig. 4) and the AR-hit / Others
 loss slices (paper Table 6, after Zoology).
 
-Protocol (evaluation-protocols.md, sections 3 and 8):
+Protocol (docs/evaluation.md, "`long-context`"):
 - Documents: the held-out split (cfg.split, "test" by default) of a prepared corpus, cut at the
   tokenizer's EOS id (every document is followed by EOS in the token file). Each document is scored
   from its start as in training, where the EOS before a document acts as its beginning: the model

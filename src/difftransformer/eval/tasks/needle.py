@@ -1,6 +1,6 @@
 """`needle`: multi-needle retrieval (paper §3.4, Table 2 / Fig. 5), scored greedily and by forced choice.
 
-Protocol (evaluation-protocols.md, section 1; prompts from `eval/synthetic.py`, whose module doc
+Protocol (docs/evaluation.md, "`needle`"; prompts from `eval/synthetic.py`, whose module doc
 states the layout): N needles "The special magic {city} number is: {number}." in a haystack, R of
 the cities asked for after it; the first queried city's needle (the answer needle) at depth
 0/25/50/75/100% of the context, the others elsewhere; a grid of (N, R) pairs x depths x lengths,
