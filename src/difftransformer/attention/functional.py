@@ -130,8 +130,7 @@ def _direct_cpu_decode(q, k, v, key_padding_mask, backend: str, plain: bool):
     built), fp32 q, k, v on the CPU, no key padding, no maps or score hook (plain), no gradient. The same
     kernel and result as the general route (`_check_operands`, `resolve_backend`, `flash_attention_cpu`),
     with attribute checks only: a decoding step makes this call once per layer and token, where the general
-    route's Python cost ~13-20 µs of a small model's ~0.6 ms per layer (a 5 M model's step decoded 2-3.5%
-    faster at 64 keys when its layers called the kernel directly)."""
+    route's Python is a visible share of a small model's step (docs/benchmarks.md, "Decoding on CPU")."""
     f32 = torch.float32
     if (plain and key_padding_mask is None and (backend == "cpp" or backend == "auto") and q.is_cpu and k.is_cpu
             and v.is_cpu and q.dtype is f32 and k.dtype is f32 and v.dtype is f32 and not torch.is_grad_enabled()):
@@ -195,7 +194,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
         return direct.diff_flash_decode(q, k, v, lam, bool(causal), float(scale), None, weight,
                                         0.0 if weight is None else float(out_norm[1]))
     f = compute_dtype(q)
-    if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # as_tensor + to: ~2 us
+    if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # skips as_tensor + to
         lam = torch.as_tensor(lam, device=q.device).to(f)
     which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
                             has_padding=key_padding_mask is not None, dtype=q.dtype)

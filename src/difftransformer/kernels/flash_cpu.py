@@ -182,7 +182,7 @@ def _decode_op(name: str):
     """The decode op `name` ('flash_decode' or 'diff_flash_decode') as this call should reach it: the
     extension module's plain function (pybind11, `direct_decode_module`), the same C++ function as
     torch.ops' without the dispatcher, which boxes every argument into an IValue and the result back (inside
-    a model's decoding step that cost ~13 µs more per call than SDPA's call; a step makes one per layer);
+    a model's decoding step that made the call slower than SDPA's; a step makes one per layer);
     torch.ops' op when something must see the call: torch.compile, torch.jit.trace, a torch function or
     dispatch mode. For callers past `_prepare`, which has built or refused the extension."""
     module = direct_decode_module()
@@ -200,8 +200,8 @@ def direct_decode_module():
     tensor, the norm weight None or a contiguous fp32 (2d,) tensor) and calls
     flash_decode(q, k, v, causal, scale, None) or diff_flash_decode(q, k, v, lam, causal, scale, None,
     norm_weight, norm_eps); the kernel checks shapes and dtypes again. Few Python calls on purpose: in a
-    decoding step each function the interpreter enters costs ~1 µs (the model's matrix products have
-    evicted it from the CPU's caches)."""
+    decoding step each function the interpreter enters costs several times what it costs alone (the
+    model's matrix products have evicted it from the CPU's caches; docs/benchmarks.md)."""
     if (_state.get("ok") is not True or torch.compiler.is_compiling() or _is_tracing() or _function_mode()
             or _dispatch_depth()):
         return None
