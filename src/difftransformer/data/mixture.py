@@ -288,7 +288,7 @@ def generate_mixture(config: MixtureConfig, train_docs: Sequence[Document], toke
 
 
 def _check_target(kind: str, config: MixtureConfig, target: int) -> None:
-    """Refuse a fraction > 0 whose token target is at most half of one document (MX16, MX14).
+    """Refuse a fraction > 0 whose token target is at most half of one document.
 
     Documents are made whole, one of `config.length` tokens at a time, while more than half a document is
     still wanted; a smaller target would get no document at all, and the prepared data would lack the kind
