@@ -27,7 +27,7 @@ bf16` builds every model in bf16 (DIFF's λ vectors stay fp32, as the model keep
 
 Ratios are taken round by round (both arms measured under the same load) and printed as the median
 per-round ratio with a distribution-free 95% interval for it (order statistics; from 6 rounds on);
-below the table each of the issue's targets gets 'met' or 'not met' at a row only where that interval
+below the table each target (docs/benchmarks.md) gets 'met' or 'not met' at a row only where that interval
 (unrounded) lies wholly on one side of its line, else 'open'. The coverage is nominal: it takes rounds
 as independent (consecutive rounds on a loaded machine are not quite), and "best" picks each kind's
 faster backend from the same rounds. DIFF/T decode is DIFF's tokens/s over the Transformer's (higher is
@@ -185,7 +185,7 @@ def _columns(names: list[str], backends: list[str]) -> list[tuple[str, Callable[
     return cols
 
 
-# The targets, each a column of the table and the side of a line it must be on.
+# The targets (docs/benchmarks.md), each a column of the table and the side of a line it must be on.
 TARGETS = (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0),
            ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0))
 

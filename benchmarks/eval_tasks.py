@@ -3,7 +3,7 @@
 Each (task, model) runs as its own `difftransformer eval TASK MODEL --force` process, into a
 temporary results folder, so that its wall time and peak resident memory (from os.wait4) are its
 own. The two models alternate, task by task, so machine load hits both alike. Prints a Markdown table.
-The issue's target: every task's defaults finish on the demo model in <= 2 minutes on 2 cores.
+The target: every task's defaults finish on the demo model in <= 2 minutes on 2 cores.
 
     python benchmarks/eval_tasks.py runs/demo/transformer runs/demo/diff
     python benchmarks/eval_tasks.py runs/demo/diff --tasks outliers --extra "--tokens 131072"

@@ -5,7 +5,7 @@
 #      call's wall and host time, fused (both backwards) and the SDPA baseline: is the GPU waiting
 #      on the host, and which pass takes the time;
 #   2. every tile of every pass timed alone at three shapes (benchmarks/gpu_tile_check.py --time):
-#      one training step of gpu-small's attention (d 64, T 2048), the target shape (d 128,
+#      one training step of gpu-small's attention (d 64, T 2048), the target shape (d 128,
 #      T 4096), and d 64 at T 1024, where the backward was slower than at 2048 (2026-11-24);
 #   3. if time is left, Nsight Compute on gpu-small's shape (benchmarks/gpu_ncu_driver.py, each pass
 #      pinned to the autotuner's pick of 2026-11-24): speed of light, occupancy, memory workload.

@@ -4,7 +4,7 @@ Both share the same parameters (`DiffTransformerForCausalLM.from_native`), so on
 differs: transformers' generate loop and its DynamicCache against our generate and in-place cache.
 The two run alternately (`common.interleaved_times`); times are medians over the rounds, and each ratio is
 the median of the per-round wrapper / native time ratios with a distribution-free 95% interval (order
-statistics, from 6 rounds on). The issue's target is within 5% (ratio <= 1.05); below the table each
+statistics, from 6 rounds on). The target is within 5% (ratio <= 1.05); below the table each
 row's generate and forward get 'met' where the whole interval lies at or below 1.05, 'not met' where it
 lies above, 'open' otherwise.
 
