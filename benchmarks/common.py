@@ -7,7 +7,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -258,7 +257,10 @@ def kernel_times(fn: Callable[[], None], iters: int) -> dict[str, tuple[float, f
 
 
 def machine(device: torch.device = torch.device("cpu")) -> str:
-    """One line naming what the figures were measured on: the GPU's name on CUDA, the CPU's threads else."""
+    """One line naming what the figures were measured on: the GPU's name on CUDA, else the CPU's model (as a
+    study records it, `experiments.provenance.hardware`) and the threads used."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from difftransformer.experiments.provenance import hardware
+
+    return f"{hardware()['cpu']}, torch {torch.__version__}, {torch.get_num_threads()} threads"

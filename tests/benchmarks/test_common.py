@@ -134,3 +134,11 @@ def test_kernel_times_silences_the_profilers_start_warning(monkeypatch, recwarn)
 def test_median_interval_ratio_is_per_round():
     got = common.MedianInterval.ratio([2.0, 6.0, 3.0], [1.0, 2.0, 3.0])
     assert got == common.MedianInterval.of([2.0, 3.0, 1.0])
+
+
+def test_machine_names_the_cpu_model_a_study_records():
+    from difftransformer.experiments.provenance import hardware
+
+    line = common.machine()
+    assert line.startswith(f"{hardware()['cpu']}, torch {torch.__version__}, ")
+    assert line.endswith(f", {torch.get_num_threads()} threads")
