@@ -29,7 +29,8 @@ from difftransformer import dist
 from difftransformer._config import debugging
 from difftransformer._io import FolderInUseError, broken_link, os_error_of
 from difftransformer._version import __version__
-from difftransformer.cli import compare, convert, eval as eval_cmd, generate, prepare, report, retrofit, train
+from difftransformer.cli import compare, convert, generate, prepare, report, retrofit, train
+from difftransformer.cli import eval as eval_cmd
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
 from difftransformer.run_config import SECTIONS, ConfigError

@@ -11,7 +11,6 @@ from difftransformer.data import ensure_data
 from difftransformer.experiments import CompareConfig, Study, StudyDir, parse_int_list, run_compare
 from difftransformer.run_config import ConfigError, load_run_config
 
-
 HELP = "train DIFF and its matched Transformer side by side, then report"
 DESCRIPTION = ("Train every arm (an attention kind at the same size: DIFF and its matched Transformer by "
                "default) on the same data with paired initialisation and the same batches, for each training "

@@ -11,7 +11,6 @@ from difftransformer.cli.common import add_renamed_flag, check_device, load_trai
 from difftransformer.eval import encode_prompt, generate_text, new_token_budget
 from difftransformer.run_config import ConfigError
 
-
 HELP = "generate text from a trained model"
 DESCRIPTION = ("Continue a prompt with a trained model: a final/ folder, a run folder (its final/, else "
                "its newest checkpoint) or a checkpoint folder. The tokenizer is final/tokenizer.json, the "

@@ -9,7 +9,6 @@ from difftransformer.cli.common import add_renamed_flag
 from difftransformer.data import DataConfig, prepare_from_config
 from difftransformer.run_config import SECTIONS, ConfigError, apply_overrides, build_section, load_file
 
-
 HELP = "tokenise a corpus into train/val/test shards (trains a BPE)"
 DESCRIPTION = ("Load a corpus, split it by document, train (or reuse) a byte-level BPE tokenizer on the "
                "train split and write token shards. Cached: re-running with the same inputs is quick.")

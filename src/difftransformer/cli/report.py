@@ -9,7 +9,6 @@ from difftransformer.cli.common import print_section
 from difftransformer.experiments import write_report
 from difftransformer.run_config import ConfigError
 
-
 HELP = "(re)write report.md for a compare folder"
 DESCRIPTION = ("Regenerate <dir>/report.md and its plots from the metrics and models on disk (also works on "
                "a comparison that is still running or was interrupted).")

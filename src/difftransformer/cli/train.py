@@ -12,7 +12,6 @@ from difftransformer.model import ATTENTION_KINDS
 from difftransformer.run_config import load_run_config
 from difftransformer.train import RunDir, train
 
-
 HELP = "train one model (prepares the data first if needed)"
 DESCRIPTION = ("Train one model from a config file and/or a preset. The data are prepared first if the "
                "data folder has none. Resumes from the newest checkpoint in the out dir unless --no-resume. "
@@ -59,5 +58,6 @@ def run(args: argparse.Namespace) -> int:
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
         speed = (f"{result.tokens_per_s:,.0f} train tokens/s" if result.steps_trained else
                  "nothing left to train (raise train.max_steps to go on)")
-        print(f"done: step {result.final_step}, final val loss {val}, {speed}; weights in {RunDir(result.out_dir).final}")
+        final = RunDir(result.out_dir).final
+        print(f"done: step {result.final_step}, final val loss {val}, {speed}; weights in {final}")
     return 0
