@@ -16,6 +16,7 @@ from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.report import sections
 from difftransformer.experiments.report.html import write_html
+from difftransformer.experiments.report.ood_view import ood_section
 from difftransformer.experiments.report.plots import plot_lambdas, plot_losses
 from difftransformer.experiments.report.scaling_view import plot_scaling
 from difftransformer.experiments.report.runs import Run
@@ -44,6 +45,7 @@ def _write_report(study: StudyDir, samples: bool, html: bool) -> Path:
     has_scaling = plot_scaling(ctx, ctx.study.path)
     L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.ablations(ctx)
     L += sections.loss_curves(ctx) + sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
+    L += ood_section(ctx, ctx.study.path)
     L += sections.scaling(ctx, has_scaling) + sections.claims(ctx)
     if samples:
         L += sections.samples(ctx)

@@ -1,0 +1,165 @@
+"""The report's out-of-distribution section: the `ood` probe's results over arms and seeds.
+
+For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy per test condition
+(context length and distractor density factors) per arm, mean [95% t-interval over seeds]; the paired
+differences DIFF − each other arm per condition, with the verdict their interval supports; the same
+for adaptive temperature at inference; the attention mass each arm's answers put on the target and
+on distractors + filler; and whether every arm passed the in-distribution bar (>= 99%), without which
+a difference out of distribution is not attributable to attention.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from difftransformer._io import atomic_path
+from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, table
+from difftransformer.experiments.stats import compare_paired
+
+TASK = "ood"
+IN_DISTRIBUTION_BAR = 0.99
+PLOT_FILE = "ood.png"
+
+
+def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
+    """{seed: {condition: cell}} of the arm's ood results."""
+    out = {}
+    for seed in ctx.seeds:
+        run = ctx.runs.get((arm, seed))
+        result = run.evals.get(TASK) if run else None
+        if result:
+            out[seed] = {c["condition"]: c for c in (result.get("details") or {}).get("cells", [])}
+    return out
+
+
+def _values(cells: dict[int, dict[str, dict[str, Any]]], condition: str, read) -> dict[int, float]:
+    out = {}
+    for seed, by_condition in cells.items():
+        cell = by_condition.get(condition)
+        value = read(cell) if cell else None
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[seed] = float(value)
+    return out
+
+
+def _accuracy(cell):
+    return cell.get("accuracy")
+
+
+def _adaptive(cell):
+    return (cell.get("adaptive") or {}).get("accuracy")
+
+
+def _mass(which: str, part: str):
+    def read(cell):
+        mean = ((cell.get("attention") or {}).get("mean") or {}).get(which)
+        if not mean:
+            return None
+        return mean["target"] if part == "target" else mean["distractor"] + mean["filler"]
+    return read
+
+
+def _reference_arm(ctx) -> str | None:
+    return "diff" if "diff" in ctx.arms else None
+
+
+def ood_section(ctx, out_dir: Path | None = None) -> Lines:
+    """The section's lines ([] when no run has an ood result); draws `PLOT_FILE` into out_dir when given."""
+    arms = [a for a in ctx.arms if _cells(ctx, a)]
+    if not arms:
+        return []
+    cells = {a: _cells(ctx, a) for a in arms}
+    conditions = list(dict.fromkeys(c for a in arms for s in cells[a].values() for c in s))
+    L = ["## Out-of-distribution retrieval", "",
+         "Accuracy per query (a query is right when every answer token is) on fixed test sets never trained on, "
+         "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler) and "
+         "at denser distractors (more items at the training length); mean [95% interval] over seeds. Protocol: "
+         "docs/evaluation.md, \"Out-of-distribution retrieval\".", ""]
+    L += _bar(ctx, arms, cells)
+    L += _table("Accuracy", arms, cells, conditions, _accuracy)
+    if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
+        L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive)
+    ref = _reference_arm(ctx)
+    if ref in arms and len(ctx.seeds) > 1:
+        L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy")
+        if any(_values(cells[ref], c, _adaptive) for c in conditions):
+            L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
+                              "(both arms)")
+    L += _table("Attention mass on the target (answer rows; A1 − λA2 for DIFF, the softmax map otherwise)", arms,
+                cells, conditions, _mass("diff", "target"))
+    L += _table("Attention mass on distractors + filler (the \"attention noise\")", arms, cells, conditions,
+                _mass("diff", "noise"))
+    if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
+        L += [f"![accuracy and target mass against the length factor]({PLOT_FILE})", ""]
+    return L
+
+
+def _bar(ctx, arms, cells) -> Lines:
+    below = []
+    for arm in arms:
+        for seed, value in sorted(_values(cells[arm], "length1x-density1x", _accuracy).items()):
+            if value < IN_DISTRIBUTION_BAR:
+                below.append(f"{code_span(arm)} seed {seed} ({value:.4f})")
+    if not below:
+        return [f"Every arm and seed is at least {IN_DISTRIBUTION_BAR:.0%} accurate in distribution: differences "
+                f"out of distribution are differences in how retrieval generalises.", ""]
+    return [f"**Not every run passed the in-distribution bar ({IN_DISTRIBUTION_BAR:.0%}):** " + ", ".join(below)
+            + ". A model that has not learned the task in distribution says nothing about attention noise out of "
+            "it; train these longer before reading the differences below.", ""]
+
+
+def _table(title: str, arms, cells, conditions, read) -> Lines:
+    rows = [[code_span(a), *(fmt_ci(list(_values(cells[a], c, read).values()), 3) for c in conditions)]
+            for a in arms]
+    if all(cell == "–" for row in rows for cell in row[1:]):
+        return []
+    return [f"### {title}", ""] + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
+
+
+def _differences(ctx, ref: str, arms, cells, conditions, read, what: str) -> Lines:
+    rows = []
+    for other in (a for a in arms if a != ref):
+        for c in conditions:
+            cmp = compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read), arm=ref,
+                                 baseline=other, metric=f"ood {c}")
+            if not cmp.diffs:
+                continue
+            reading = {"better": f"{code_span(ref)} lower", "worse": f"{code_span(ref)} higher",
+                       "inconclusive": "cannot separate"}.get(cmp.outcome, cmp.outcome)
+            rows.append([code_span(other), code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 3, signed=True),
+                         fmt_p(cmp.p), reading])
+    if not rows:
+        return []
+    return [f"### {code_span(ref)} − each arm, {what}", "",
+            "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate).", ""] \
+        + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "reading"], rows) + [""]
+
+
+def _plot(arms, cells, conditions, path: Path) -> bool:
+    """Accuracy and target mass against the length factor, one line per arm (mean over seeds)."""
+    from matplotlib.figure import Figure
+
+    lengths = [c for c in conditions if c.endswith("density1x")]
+    if len(lengths) < 2:
+        return False
+    x = [float(c[len("length"):c.index("x-")]) for c in lengths]
+    fig = Figure(figsize=(10, 3.6))
+    for n, (read, label) in enumerate(((_accuracy, "accuracy"), (_mass("diff", "target"), "mass on target"))):
+        ax = fig.add_subplot(1, 2, n + 1)
+        for arm in arms:
+            ys = [_mean(_values(cells[arm], c, read)) for c in lengths]
+            ax.plot(x, ys, marker="o", label=arm)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length factor")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    return True
+
+
+def _mean(values: dict[int, float]) -> float:
+    return sum(values.values()) / len(values) if values else math.nan

@@ -1,0 +1,51 @@
+"""The report's out-of-distribution section: tables read from the runs' ood results, verdicts that follow
+their intervals, and the in-distribution bar."""
+
+from types import SimpleNamespace
+
+from difftransformer.experiments.report.ood_view import PLOT_FILE, ood_section
+from difftransformer.experiments.report.runs import Run
+
+
+def _cell(condition, length, density, accuracy, target):
+    return {"condition": condition, "length": length, "density": density, "accuracy": accuracy,
+            "adaptive": {"accuracy": accuracy},
+            "attention": {"mean": {"diff": {"target": target, "distractor": 0.1, "filler": 0.2, "other": 0.0}}}}
+
+
+def _ctx(values):
+    """values[arm][seed] = (in-distribution accuracy, 4x-length accuracy)."""
+    runs = {}
+    for arm, per_seed in values.items():
+        for seed, (acc1, acc4) in per_seed.items():
+            cells = [_cell("length1x-density1x", 1.0, 1.0, acc1, 0.9),
+                     _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
+            runs[arm, seed] = Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}})
+    return SimpleNamespace(arms=list(values), seeds=[0, 1, 2], runs=runs)
+
+
+def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
+    ctx = _ctx({"diff": {0: (1.0, 0.90), 1: (1.0, 0.92), 2: (0.999, 0.91)},
+                "transformer": {0: (1.0, 0.60), 1: (0.995, 0.62), 2: (1.0, 0.61)},
+                "transformer_ssmax": {0: (1.0, 0.80), 1: (1.0, 0.95), 2: (1.0, 0.99)}})
+    text = "\n".join(ood_section(ctx, tmp_path))
+    assert "## Out-of-distribution retrieval" in text and "Every arm and seed is at least 99%" in text
+    assert "0.910 [" in text  # diff's mean accuracy at 4x: (0.90 + 0.92 + 0.91) / 3
+    rows = [line for line in text.splitlines() if line.startswith("| `transformer") and "length4x" in line]
+    t_row = next(r for r in rows if r.startswith("| `transformer` |") and "+0.300" in r)
+    assert "`diff` higher" in t_row  # +0.30 on every seed: the interval excludes 0
+    ssmax = next(r for r in rows if r.startswith("| `transformer_ssmax` |") and "accuracy" not in r)
+    assert "cannot separate" in ssmax  # -0.10 +- 0.08 over 3 seeds: the interval holds 0
+    assert (tmp_path / PLOT_FILE).stat().st_size > 1000
+
+
+def test_runs_below_the_in_distribution_bar_are_named():
+    ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},
+                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.5)}})
+    text = "\n".join(ood_section(ctx))
+    assert "Not every run passed the in-distribution bar" in text and "`diff` seed 0 (0.9700)" in text
+
+
+def test_no_ood_results_no_section():
+    ctx = SimpleNamespace(arms=["diff"], seeds=[0], runs={("diff", 0): Run("diff", 0, None)})
+    assert ood_section(ctx) == []
