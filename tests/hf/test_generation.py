@@ -4,7 +4,9 @@ transformers' loop is the reference: each case runs `generate()` twice from the 
 `lean_sample` and once with it switched off, and the tokens must be equal: greedy and sampling, EOS stops
 with finished rows padded, a batch where every row stops early, left padding, logits processors that
 write into their input, max_length instead of max_new_tokens. The calls the lean loop leaves out
-(streamer, returned scores, custom stopping criteria, embeddings) must run transformers' loop.
+(streamer, returned scores, custom stopping criteria, embeddings) must run transformers' loop. The lean loop
+is switched on here whatever transformers is installed (the `fast` fixture), so these tests fail the day a
+release changes what it copies; with a release it was not tested with, generate() runs transformers' loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ pytest.importorskip("transformers")
 
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
 
-from difftransformer.hf import DiffTransformerForCausalLM, modeling  # noqa: E402
+from difftransformer.hf import DiffTransformerForCausalLM, compat, modeling  # noqa: E402
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
 
 VOCAB = 64
@@ -31,7 +33,7 @@ def wrapper(seed: int = 0, **config_kwargs) -> DiffTransformerForCausalLM:
 
 
 @pytest.fixture
-def lean_calls(monkeypatch) -> list:
+def lean_calls(monkeypatch, fast) -> list:
     """One entry per run of lean_sample."""
     calls = []
     real = modeling.lean_sample
@@ -154,7 +156,7 @@ def test_a_transformers_without_the_internals_it_uses_runs_transformers_loop(mon
     hf = wrapper()
     config = GenerationConfig(max_new_tokens=3)
     config._pad_token_tensor = None
-    kwargs = dict(past_key_values=DynamicCache(), use_cache=True, attention_mask=None)
+    kwargs = {compat.CACHE_KEY: DynamicCache(), "use_cache": True, "attention_mask": None}
     criteria = StoppingCriteriaList([MaxLengthCriteria(9)])
     assert lean_sample_applies(hf, config, False, None, criteria, kwargs)
     assert not lean_sample_applies(SimpleNamespace(), config, False, None, criteria, kwargs)  # no _prefill

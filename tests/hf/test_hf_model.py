@@ -23,8 +23,9 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
-from difftransformer.hf import DiffTransformerForCausalLM, DiffTransformerHFConfig  # noqa: E402
 from difftransformer import KVCache  # noqa: E402
+from difftransformer.hf import DiffTransformerForCausalLM, DiffTransformerHFConfig  # noqa: E402
+from difftransformer.hf.compat import CACHE_KEY  # noqa: E402
 from difftransformer.model import ATTENTION_KINDS, DiffTransformerConfig, DiffTransformerLM  # noqa: E402
 from difftransformer.model.serialization import load_weights  # noqa: E402
 
@@ -96,12 +97,13 @@ def test_logits_equal_the_native_model(attention, gqa, tied):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel(hf(ids).logits, lm(ids).logits) <= 1e-5
-        # Cached decoding: a 6-token prefix, then 3 tokens through the transformers cache vs our KVCache.
+        # Cached decoding: a 6-token prefix, then 3 tokens through the transformers cache vs our KVCache; the cache
+        # under either of its names (`past_key_values` up to transformers 5.23, `cache` from 5.24).
         cache, ours = DynamicCache(), KVCache()
         hf(ids[:, :6], past_key_values=cache, use_cache=True)
         lm(ids[:, :6], kv_cache=ours)
-        step = hf(ids[:, 6:], past_key_values=cache, use_cache=True)
-        assert step.past_key_values is cache and cache.get_seq_length() == 9
+        step = hf(ids[:, 6:], cache=cache, use_cache=True)
+        assert step[CACHE_KEY] is cache and cache.get_seq_length() == 9
         assert rel(step.logits, lm(ids[:, 6:], kv_cache=ours).logits) <= 1e-5
 
 
@@ -197,7 +199,7 @@ def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["decode", "no_cache", "positions", "embeds_first", "embeds_later", "extras"])
-def test_step_inputs_equal_transformers_generic_method(case):
+def test_step_inputs_equal_transformers_generic_method(case, fast):
     """The wrapper's lean prepare_inputs_for_generation gives the model what transformers' generic method gives
     it (that method is the reference: same keys, same tensors), for every input a decoder-only model gets."""
     from transformers import GenerationMixin
@@ -207,9 +209,9 @@ def test_step_inputs_equal_transformers_generic_method(case):
     ids, cache = torch.randint(0, VOCAB, (2, 7)), DynamicCache()
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
-    kwargs = dict(input_ids=ids, next_sequence_length=1, past_key_values=cache, attention_mask=mask, use_cache=True)
+    kwargs = {"input_ids": ids, "next_sequence_length": 1, CACHE_KEY: cache, "attention_mask": mask, "use_cache": True}
     if case == "no_cache":
-        kwargs.update(next_sequence_length=None, past_key_values=None, use_cache=False)
+        kwargs.update({"next_sequence_length": None, CACHE_KEY: None, "use_cache": False})
     elif case == "positions":
         kwargs["position_ids"] = torch.arange(7).expand(2, 7) * 2
     elif case.startswith("embeds"):
@@ -225,19 +227,22 @@ def test_step_inputs_equal_transformers_generic_method(case):
         assert (torch.equal(got, want) if torch.is_tensor(want) else got is want or got == want), key
 
 
-def test_outputs_are_transformers_causal_lm_outputs():
+def test_outputs_are_transformers_causal_lm_outputs(fast):
     """forward's output class only builds faster: an instance of CausalLMOutputWithPast with the same keys,
     tuple, indexing, pickling and pytree flattening as one built by transformers from the same fields."""
     import torch.utils._pytree as pytree
     from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from difftransformer.hf.modeling import DiffTransformerCausalLMOutput
 
     _, hf = pair("diff")
     ids = ids_of(PROMPTS[1])
     for kwargs in (dict(use_cache=True), dict(labels=ids, use_cache=False), dict(output_hidden_states=True)):
         with torch.no_grad():
             out = hf(ids, **kwargs)
-        ref = CausalLMOutputWithPast(**{k: getattr(out, k) for k in ("loss", "logits", "past_key_values",
+        ref = CausalLMOutputWithPast(**{k: getattr(out, k) for k in ("loss", "logits", CACHE_KEY,
                                                                      "hidden_states", "attentions")})
+        assert type(out) is DiffTransformerCausalLMOutput  # the fast class (compat.FAST), held to transformers' own
         assert isinstance(out, CausalLMOutputWithPast) and list(out.keys()) == list(ref.keys())
         assert all(a is b for a, b in zip(out.to_tuple(), ref.to_tuple())) and out[0] is ref[0]
         assert out["logits"] is out.logits and hf(ids, return_dict=False, **kwargs)[0].shape == out[0].shape
@@ -439,7 +444,7 @@ def test_inputs_the_wrapper_cannot_serve_are_refused():
     ids = ids_of(PROMPTS[1])
     with pytest.raises(ValueError, match=r"attention_mask must be the 2-D \(batch, cached \+ new tokens\)"):
         hf(ids, attention_mask=torch.ones(1, 1, 6, 6))
-    with pytest.raises(TypeError, match="past_key_values must be a transformers Cache"):
+    with pytest.raises(TypeError, match=r"the cache \(past_key_values\) must be a transformers Cache"):
         hf(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),))
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         hf()

@@ -26,8 +26,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer  # noqa: E402
 from difftransformer.eval.lm import continuation_logprob, generate_text, token_nll  # noqa: E402
-from difftransformer.hf.lm_eval import (  # noqa: E402
-    DiffTransformerTokenizerFast, save_tokenizer_for_transformers)
+from difftransformer.hf.lm_eval import DiffTransformerTokenizerFast, save_tokenizer_for_transformers  # noqa: E402
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
 
 WORDS = "the cat dog sat on mat red blue sky is a big small house tree ran under".split()

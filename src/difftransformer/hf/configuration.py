@@ -87,7 +87,7 @@ class DiffTransformerHFConfig(PretrainedConfig):
 
     @classmethod
     def from_native(cls, config: DiffTransformerConfig, **kwargs: Any) -> "DiffTransformerHFConfig":
-        """The Hugging Face config of a `DiffTransformerConfig`; kwargs add Hugging Face settings (eos_token_id, ...)."""
+        """The Hugging Face config of a `DiffTransformerConfig`; kwargs add Hugging Face settings (eos_token_id...)."""
         return cls(**config.to_dict(), **kwargs)
 
 

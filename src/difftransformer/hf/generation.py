@@ -18,7 +18,8 @@ loop are not given here, neither of which can concern these calls: the length cr
 the text has passed max_position_embeddings (this model refuses such a step with an error instead) and
 the notice that a `compile_config` cannot compile the forward (no compiled forward exists for a
 DynamicCache, which is the only cache admitted). Any other call (`lean_sample_applies` is False) runs
-transformers' loop.
+transformers' loop, and so does every call with a transformers release the loop was not tested with
+(compat.FAST, checked by the caller).
 """
 
 from __future__ import annotations
@@ -27,14 +28,23 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from difftransformer.hf.compat import CACHE_KEY
+
 # The step inputs generate() passes a decoder-only model on token ids (anything else: transformers' loop).
-_PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", "past_key_values", "position_ids", "use_cache"})
+_PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", CACHE_KEY, "position_ids", "use_cache"})
 
 
 # What lean_sample uses of transformers' generation internals (5.x): where one is missing (another version), the
 # call runs transformers' own loop instead of failing.
 _INTERNALS = ("_prefill", "_optimize_model_for_decode", "_update_model_kwargs_for_generation")
 _CONFIG_FIELDS = ("_pad_token_tensor", "is_assistant", "prefill_chunk_size", "return_dict_in_generate", "do_sample")
+
+
+def sample_arguments(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False,
+                     streamer=None, **model_kwargs) -> tuple:
+    """The arguments of a `GenerationMixin._sample` call (its signature in the tested releases) as a tuple:
+    (input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs)."""
+    return input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs
 
 
 def lean_sample_applies(model, generation_config, synced_gpus: bool, streamer, stopping_criteria,
@@ -48,7 +58,7 @@ def lean_sample_applies(model, generation_config, synced_gpus: bool, streamer, s
         return False
     return (not synced_gpus and streamer is None and not generation_config.return_dict_in_generate
             and not generation_config.is_assistant and generation_config.prefill_chunk_size is None
-            and type(model_kwargs.get("past_key_values")) is DynamicCache and model_kwargs.get("use_cache") is True
+            and type(model_kwargs.get(CACHE_KEY)) is DynamicCache and model_kwargs.get("use_cache") is True
             and model_kwargs.keys() <= _PLAIN_MODEL_KWARGS
             and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1  # its max_length is the limit
             and all(type(c) is MaxLengthCriteria or type(c) is EosTokenCriteria for c in stopping_criteria))

@@ -4,8 +4,9 @@
 Contract: `load_llama_model(path)` builds the source model (fp32), e.g. as the reference of a logits
 check; `load_llama(path)` returns its (tensors, config.json dict, tokenizer.json text or None), the
 inputs `convert.retrofit_llama` takes (a safetensors folder is read directly by
-`convert.read_checkpoint`, in its own dtype; only a GGUF file goes through here). A GGUF file is dequantised by transformers (needs the `gguf` package);
-what it holds is then the dequantised model, and the retrofit is exact with respect to that.
+`convert.read_checkpoint`, in its own dtype; only a GGUF file goes through here). A GGUF file is
+dequantised by transformers (needs the `gguf` package); what it holds is then the dequantised model,
+and the retrofit is exact with respect to that.
 """
 
 from __future__ import annotations

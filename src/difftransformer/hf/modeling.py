@@ -38,15 +38,18 @@ import functools
 from typing import Any
 
 import torch
-from torch import nn
+import torch.utils.checkpoint
 from safetensors import SafetensorError
+from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
+from difftransformer.hf import compat
+from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.hf.configuration import DiffTransformerHFConfig
-from difftransformer.hf.generation import lean_sample, lean_sample_applies
+from difftransformer.hf.generation import lean_sample, lean_sample_applies, sample_arguments
 from difftransformer.model import DiffTransformerLM
 from difftransformer.model.inputs import check_input_ids, keep_last_positions
 from difftransformer.model.serialization import WEIGHTS_NAME
@@ -76,9 +79,18 @@ class DiffTransformerCausalLMOutput(CausalLMOutputWithPast):
             super().__post_init__()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if value is not None and name in _OUTPUT_FIELDS:
+        if name not in _OUTPUT_FIELDS:  # another name (an old name of a field, say): ModelOutput's own rules
+            super().__setattr__(name, value)
+            return
+        if value is not None:
             collections.OrderedDict.__setitem__(self, name, value)
         object.__setattr__(self, name, value)
+
+
+def _output(**fields: Any) -> CausalLMOutputWithPast:
+    """forward's output: the fast class where its ModelOutput internals were tested (compat.FAST), else
+    transformers' own class."""
+    return (DiffTransformerCausalLMOutput if compat.FAST else CausalLMOutputWithPast)(**fields)
 
 
 class _InPlaceLayer(DynamicLayer):
@@ -144,7 +156,8 @@ class _CacheAdapter:
     `constants`. Made for one forward call; what it keeps lives on the cache.
 
     A plain `DynamicCache` (what generate() makes) gets `_InPlaceLayer`s for its empty layers, so
-    decoding writes in place as our own cache does; any other cache is used as it is. For an
+    decoding writes in place as our own cache does, with the transformers releases that was tested with
+    (compat.FAST); any other cache, and any cache with other releases, is used as it is. For an
     `_InPlaceLayer` the adapter reads the length and calls `update` on the layer itself, which is all
     `DynamicCache` does for a layer that is not offloaded, without its generic checks (an ABC
     isinstance per call): ~20 µs per layer of a small model's decoding step."""
@@ -152,7 +165,7 @@ class _CacheAdapter:
     def __init__(self, cache: Cache):
         self.cache = cache
         held = cache.__dict__
-        if not held.get("_difftransformer_in_place"):
+        if not held.get("_difftransformer_in_place") and compat.FAST:
             _in_place(cache)
         # the layer list itself (DynamicCache appends to it), when the cache was converted
         self._layers = held.get("layers") if held.get("_difftransformer_in_place") else None
@@ -200,7 +213,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]  # the cache's name up to 5.23, and from 5.24
     _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}  # a tied key and its source
     _supports_static_cache = False
 
@@ -237,27 +250,36 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         return (model, info) if wants_info else model
 
     # -- generation ---------------------------------------------------------------------
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """None: transformers (5.x) would make position_ids from the mask and extend them every step, but
-        `forward` derives the same positions from the mask itself, and without padding (no mask, no
-        position_ids) its layers read RoPE from the table every layer shares instead of computing the
-        angles per layer and token (~15% of a small model's decoding step)."""
-        return None
+    def _prepare_position_ids_for_generation(self, *args, **kwargs):
+        """None with the tested transformers releases (compat.FAST): transformers would make position_ids from
+        the mask and extend them every step, but `forward` derives the same positions from the mask itself, and
+        without padding (no mask, no position_ids) its layers read RoPE from the table every layer shares instead
+        of computing the angles per layer and token (~15% of a small model's decoding step). Other releases:
+        transformers' own method (a private one, whose contract may change)."""
+        if compat.FAST:
+            return None
+        return super()._prepare_position_ids_for_generation(*args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
-                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
         """The inputs of one generation step: what transformers' generic method gives a decoder-only model
-        whose cache is never preallocated (ours refuses those), without its work for other models.
+        whose cache is never preallocated (ours refuses those), without its work for other models; with
+        transformers releases this was not tested with (compat.FAST False), the generic method itself.
 
-        That is: the last `next_sequence_length` tokens (all of them when None; `inputs_embeds` instead on
-        the first step when given), the cache, the 2-D attention mask, position_ids only when the caller gave
-        generate() some (sliced to the step; see _prepare_position_ids_for_generation), every other keyword
-        except labels, all on the model's device. The generic method, built for every architecture, also
-        branches for encoder-decoders, compiled caches, token types and multimodal inputs, and copies the
-        ids; it cost ~20-30 µs of each ~2.6 ms decoding step of a 5 M model. Two differences that change
-        nothing here: token-type ids are passed whole (forward ignores them) and the ids are a view, not a
-        contiguous copy (the embedding takes any strides). As transformers does, the tensors move to the model's
-        device when the step's input is on another."""
+        That is: the last `next_sequence_length` tokens (all of them when None; `inputs_embeds` instead on the
+        first step when given), the cache (under compat.CACHE_KEY), the 2-D attention mask, position_ids only when
+        the caller gave generate() some (sliced to the step; see _prepare_position_ids_for_generation), every other
+        keyword except labels, all on the model's device. The generic method, built for every architecture, also
+        branches for encoder-decoders, compiled caches, token types and multimodal inputs, and copies the ids; it
+        cost ~20-30 µs of each ~2.6 ms decoding step of a 5 M model. Two differences that change nothing here:
+        token-type ids are passed whole (forward ignores them) and the ids are a view, not a contiguous copy (the
+        embedding takes any strides). As transformers does, the tensors move to the model's device when the step's
+        input is on another.
+        """
+        if not compat.FAST:
+            return super().prepare_inputs_for_generation(
+                input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
         last = slice(None) if next_sequence_length is None else slice(-next_sequence_length, None)
         if inputs_embeds is not None and is_first_iteration:
             step = inputs_embeds[:, last]
@@ -265,8 +287,8 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             step = input_ids[:, last]
             inputs = {"input_ids": step}
-        if past_key_values is not None:
-            inputs["past_key_values"] = past_key_values
+        if (cache := kwargs.pop(CACHE_KEY, None)) is not None:
+            inputs[CACHE_KEY] = cache
         if (position_ids := kwargs.pop("position_ids", None)) is not None:
             inputs["position_ids"] = position_ids[..., -step.shape[1]:]
         if attention_mask is not None:
@@ -279,15 +301,18 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             inputs = {k: v.to(weight.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         return inputs
 
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False,
-                streamer=None, **model_kwargs):
-        """transformers' greedy search and multinomial sampling; the plain calls (`generation.lean_sample_applies`:
-        token ids, length and EOS stops, any processors, no streamer or returned scores) run the same loop
-        without its per-step overhead (`generation.lean_sample`: the same tokens, ~0.1 ms less per token)."""
-        if lean_sample_applies(self, generation_config, synced_gpus, streamer, stopping_criteria, model_kwargs):
-            return lean_sample(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
-                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    def _sample(self, *args, **kwargs):
+        """transformers' greedy search and multinomial sampling; with the releases it was tested with
+        (compat.FAST), the plain calls (`generation.lean_sample_applies`: token ids, length and EOS stops, any
+        processors, no streamer or returned scores) run the same loop without its per-step overhead
+        (`generation.lean_sample`: the same tokens, ~0.1 ms less per token). Every other call, and every call
+        with other releases, is handed to transformers' `_sample` as it came."""
+        if compat.FAST:
+            input_ids, processors, criteria, config, synced_gpus, streamer, model_kwargs = sample_arguments(
+                *args, **kwargs)
+            if lean_sample_applies(self, config, synced_gpus, streamer, criteria, model_kwargs):
+                return lean_sample(self, input_ids, processors, criteria, config, model_kwargs)
+        return super()._sample(*args, **kwargs)
 
     # -- the native model, both ways (shared parameters) ----------------------------------
     @classmethod
@@ -348,16 +373,20 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         cache_position: torch.LongTensor | None = None,  # our cache knows its length; accepted, not needed
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
-        """Logits (B, T, vocab) of input_ids (or inputs_embeds) after the cached tokens; see the module docstring."""
+        """Logits (B, T, vocab) of input_ids (or inputs_embeds) after the cached tokens; see the module docstring.
+
+        The cache is `cache` or `past_key_values` (its names from transformers 5.24 and up to 5.23; give one);
+        the output holds it under the installed transformers' name (compat.CACHE_KEY)."""
         cfg = self.config
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
         x = self._embed(input_ids, inputs_embeds)
         B, T = x.shape[:2]
-        past_key_values = self._transformers_cache(past_key_values, self._use_cache(use_cache))
+        past_key_values = self._transformers_cache(_one_cache(cache, past_key_values), self._use_cache(use_cache))
         cache = None if past_key_values is None else _CacheAdapter(past_key_values)
         past = 0 if cache is None else cache.length(0)
         self._check_length(past + T)
@@ -379,8 +408,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
                                       **{k: v for k, v in kwargs.items() if k == "num_items_in_batch"})
-        out = DiffTransformerCausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values,
-                                            hidden_states=hidden, attentions=maps)
+        out = _output(loss=loss, logits=logits, hidden_states=hidden, attentions=maps, **{CACHE_KEY: past_key_values})
         return out if return_dict else out.to_tuple()
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
@@ -409,15 +437,21 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         if past_key_values is None:
             return DynamicCache() if use_cache else None
         if not isinstance(past_key_values, Cache):
-            raise TypeError(f"past_key_values must be a transformers Cache (DynamicCache), got "
+            raise TypeError(f"the cache (past_key_values) must be a transformers Cache (DynamicCache), got "
                             f"{type(past_key_values).__name__}; legacy tuples are not supported: pass "
                             f"DynamicCache() or let generate() make one")
         if getattr(past_key_values, "is_compileable", False):
-            raise ValueError(f"past_key_values is a {type(past_key_values).__name__}, preallocated from the config's "
+            raise ValueError(f"the cache is a {type(past_key_values).__name__}, preallocated from the config's "
                              f"head counts; differential attention caches keys (B, 2*h_kv, S, d) and values "
                              f"(B, h_kv, S, 2d), which it cannot hold. Use DynamicCache (the default; no "
                              f"cache_implementation='static')")
         return past_key_values
+
+    def _checkpoint_func(self):
+        """transformers' checkpoint function (the attribute `gradient_checkpointing_enable` sets on the model, with
+        the caller's options), else torch's own non-reentrant checkpoint."""
+        func = getattr(self, "_gradient_checkpointing_func", None)
+        return func if func is not None else functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
     def _check_length(self, total: int) -> None:
         limit = self.config.max_position_embeddings
@@ -449,7 +483,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             if output_hidden_states:
                 hidden.append(x)
             if checkpointing:
-                res = self._gradient_checkpointing_func(functools.partial(
+                res = self._checkpoint_func()(functools.partial(
                     block.__call__, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
                     return_attention=output_attentions), x)
             else:
@@ -463,13 +497,21 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
 
 
+def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The cache given under either of its names (transformers 5.24 calls it `cache`, 5.23 `past_key_values`)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("both cache and past_key_values were given, two different caches; pass one (`cache` from "
+                         "transformers 5.24, `past_key_values` before)")
+    return past_key_values if cache is None else cache
+
+
 def _check_loaded(source: str, info: dict[str, Any]) -> None:
     """Refuse a load that left weights at random or ignored some: the file is not this config's model."""
     problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems = {k.replace("_keys", ""): v for k, v in problems.items() if v}
     if problems:
-        _refuse(source, "; ".join(f"{k}: {', '.join(map(str, v[:3]))}{f' (and {len(v) - 3} more)' if len(v) > 3 else ''}"
-                                  for k, v in problems.items()))
+        _refuse(source, "; ".join(f"{k}: {', '.join(map(str, v[:3]))}"
+                                  f"{f' (and {len(v) - 3} more)' if len(v) > 3 else ''}" for k, v in problems.items()))
 
 
 def _refuse(source: str, detail: str) -> None:
