@@ -85,39 +85,6 @@ class Episodes:
         return Episodes(*(np.concatenate([getattr(p, n) for p in parts]) for n in names))
 
 
-class Builder:
-    """Assembles sequences row by row (each row's pieces are numpy arrays), then pads them into Episodes."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-        self.rows: list[tuple[np.ndarray, ...]] = []
-
-    def add(self, tokens: np.ndarray, role: np.ndarray, support: np.ndarray, answer_item: np.ndarray,
-            answer_query: np.ndarray) -> None:
-        """One sequence. answer_item/answer_query are given per TOKEN (the answer tokens themselves); they
-        move to the position before each answer token, where the model predicts it."""
-        self.rows.append((tokens, role, support, answer_item, answer_query))
-
-    def build(self) -> Episodes:
-        B = len(self.rows)
-        L = max(len(r[0]) for r in self.rows) - 1  # inputs drop the last token, targets the first
-        inputs = np.full((B, L), self.pad_id, np.int64)
-        targets = np.full((B, L), IGNORE, np.int64)
-        role = np.full((B, L), PAD, np.int8)
-        support = np.full((B, L), -1, np.int32)
-        answer_item = np.full((B, L), -1, np.int32)
-        answer_query = np.full((B, L), -1, np.int32)
-        lengths = np.zeros(B, np.int64)
-        for b, (tok, rl, sup, ai, aq) in enumerate(self.rows):
-            n = len(tok) - 1
-            inputs[b, :n], role[b, :n], support[b, :n] = tok[:-1], rl[:-1], sup[:-1]
-            is_answer = ai[1:] >= 0
-            targets[b, :n] = np.where(is_answer, tok[1:], IGNORE)
-            answer_item[b, :n], answer_query[b, :n] = ai[1:], aq[1:]
-            lengths[b] = n
-        return Episodes(inputs, targets, role, support, answer_item, answer_query, lengths)
-
-
 def partition_bits(episodes: Episodes) -> np.ndarray:
     """One bit per sequence from a hash of its tokens (inputs up to its length, and its answers): 0 for the
     train stream, 1 for test sets. A multiply-add hash over uint64 with fixed odd multipliers per position."""

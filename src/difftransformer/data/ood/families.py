@@ -40,7 +40,7 @@ import numpy as np
 
 from difftransformer._config import check_field_types
 
-from .episodes import BOS, FILLER, ITEM, QUERY, Builder, Episodes
+from .episodes import BOS, FILLER, IGNORE, ITEM, PAD, QUERY, Episodes
 
 EOS_ID, PAD_ID = 0, 1
 SPECIALS = ("<|endoftext|>", "<pad>")  # ids 0 and 1 of every family's vocabulary
@@ -71,43 +71,82 @@ def _scaled(value: int, factor: float) -> int:
     return max(1, int(round(value * factor)))
 
 
-def _place(rng: np.random.Generator, context: int, widths: np.ndarray) -> np.ndarray:
-    """Start offsets of items of the given widths, in their order, at uniform random places among
-    `context - sum(widths)` filler tokens (a uniform random interleaving)."""
-    free = context - int(widths.sum())
-    gaps = np.sort(rng.integers(0, free + 1, size=len(widths)))
-    return gaps + np.concatenate([[0], np.cumsum(widths)[:-1]])
+def _episodes(full: np.ndarray, role: np.ndarray, support: np.ndarray, answer_item: np.ndarray,
+              answer_query: np.ndarray, total: np.ndarray) -> Episodes:
+    """Episodes from whole sequences (B, L) of `total` tokens each (answer_item/answer_query given on the
+    answer tokens themselves): inputs drop the last token, targets the first, so position t's target is token t + 1."""
+    length = int(total.max()) - 1
+    valid = np.arange(length)[None] < (total - 1)[:, None]
+    inputs = np.where(valid, full[:, :length], PAD_ID)
+    is_answer = answer_item[:, 1:length + 1] >= 0
+    return Episodes(inputs.astype(np.int64), np.where(is_answer, full[:, 1:length + 1], IGNORE).astype(np.int64),
+                    np.where(valid, role[:, :length], PAD).astype(np.int8),
+                    np.where(valid, support[:, :length], -1).astype(np.int32), answer_item[:, 1:length + 1].copy(),
+                    answer_query[:, 1:length + 1].copy(), (total - 1).astype(np.int64))
 
 
-def _lay_out(rng: np.random.Generator, context: int, items: list[np.ndarray], filler: np.ndarray):
-    """(tokens, role, support) of a context of `context` tokens: the items (arrays of token ids, item j
-    gets support j) placed in order at random among `filler` tokens."""
-    widths = np.array([len(x) for x in items])
-    starts = _place(rng, context, widths)
-    tokens = filler[:context].copy()
-    role = np.full(context, FILLER, np.int8)
-    support = np.full(context, -1, np.int32)
-    for j, (start, item) in enumerate(zip(starts, items)):
-        tokens[start:start + len(item)] = item
-        role[start:start + len(item)] = ITEM
-        support[start:start + len(item)] = j
-    return tokens, role, support, starts
+def _distinct(rng: np.random.Generator, rows: int, pool: int, k: int) -> np.ndarray:
+    """(rows, k): k distinct draws from range(pool) per row."""
+    return rng.random((rows, pool)).argsort(axis=1)[:, :k]
 
 
-def _row(*parts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]):
-    """Concatenate (tokens, role, support, answer_item, answer_query) pieces into one sequence."""
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))
+@dataclass
+class _Tail:
+    """QUERY tokens after the context: tokens (B, T), the item and query number of each answer token (-1
+    elsewhere), how many of the T each row has, and the separator before them (None: no separator)."""
+
+    tokens: np.ndarray
+    item: np.ndarray
+    query: np.ndarray
+    length: np.ndarray
+    sep: int | None = None
 
 
-def _plain(tokens: np.ndarray, role: int | np.ndarray, support=None):
-    n = len(tokens)
-    return (np.asarray(tokens, np.int64), np.broadcast_to(np.asarray(role, np.int8), (n,)).copy(),
-            np.full(n, -1, np.int32) if support is None else support, np.full(n, -1, np.int32),
-            np.full(n, -1, np.int32))
-
-
-_BOS = (np.array([EOS_ID], np.int64), np.array([BOS], np.int8), np.array([-1], np.int32),
-        np.array([-1], np.int32), np.array([-1], np.int32))
+def _items_among_filler(rng: np.random.Generator, contexts: np.ndarray, counts: np.ndarray, items: np.ndarray,
+                        filler: np.ndarray, tail: _Tail | None = None, groups: np.ndarray | None = None,
+                        item_answers: tuple[np.ndarray, np.ndarray] | None = None) -> Episodes:
+    """B sequences [EOS][context][sep][tail], all rows at once. Row b's context has contexts[b] tokens:
+    its first counts[b] items (items (B, N, w) token ids) at uniform random places among filler tokens
+    (filler (B, >= max context)), item j with support groups[b, j] (default j). item_answers: (item, query)
+    arrays (B, N, w) for answers inside the context (-1 where a token answers nothing)."""
+    B, N, w = items.shape
+    j = np.arange(N)[None]
+    real = j < counts[:, None]
+    free = contexts - counts * w
+    big = int(contexts.max()) + 1  # sorts after every real gap; its rows are never used
+    gaps = np.where(real, (rng.random((B, N)) * (free + 1)[:, None]).astype(np.int64), big)
+    starts = np.sort(gaps, axis=1) + w * j
+    C = int(contexts.max())
+    T = 0 if tail is None else tail.tokens.shape[1]
+    has_sep = int(tail is not None and tail.sep is not None)
+    L = 1 + C + has_sep + T
+    full = np.full((B, L), PAD_ID, np.int64)
+    role = np.full((B, L), PAD, np.int8)
+    support = np.full((B, L), -1, np.int32)
+    answer_item = np.full((B, L), -1, np.int32)
+    answer_query = np.full((B, L), -1, np.int32)
+    full[:, 0], role[:, 0] = EOS_ID, BOS
+    in_context = np.arange(C)[None] < contexts[:, None]
+    full[:, 1:1 + C] = np.where(in_context, filler[:, :C], PAD_ID)
+    role[:, 1:1 + C] = np.where(in_context, FILLER, PAD)
+    b, jj = np.nonzero(real)
+    cols = 1 + starts[b, jj][:, None] + np.arange(w)[None]
+    full[b[:, None], cols] = items[b, jj]
+    role[b[:, None], cols] = ITEM
+    support[b[:, None], cols] = (jj if groups is None else groups[b, jj])[:, None]
+    if item_answers is not None:
+        answer_item[b[:, None], cols], answer_query[b[:, None], cols] = (a[b, jj] for a in item_answers)
+    total = 1 + contexts
+    if tail is not None:
+        rows = np.arange(B)
+        if has_sep:
+            full[rows, total], role[rows, total] = tail.sep, QUERY
+        b, t = np.nonzero(np.arange(T)[None] < tail.length[:, None])
+        cols = total[b] + has_sep + t
+        full[b, cols], role[b, cols] = tail.tokens[b, t], QUERY
+        answer_item[b, cols], answer_query[b, cols] = tail.item[b, t], tail.query[b, t]
+        total = total + has_sep + tail.length
+    return _episodes(full, role, support, answer_item, answer_query, total)
 
 
 class Family:
@@ -119,12 +158,7 @@ class Family:
         raise NotImplementedError
 
     def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
-        builder = Builder(PAD_ID)
-        for _ in range(n):
-            builder.add(*self._sequence(rng, condition))
-        return builder.build()
-
-    def _sequence(self, rng: np.random.Generator, condition: Condition):
+        """n sequences under `condition`, all drawn at once from `rng` (vectorised over the batch)."""
         raise NotImplementedError
 
     def max_length(self, condition: Condition = TRAIN) -> int:
@@ -221,28 +255,28 @@ class MQAR(Family):
     def max_length(self, condition: Condition = TRAIN) -> int:
         return 1 + _scaled(self.max_context, condition.length) + 1 + self.queries * self.width - 1
 
-    def _sequence(self, rng: np.random.Generator, condition: Condition):
+    def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
         ids = self.ids()
         lo, hi = self._pairs_range(condition)
-        n = int(rng.integers(lo, hi + 1))
-        context = int(rng.integers(_scaled(self.min_context, condition.length),
-                                   _scaled(self.max_context, condition.length) + 1))
-        codes = rng.choice(self.num_keys ** self.key_len, size=n, replace=False)
-        keys = np.stack([(codes // self.num_keys ** p) % self.num_keys for p in range(self.key_len)], 1)
-        keys = keys + ids["key"]
-        values = rng.integers(0, self.num_values, size=(n, self.value_len)) + ids["value"]
-        pairs = [np.concatenate([k, v]) for k, v in zip(keys, values)]
-        filler = rng.integers(0, self.filler_vocab, size=context) + ids["filler"]
-        tokens, role, support, _ = _lay_out(rng, context, pairs, filler)
-        asked = rng.choice(n, size=min(self.queries, n), replace=False)
-        queries = []
-        for q, j in enumerate(asked):
-            key_part = _plain(keys[j], QUERY)
-            value_part = _plain(values[j], QUERY)
-            value_part[3][:] = j
-            value_part[4][:] = q
-            queries += [key_part, value_part]
-        return _row(_BOS, _plain(tokens, role, support), _plain(np.array([ids["sep"]]), QUERY), *queries)
+        counts = rng.integers(lo, hi + 1, size=n)
+        clo, chi = _scaled(self.min_context, condition.length), _scaled(self.max_context, condition.length)
+        contexts = rng.integers(clo, chi + 1, size=n)
+        codes = _distinct(rng, n, self.num_keys ** self.key_len, hi)  # (n, hi): distinct keys per sequence
+        keys = (codes[..., None] // self.num_keys ** np.arange(self.key_len)) % self.num_keys + ids["key"]
+        values = rng.integers(0, self.num_values, size=(n, hi, self.value_len)) + ids["value"]
+        items = np.concatenate([keys, values], axis=2)
+        filler = rng.integers(0, self.filler_vocab, size=(n, chi)) + ids["filler"]
+        # the queries: min(queries, count) distinct items of each sequence, in random order
+        q_max = min(self.queries, hi)
+        asked = np.where(np.arange(hi)[None] < counts[:, None], rng.random((n, hi)), np.inf).argsort(1)[:, :q_max]
+        w, kl = self.width, self.key_len
+        tail = np.take_along_axis(items, asked[..., None], axis=1).reshape(n, q_max * w)
+        is_value = np.tile(np.arange(w) >= kl, q_max)[None]
+        tail_item = np.where(is_value, np.repeat(asked, w, axis=1), -1)
+        tail_query = np.where(is_value, np.repeat(np.arange(q_max)[None], n, 0).repeat(w, axis=1), -1)
+        tail_len = np.minimum(self.queries, counts) * w
+        return _items_among_filler(rng, contexts, counts, items, filler,
+                                   _Tail(tail, tail_item, tail_query, tail_len, ids["sep"]))
 
 
 @dataclass(frozen=True)
@@ -272,26 +306,36 @@ class FlipFlop(Family):
     def max_length(self, condition: Condition = TRAIN) -> int:
         return 1 + 2 * _scaled(self.max_instructions, condition.length) - 1
 
-    def _sequence(self, rng: np.random.Generator, condition: Condition):
+    def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
         W, I, R, B0 = 2, 3, 4, 5  # ids of w, i, r, 0 (1 is B0 + 1)
-        n = int(rng.integers(_scaled(self.min_instructions, condition.length),
-                             _scaled(self.max_instructions, condition.length) + 1))
+        lo, hi = _scaled(self.min_instructions, condition.length), _scaled(self.max_instructions, condition.length)
+        counts = rng.integers(lo, hi + 1, size=n)
         p_i = self.p_ignore_at(condition)
-        instr = rng.choice(np.array([W, I, R]), size=n, p=[(1 - p_i) / 2, p_i, (1 - p_i) / 2])
-        instr[0], instr[-1] = W, R  # every sequence asks at least once
-        bits = rng.integers(0, 2, size=n)
-        idx = np.arange(n)
-        last_write = np.maximum.accumulate(np.where(instr == W, idx, 0))
-        is_read = instr == R
-        bits = np.where(is_read, bits[last_write], bits)
-        tokens = np.stack([instr, bits + B0], 1).reshape(-1)
-        role = np.repeat(np.where(is_read, QUERY, ITEM), 2).astype(np.int8)
-        support = np.repeat(np.where(is_read, -1, idx), 2).astype(np.int32)
-        answer_item = np.full(2 * n, -1, np.int32)
-        answer_query = np.full(2 * n, -1, np.int32)
-        answer_item[1::2] = np.where(is_read, last_write, -1)
-        answer_query[1::2] = np.where(is_read, np.cumsum(is_read) - 1, -1)
-        return _row(_BOS, (tokens.astype(np.int64), role, support, answer_item, answer_query))
+        u = rng.random((n, hi))
+        instr = np.where(u < p_i, I, np.where(u < p_i + (1 - p_i) / 2, W, R))
+        idx = np.arange(hi)[None]
+        instr[:, 0] = W
+        instr[np.arange(n), counts - 1] = R  # every sequence asks at least once
+        real = idx < counts[:, None]
+        last_write = np.maximum.accumulate(np.where(instr == W, idx, 0), axis=1)
+        is_read = (instr == R) & real
+        bits = rng.integers(0, 2, size=(n, hi))
+        bits = np.where(is_read, np.take_along_axis(bits, last_write, axis=1), bits)
+        L = 1 + 2 * hi
+        full = np.full((n, L), PAD_ID, np.int64)
+        role = np.full((n, L), PAD, np.int8)
+        support = np.full((n, L), -1, np.int32)
+        answer_item = np.full((n, L), -1, np.int32)
+        answer_query = np.full((n, L), -1, np.int32)
+        full[:, 0], role[:, 0] = EOS_ID, BOS
+        full[:, 1::2] = np.where(real, instr, PAD_ID)
+        full[:, 2::2] = np.where(real, B0 + bits, PAD_ID)
+        item_role = np.where(real, np.where(is_read, QUERY, ITEM), PAD)
+        role[:, 1::2] = role[:, 2::2] = item_role
+        support[:, 1::2] = support[:, 2::2] = np.where(real & ~is_read, idx, -1)
+        answer_item[:, 2::2] = np.where(is_read, last_write, -1)
+        answer_query[:, 2::2] = np.where(is_read, np.cumsum(is_read, axis=1) - 1, -1)
+        return _episodes(full, role, support, answer_item, answer_query, 1 + 2 * counts)
 
 
 @dataclass(frozen=True)
@@ -347,41 +391,41 @@ class Induction(Family):
         return self.transitions()
 
     def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
-        """As every family's, with the n backgrounds drawn together (the chain steps once per position for
-        all rows, not once per position and row)."""
-        longest = _scaled(self.max_context, condition.length)
-        cum = self._chain
-        background = np.empty((n, longest), np.int64)
-        background[:, 0] = rng.integers(self.background_vocab, size=n)
-        draws = rng.random((n, longest))
-        for t in range(1, longest):
-            nxt = (cum[background[:, t - 1]] < draws[:, t, None]).sum(axis=1)
-            background[:, t] = np.minimum(nxt, self.background_vocab - 1)
-        builder = Builder(PAD_ID)
-        for row in background:
-            builder.add(*self._sequence(rng, condition, row))
-        return builder.build()
-
-    def _sequence(self, rng: np.random.Generator, condition: Condition, background: np.ndarray):
         base = len(SPECIALS)
         k = _scaled(self.triggers, condition.density)
-        context = int(rng.integers(_scaled(self.min_context, condition.length),
-                                   _scaled(self.max_context, condition.length) + 1))
-        trig = rng.choice(self.trigger_vocab, size=k, replace=False)
-        succ = rng.integers(0, self.background_vocab, size=k)
-        occ = rng.integers(self.min_occurrences, self.max_occurrences + 1, size=k)
-        order = rng.permutation(np.repeat(np.arange(k), occ))
-        items = [np.array([base + self.background_vocab + trig[g], base + succ[g]]) for g in order]
-        tokens, role, support, starts = _lay_out(rng, context, items, background[:context] + base)
-        group = np.where(support >= 0, order[np.maximum(support, 0)], -1).astype(np.int32)
-        # every occurrence but a trigger's first is asked: its successor is readable from an earlier one
-        asked = np.ones(len(order), bool)
-        asked[np.unique(order, return_index=True)[1]] = False
-        answer_item = np.full(context, -1, np.int32)
-        answer_query = np.full(context, -1, np.int32)
-        answer_item[starts[asked] + 1] = order[asked]
-        answer_query[starts[asked] + 1] = np.arange(int(asked.sum()))
-        return _row(_BOS, (tokens, role, group, answer_item, answer_query))
+        clo, chi = _scaled(self.min_context, condition.length), _scaled(self.max_context, condition.length)
+        contexts = rng.integers(clo, chi + 1, size=n)
+        background = self._background(rng, n, chi) + base
+        trig = _distinct(rng, n, self.trigger_vocab, k)  # (n, k): each sequence's triggers
+        succ = rng.integers(0, self.background_vocab, size=(n, k))
+        occ = rng.integers(self.min_occurrences, self.max_occurrences + 1, size=(n, k))
+        # each sequence's occurrences in random order: group g repeated occ[b, g] times, then padding
+        slots = np.repeat(np.arange(k), self.max_occurrences)[None].repeat(n, 0)  # (n, k * max_occ)
+        taken = np.tile(np.arange(self.max_occurrences), k)[None] < occ.repeat(self.max_occurrences, axis=1)
+        order = np.take_along_axis(slots, np.where(taken, rng.random(slots.shape), np.inf).argsort(1), axis=1)
+        counts = occ.sum(1)
+        rows = np.arange(n)[:, None]
+        items = np.stack([base + self.background_vocab + trig[rows, order], base + succ[rows, order]], axis=2)
+        # every occurrence but a trigger's first is asked, on its successor token
+        j = np.arange(order.shape[1])[None]
+        first = np.full((n, k), order.shape[1])
+        np.minimum.at(first, (np.broadcast_to(rows, order.shape), order), np.broadcast_to(j, order.shape))
+        asked = (j < counts[:, None]) & (j != first[rows, order])
+        query = np.cumsum(asked, axis=1) - 1
+        item_answers = tuple(np.stack([np.full_like(a, -1), np.where(asked, a, -1)], axis=2).astype(np.int32)
+                             for a in (order, query))
+        return _items_among_filler(rng, contexts, counts, items, background, groups=order,
+                                   item_answers=item_answers)
+
+    def _background(self, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
+        """n sequences of the bigram chain (the chain steps once per position for all rows)."""
+        cum = self._chain
+        out = np.empty((n, length), np.int64)
+        out[:, 0] = rng.integers(self.background_vocab, size=n)
+        draws = rng.random((n, length))
+        for t in range(1, length):
+            out[:, t] = np.minimum((cum[out[:, t - 1]] < draws[:, t, None]).sum(axis=1), self.background_vocab - 1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -421,21 +465,22 @@ class MaxRetrieval(Family):
     def max_length(self, condition: Condition = TRAIN) -> int:
         return 1 + _scaled(self.max_context, condition.length) + 1
 
-    def _sequence(self, rng: np.random.Generator, condition: Condition):
+    def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
         base = len(SPECIALS)
         kb, vb, fb = base, base + self.num_keys, base + self.num_keys + self.num_values
-        n = int(rng.integers(_scaled(self.min_items, condition.density), _scaled(self.max_items, condition.density) + 1))
-        context = int(rng.integers(_scaled(self.min_context, condition.length),
-                                   _scaled(self.max_context, condition.length) + 1))
-        keys = rng.choice(self.num_keys, size=n, replace=False)
-        values = rng.integers(0, self.num_values, size=n)
-        items = [np.array([kb + k, vb + v]) for k, v in zip(keys, values)]
-        filler = rng.integers(0, self.filler_vocab, size=context) + fb
-        tokens, role, support, _ = _lay_out(rng, context, items, filler)
-        best = int(np.argmax(keys))
-        answer = _plain(np.array([vb + values[best]]), QUERY)
-        answer[3][:], answer[4][:] = best, 0
-        return _row(_BOS, _plain(tokens, role, support), _plain(np.array([fb + self.filler_vocab]), QUERY), answer)
+        lo, hi = _scaled(self.min_items, condition.density), _scaled(self.max_items, condition.density)
+        counts = rng.integers(lo, hi + 1, size=n)
+        clo, chi = _scaled(self.min_context, condition.length), _scaled(self.max_context, condition.length)
+        contexts = rng.integers(clo, chi + 1, size=n)
+        keys = _distinct(rng, n, self.num_keys, hi)
+        values = rng.integers(0, self.num_values, size=(n, hi))
+        items = np.stack([kb + keys, vb + values], axis=2)
+        best = np.where(np.arange(hi)[None] < counts[:, None], keys, -1).argmax(axis=1)
+        filler = rng.integers(0, self.filler_vocab, size=(n, chi)) + fb
+        tail = (vb + values[np.arange(n), best])[:, None]
+        return _items_among_filler(rng, contexts, counts, items, filler,
+                                   _Tail(tail, best[:, None], np.zeros((n, 1), np.int32), np.ones(n, np.int64),
+                                         fb + self.filler_vocab))
 
 
 FAMILIES: dict[str, type[Family]] = {f.name: f for f in (MQAR, FlipFlop, Induction, MaxRetrieval)}
