@@ -152,7 +152,7 @@ def test_ordinary_temperatures_divide_bit_for_bit_as_before():
 
 
 def test_generate_at_numeric_edges_gives_the_greedy_text(run, capsys):
-    """Each ran into a RuntimeError traceback; each now gives
+    """Through the command, each of those numeric edges was a RuntimeError traceback; each now gives
     the greedy text (the top token at every step), as worked out above."""
     greedy = _generated(capsys, run, "--temperature", "0")
     for flags in (["--top-p", "1e-300"], ["--top-p", "1e-46"], ["--temperature", "1e-40"],

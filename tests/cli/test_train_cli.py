@@ -279,7 +279,7 @@ def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
 
 
 def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir, tmp_path, capsys):
-    """The message named config.json but put the run config's name
+    """An unreadable --init-from folder: the message named config.json but put the run config's name
     in front, as if that file were at fault."""
     run = tmp_path / "run"
     config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
