@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
-.PHONY: venv lint test demo paper-cpu bench clean
+.PHONY: venv lint test test-interop-latest demo paper-cpu bench clean
 
 venv: $(STAMP) $(RT_FILE)
 
@@ -31,6 +31,19 @@ lint: venv
 ## make test: the linter, then the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
 test: venv lint
 	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+
+## make test-interop-latest: tests/hf against the newest transformers and peft that pip resolves now, installed into
+## the git-ignored .hf-latest/ in front of the venv's pinned ones (only dependencies the venv lacks are added there).
+## CI runs it after `make test`. It fails, never falls back to the pinned versions, when pip cannot install them.
+HF_LATEST := $(CURDIR)/.hf-latest
+test-interop-latest: venv
+	rm -rf $(HF_LATEST)
+	$(PY) -m pip install -q --no-deps --target $(HF_LATEST) -U transformers peft
+	reqs="$$(PYTHONPATH=$(HF_LATEST) $(PY) .ci/unmet_requirements.py transformers peft)" && \
+	  if [ -n "$$reqs" ]; then $(PY) -m pip install -q --no-deps --target $(HF_LATEST) $$reqs; fi
+	PYTHONPATH=$(HF_LATEST) $(PY) -c "import peft, transformers as t; assert t.__file__.startswith('$(HF_LATEST)/'), \
+	  t.__file__; print('tests/hf with transformers', t.__version__, 'and peft', peft.__version__)"
+	PYTHONPATH=$(HF_LATEST) TRITON_INTERPRET=1 $(PY) -m pytest tests/hf $(PYTEST_ARGS)
 
 ## make demo: the main job. Prepares the bundled corpus, trains DIFF and the matched Transformer,
 ## writes runs/demo/report.md. Re-running resumes unfinished arms.
