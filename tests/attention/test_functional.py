@@ -1,5 +1,7 @@
 """The one definition of differential (and ordinary) attention, every backend against the float64 reference."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,8 +10,9 @@ from hypothesis import strategies as st
 
 from difftransformer import differential_attention
 from difftransformer.attention import multihead_attention
+from difftransformer.attention.functional import attended_key_counts
 from tests.helpers import BACKENDS, check_forward_and_grads, lambda_grad_error, padding_mask, random_inputs, rel_err
-from tests.reference import diff_attention_reference, mha_reference
+from tests.reference import diff_attention_reference, mha_reference, ssmax_reference, visible
 
 # ---------------------------------------------------------------- the reference itself
 
@@ -20,6 +23,28 @@ def test_reference_with_zero_lambda_is_ordinary_attention():
     out = diff_attention_reference(q, k, v, 0.0)
     expected = F.scaled_dot_product_attention(q[:, 0::2], k[:, 0::2], v, is_causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_ssmax_reference_with_s_log_n_one_is_ordinary_attention():
+    """The SSMax reference's last query (n = S keys) with s = 1 / log S equals float64 SDPA's."""
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 9, 8, dtype=torch.float64), torch.randn(2, 2, 9, 8, dtype=torch.float64)
+    out = ssmax_reference(q, k, v, torch.full((4,), 1 / math.log(9), dtype=torch.float64))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out[:, :, -1], expected[:, :, -1], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out[:, :, 4], expected[:, :, 4])  # query 4 reads 5 keys: s log 5 != 1
+
+
+@pytest.mark.parametrize("T,S,causal", [(1, 1, True), (6, 6, True), (3, 10, True), (1, 7, True), (5, 5, False)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_attended_key_counts_count_the_visible_keys(T, S, causal, padded):
+    mask = padding_mask(3, S, seed=T + S) if padded else None
+    if padded:
+        mask[1, S // 2] = False  # a hole, not only left padding
+    got = attended_key_counts(T, S, causal=causal, key_padding_mask=mask)
+    want = torch.stack([visible(T, S, causal, mask, b).sum(-1) for b in range(3)])
+    assert torch.equal(got.expand(3, T), want)
+    assert got.shape == ((3, T) if padded else (T,))
 
 
 # ---------------------------------------------------------------- functional backends

@@ -41,7 +41,6 @@ from difftransformer.kernels import flash_cpu
 from difftransformer.kernels.flash_cpu import DECODE_MAX_ROWS, diff_flash_attention_cpu, flash_attention_cpu
 from difftransformer.norm import compute_dtype
 
-
 ScoreHook = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
@@ -88,8 +87,8 @@ def attended_key_counts(T: int, S: int, *, causal: bool = True, key_padding_mask
         first = S - T + 1 if causal else S
         return torch.arange(first, first + T, device=device).clamp_max(S)
     if key_padding_mask.dim() != 2 or key_padding_mask.shape[1] != S:
-        raise ValueError(f"key_padding_mask must have shape (batch, key_len={S}), got "
-                         f"{tuple(key_padding_mask.shape)}; it marks keys to keep with True/1, including any cached keys")
+        raise ValueError(f"key_padding_mask must have shape (batch, key_len={S}), got {tuple(key_padding_mask.shape)}; "
+                         f"it marks keys to keep with True/1, including any cached keys")
     keep = key_padding_mask.to(device=device, dtype=torch.bool).long()
     if not causal:
         return keep.sum(-1, keepdim=True).expand(-1, T)

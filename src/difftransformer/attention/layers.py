@@ -243,8 +243,8 @@ class MultiheadDiffAttention(_SelfAttention):
             return self._compute_constants(fused, f)
         # ids identify the objects: the entry holds them, so no new object can reuse an id meanwhile.
         # Inference mode is in the key: its tensors cannot be saved for a backward outside it.
-        key = (f, self.lambda_init, torch.is_inference_mode_enabled(), *map(id, tensors), *[t._version for t in tensors],
-               *[t.data_ptr() for t in tensors])
+        key = (f, self.lambda_init, torch.is_inference_mode_enabled(), *map(id, tensors),
+               *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
         hit = self.__dict__.get("_inference_cache")  # absent in a layer unpickled from an older version
         if hit is None or hit[0] != key:
             hit = self._inference_cache = (key, tensors, self._compute_constants(fused, f))

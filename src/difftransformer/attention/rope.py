@@ -7,7 +7,6 @@ from torch import nn
 
 from difftransformer.norm import compute_dtype
 
-
 # A model's `position_encoding`: RoPE on every q/k head, or none at all (NoPE: causal masking alone
 # tells the tokens apart, and no layer holds a rotation).
 POSITION_ENCODINGS = ("rope", "none")

@@ -330,7 +330,8 @@ PRESETS: dict[str, Preset] = {
     # width is 8/3 x 1024 rounded up to a multiple of 64 (2752, not 2731): bf16 matrix products on
     # CUDA need dims that are multiples of 8, else cuBLAS falls back to slow kernels.
     "gpu-small": Preset(1024, 12, 8, intermediate_size=2752, vocab_size=8192, max_position_embeddings=4096,
-                        description="160M params, 12 layers of width 1024, 8 DIFF heads of 2 x 64 (16 baseline heads of 64)"),
+                        description="160M params, 12 layers of width 1024, 8 DIFF heads of 2 x 64 "
+                                    "(16 baseline heads of 64)"),
 }
 
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
+from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.model.generation import generate
 from difftransformer.model.inputs import check_input_ids, keep_last_positions
 from difftransformer.model.serialization import load_weights, read_pretrained, save_pretrained
-from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.norm import RMSNorm
 
 
@@ -176,8 +176,9 @@ class DiffTransformerLM(nn.Module):
 
         attention_mask (B, S): 1 for real tokens, 0 for padding, over cached + new tokens.
         logits_to_keep: 0 for the logits of every position, n > 0 for the last n only (B, n, V), or a
-        tensor of position indices, as transformers names and takes it: a prompt's prefill in `generate` needs only the last position's, and
-        the LM head is a large share of a small model's FLOPs. Not with targets (the loss needs all).
+        tensor of position indices, as transformers names and takes it: a prompt's prefill in `generate`
+        needs only the last position's, and the LM head is a large share of a small model's FLOPs. Not with
+        targets (the loss needs all).
         """
         if targets is not None and (isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0):
             raise ValueError("logits_to_keep keeps only the last positions' logits, but targets need every "
