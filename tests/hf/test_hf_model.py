@@ -159,7 +159,7 @@ def test_attention_maps_while_decoding_with_padding():
 
 
 @pytest.mark.parametrize("attention", ["diff", "diff_v2"])
-def test_greedy_generate_equals_native_generate(attention):
+def test_greedy_generate_equals_native_generate(attention, path):
     lm, hf = pair(attention, gqa=True)
     alone = []
     for prompt in PROMPTS:
@@ -174,7 +174,63 @@ def test_greedy_generate_equals_native_generate(attention):
     assert torch.equal(batched, lm.generate(ids, 8, temperature=0, attention_mask=mask))
 
 
-def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch):
+# The wrapper's generate() against ours: both paths (`path`: the fast paths of tested transformers releases and
+# transformers' public ones), DIFF and Transformer, MHA and GQA, tied and untied heads, several seeds of tiny
+# models, prompts of 1 token and up to the position limit (64), left-padded batches, with and without the cache.
+KINDS = [("diff", False, True), ("diff", True, False), ("transformer", False, False), ("transformer", True, True)]
+KIND_IDS = ["diff-mha-tied", "diff-gqa-untied", "transformer-mha-untied", "transformer-gqa-tied"]
+
+
+def step_logits(lm: DiffTransformerLM, seq: torch.Tensor, prompt: int, mask: torch.Tensor | None = None):
+    """(B, n, V) logits the native model gives each generated position from the whole sequence, uncached."""
+    with torch.no_grad():
+        if mask is None:
+            return lm(seq).logits[:, prompt - 1:-1]
+        full = torch.cat((mask, mask.new_ones(mask.shape[0], seq.shape[1] - mask.shape[1])), dim=1)
+        positions = (full.cumsum(-1) - 1).clamp(min=0)
+        return lm(seq, attention_mask=full.bool(), position_ids=positions).logits[:, prompt - 1:-1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("attention", "gqa", "tied"), KINDS, ids=KIND_IDS)
+def test_generate_equals_ours_in_tokens_and_logits(attention, gqa, tied, seed, path):
+    lm, hf = pair(attention, seed=seed, gqa=gqa, tie_word_embeddings=tied)
+    rng = torch.Generator().manual_seed(seed)
+    for T in (1, 5, 58):  # 58 + 6 new tokens: every position up to max_position_embeddings (64)
+        ids = torch.randint(0, VOCAB, (1, T), generator=rng)
+        ours = lm.generate(ids, 6, temperature=0)
+        assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False), ours), T
+        out = hf.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ours), T
+        torch.testing.assert_close(torch.stack(out.logits, 1), step_logits(lm, ours, T), rtol=1e-5, atol=1e-5)
+    ids, mask = left_pad([torch.randint(0, VOCAB, (n,), generator=rng).tolist() for n in (3, 7, 1)])
+    ours = lm.generate(ids, 6, temperature=0, attention_mask=mask)
+    for use_cache in (True, False):
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                          use_cache=use_cache, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ours), use_cache
+        logits = torch.stack(out.logits, 1)
+        torch.testing.assert_close(logits, step_logits(lm, ours, 7, mask), rtol=1e-5, atol=1e-5)
+    assert torch.equal(hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0), ours)
+
+
+@pytest.mark.parametrize(("attention", "gqa", "tied"), KINDS, ids=KIND_IDS)
+def test_sampling_from_a_seed_equals_ours(attention, gqa, tied, path):
+    """transformers samples softmax(logits / temperature) with torch's global generator, as our generate does
+    without a generator: from the same seed, the same tokens (top_k=0: transformers' default would keep 50)."""
+    lm, hf = pair(attention, gqa=gqa, tie_word_embeddings=tied)
+    ids, mask = left_pad(PROMPTS)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        ours = lm.generate(ids, 8, temperature=0.9, attention_mask=mask)
+        torch.manual_seed(seed)
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.9, top_k=0,
+                             pad_token_id=0)
+        assert torch.equal(theirs, ours), seed
+    assert not torch.equal(theirs[:, ids.shape[1]:], lm.generate(ids, 8, temperature=0, attention_mask=mask)[:, 6:])
+
+
+def test_generate_passes_positions_only_when_the_caller_gives_them(monkeypatch, fast):
     """Without position_ids the forward derives positions itself (RoPE from the shared table when there is
     no padding); position_ids given to generate() are used, extended by one per step as transformers does."""
     _, hf = pair("diff")
@@ -290,8 +346,9 @@ def test_generate_derives_lambda_once_per_layer(monkeypatch):
     assert torch.equal(hf.generate(ids, max_new_tokens=5, do_sample=False), lm.generate(ids, 5, temperature=0))
 
 
-def test_sampling_and_beam_search():
-    lm, hf = pair("diff")
+@pytest.mark.parametrize("attention", ["diff", "transformer"])
+def test_sampling_and_beam_search(attention, path):
+    lm, hf = pair(attention, gqa=True)
     ids = ids_of(PROMPTS[1])
     greedy = hf.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=True, top_k=1), greedy)
