@@ -11,6 +11,8 @@ release changes what it copies; with a release it was not tested with, generate(
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -162,3 +164,62 @@ def test_a_transformers_without_the_internals_it_uses_runs_transformers_loop(mon
     assert not lean_sample_applies(SimpleNamespace(), config, False, None, criteria, kwargs)  # no _prefill
     del config._pad_token_tensor
     assert not lean_sample_applies(hf, config, False, None, criteria, kwargs)
+
+
+def test_the_internals_lean_sample_uses_have_the_tested_signatures():
+    """The private GenerationMixin methods the fast paths override or call, with the parameters they were tested
+    with: a release that renames one fails here (and lean_sample_applies / compat.FAST keep it off meanwhile)."""
+    import inspect
+
+    from transformers import GenerationMixin
+
+    from difftransformer.hf.generation import sample_arguments
+
+    def params(f) -> list[str]:
+        return [p for p in inspect.signature(f).parameters if p != "self"]
+
+    assert params(GenerationMixin._sample) == params(sample_arguments)
+    assert params(GenerationMixin._prefill) == ["input_ids", "generation_config", "model_kwargs", "is_first_iteration"]
+    assert params(GenerationMixin._update_model_kwargs_for_generation)[:3] == ["outputs", "model_kwargs",
+                                                                              "is_encoder_decoder"]
+    assert params(GenerationMixin._prepare_position_ids_for_generation) == ["inputs_tensor", "model_kwargs"]
+    assert callable(GenerationMixin._optimize_model_for_decode)
+
+
+def test_fast_paths_are_chosen_for_the_tested_releases_only():
+    import transformers
+
+    assert compat.tested("5.23.0") and compat.tested("5.24.2") and compat.tested("5.24.0.dev0")
+    assert not compat.tested("5.25.0") and not compat.tested("5.2.0") and not compat.tested("6.0.0")
+    assert compat.FAST == compat.tested(transformers.__version__)
+    expected = "cache" if transformers.__version__ >= "5.24" else "past_key_values"  # the output class says which
+    assert compat.CACHE_KEY == expected
+
+
+def test_a_release_not_tested_runs_transformers_public_loop(monkeypatch):
+    """compat.FAST False (any release not in compat.TESTED_MINORS): generate() never enters the lean loop, the lean
+    step inputs or the in-place cache layers, and still gives the tokens of transformers' loop."""
+    from transformers.cache_utils import DynamicLayer
+
+    hf = wrapper()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    monkeypatch.setattr(compat, "FAST", True)
+    want = hf.generate(ids, **kwargs)
+    monkeypatch.setattr(compat, "FAST", False)
+    monkeypatch.setattr(modeling, "lean_sample", lambda *a, **kw: pytest.fail("the lean loop ran"))
+    seen = []
+    forward = type(hf).forward
+
+    @functools.wraps(forward)  # its signature stays forward's: transformers reads it
+    def recording(self, *args, **kw):
+        seen.append(kw)
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(type(hf), "forward", recording)
+    assert torch.equal(hf.generate(ids, **kwargs), want)
+    assert all(kw.get("position_ids") is not None for kw in seen)  # transformers' positions from the mask
+    cache = seen[-1][compat.CACHE_KEY]
+    assert cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers)

@@ -575,6 +575,24 @@ def test_the_in_place_cache_layer_behaves_as_transformers_own():
         assert ours.keys.data_ptr() == ours._kbuf.data_ptr()  # a view of its buffer: written in place
 
 
+@pytest.mark.parametrize("use", [True, False], ids=["fast", "public"])
+def test_generate_caches_in_place_on_the_fast_path_only(use, monkeypatch):
+    """With the fast paths a DynamicCache's layers become _InPlaceLayer on the first forward (a release that stops
+    replicating `layer_class_to_replicate` would silently lose it: this fails then); without them, transformers'."""
+    from transformers.cache_utils import DynamicLayer
+
+    from difftransformer.hf import compat
+    from difftransformer.hf.modeling import _InPlaceLayer
+
+    monkeypatch.setattr(compat, "FAST", use)
+    _, hf = pair("diff")
+    cache = DynamicCache()
+    with torch.no_grad():
+        hf(ids_of(PROMPTS[1]), cache=cache, use_cache=True)
+    assert len(cache.layers) == 2 and all(type(layer) is (_InPlaceLayer if use else DynamicLayer)
+                                          for layer in cache.layers)
+
+
 def test_the_in_place_cache_layer_refuses_another_batch():
     """A write in place would broadcast a batch of 1 into a cache of 2 without a word; transformers' own layer
     fails on its torch.cat. Ours refuses in one line naming both shapes."""
