@@ -3,6 +3,8 @@ their intervals, and the in-distribution bar."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from difftransformer.experiments.report.ood_view import PLOT_FILE, ood_section
 from difftransformer.experiments.report.runs import Run
 
@@ -49,3 +51,33 @@ def test_runs_below_the_in_distribution_bar_are_named():
 def test_no_ood_results_no_section():
     ctx = SimpleNamespace(arms=["diff"], seeds=[0], runs={("diff", 0): Run("diff", 0, None)})
     assert ood_section(ctx) == []
+
+
+def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_reports(tmp_path):
+    from difftransformer.experiments import CompareConfig, Study, StudyDir, run_compare
+    from difftransformer.data import DataConfig
+    from difftransformer.experiments.units import find_results
+    from difftransformer.train import TrainConfig
+    from tests.helpers import tiny
+
+    data = DataConfig(task={"family": "maxret", "min_items": 2, "max_items": 3, "min_context": 8, "max_context": 10},
+                      data_dir=str(tmp_path / "data"))
+    recipe = TrainConfig(seq_len=12, batch_size=4, max_steps=2, warmup_steps=1, eval_interval=2, eval_batches=1,
+                         log_interval=1, ckpt_interval=2, progress=False, tensorboard=False, device="cpu")
+    options = {"ood": {"lengths": [1, 2], "densities": [], "min_queries": 20, "attention_sequences": 2}}
+    compare = CompareConfig(arms=["diff", "transformer"], seeds=[0, 1], sample_tokens=2, prompts=["k3 v1 max"],
+                            eval_tasks=["ood"], eval_options=options)
+    out = run_compare(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, compare),
+                      tmp_path / "study")
+    records = find_results(StudyDir(out).results_dir())
+    assert len(records) == 4
+    for record in records.values():
+        ood = record["evals"]["ood"]
+        assert [c["condition"] for c in ood["details"]["cells"]] == ["length1x-density1x", "length2x-density1x"]
+        assert ood["settings"]["options"]["min_queries"] == 20 and ood["settings"]["family"]["family"] == "maxret"
+    text = StudyDir(out).report.read_text()
+    assert "## Out-of-distribution retrieval" in text and "`diff` − each arm, accuracy" in text
+    with pytest.raises(ValueError, match="not in compare.eval_tasks"):
+        CompareConfig(eval_options={"ood": {}})
+    with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
+        CompareConfig(eval_tasks=["ood"], eval_options={"ood": {"min_queries": 0}})

@@ -300,7 +300,8 @@ class _Cell:
         from difftransformer.experiments.evaluate import evaluate_run
         from difftransformer.experiments.report.samples import sample_texts
 
-        evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)))
+        evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)),
+                     options=self.study.compare.eval_options)
         rep = self.study.compare
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
         result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
@@ -351,6 +352,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
                  "vocab_size": data.vocab_size, "corpus_hash": data.corpus_hash},
         "report": study.compare.samples(),
         "eval_tasks": list(study.compare.eval_tasks),
+        "eval_options": dict(study.compare.eval_options),
         "config_file": study.config_file,
         "command": command or invocation(),
         "hardware": hardware(),

@@ -134,7 +134,10 @@ class CompareConfig:
     temperature: float = 0.8  # for the one sampled continuation per prompt (greedy is always shown)
     top_k: int | None = 50
     sample_seed: int = 0  # seeds the report's sampled continuations (not training)
-    eval_tasks: list[str] = field(default_factory=list)  # evaluation tasks run on every finished arm (defaults)
+    eval_tasks: list[str] = field(default_factory=list)  # evaluation tasks run on every finished arm
+    # options of those tasks, by task name ([compare.eval_options.ood] lengths = [1, 2, 4, 8]); a task not named
+    # here runs with its defaults
+    eval_options: dict[str, Any] = field(default_factory=dict)
     # results folders of other studies whose units may stand in for this study's: a unit with the same
     # (size, tokens, seed, arm), the same identity (model, recipe, data) and every task of eval_tasks
     # evaluated is copied instead of trained again (ablations-cpu takes paper-cpu's three shared arms)
@@ -209,6 +212,17 @@ class CompareConfig:
                 get_task(name)
             except ValueError as e:
                 raise ValueError(f"compare.eval_tasks: {e}") from None
+        if not isinstance(self.eval_options, dict) or not all(isinstance(v, dict) for v in self.eval_options.values()):
+            raise ValueError(f"compare.eval_options must be a table of tables, one per task ([compare.eval_options."
+                             f"ood] lengths = [1, 2]), got {self.eval_options!r}")
+        for name, options in self.eval_options.items():
+            if name not in self.eval_tasks:
+                raise ValueError(f"compare.eval_options.{name}: {name!r} is not in compare.eval_tasks "
+                                 f"{self.eval_tasks}; add it there or remove its options")
+            try:
+                get_task(name, **options)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"compare.eval_options.{name}: {e}") from None
 
     def _check_samples(self) -> None:
         if isinstance(self.prompts, str) or not isinstance(self.prompts, list) or \
