@@ -60,10 +60,25 @@ def _build() -> None:
     flags = ["-O3", "-fopenmp", "-DNDEBUG", *_capability_flags()]
     # A Python module as well as a library of torch ops: the decode ops are also plain functions of it
     # (`_decode_op`); loading it registers the ops (TORCH_LIBRARY) as a library would.
-    _state["module"] = cpp_extension.load(
-                       name="difftransformer_flash_cpu", sources=[str(_SOURCE)], extra_cflags=flags,
-                       extra_ldflags=["-fopenmp"], is_python_module=True,
-                       verbose=os.environ.get("DIFFTRANSFORMER_VERBOSE_BUILD", "0") == "1")
+    # Loading a cached build takes well under a second; compiling takes 10-40 s: say so, once, when it is slow.
+    notice = threading.Timer(BUILD_NOTICE_AFTER_S, _build_notice)
+    notice.daemon = True
+    notice.start()
+    try:
+        _state["module"] = cpp_extension.load(
+                           name="difftransformer_flash_cpu", sources=[str(_SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], is_python_module=True,
+                           verbose=os.environ.get("DIFFTRANSFORMER_VERBOSE_BUILD", "0") == "1")
+    finally:
+        notice.cancel()
+
+
+BUILD_NOTICE_AFTER_S = 1.0  # a load slower than this is a compilation: one line on stderr says what is happening
+
+
+def _build_notice() -> None:
+    print("difftransformer: compiling the fused CPU attention kernel (C++, once per machine, 10-40 s; cached in "
+          "TORCH_EXTENSIONS_DIR; DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1 skips it)", file=sys.stderr, flush=True)
 
 
 def is_available() -> bool:
