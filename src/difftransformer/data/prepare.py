@@ -33,7 +33,7 @@ from .corpus import corpus_hash, load_corpus
 from .mixture import generate_mixture
 from .shards import StaleShardError, TokenDataset, read_shard_meta, shard_paths, write_shard
 from .split import SPLITS, split_documents
-from .tokenizer import Tokenizer, train_tokenizer
+from .tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 
 PREPARED_FILE = "prepared.json"  # the manifest of a prepared-data folder
 register_folder_kind("prepared data", PREPARED_FILE)
@@ -272,7 +272,7 @@ def prepare_task(family, out_dir: str | Path) -> PreparedData:
         for stale in out_dir.glob("*.tmp"):
             stale.unlink(missing_ok=True)
         tok = family.tokenizer()
-        tok.save(out_dir / "tokenizer.json")
+        tok.save(out_dir / TOKENIZER_FILE)
         data = PreparedData(out_dir=out_dir, tokenizer_path=tok.path, shards={}, num_tokens={}, num_documents={},
                             corpus_hash=family.fingerprint(), tokenizer_hash=tok.hash, vocab_size=tok.vocab_size,
                             corpus=f"task:{family.name}", task=family.to_dict())
