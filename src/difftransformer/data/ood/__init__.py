@@ -1,5 +1,4 @@
-"""Synthetic task families for out-of-distribution tests of attention (docs/evaluation.md, "Out-of-distribution
-retrieval"): seeded generators (families.py), the generated batches with each position's role (episodes.py),
+"""Synthetic task families for out-of-distribution tests of attention (docs/evaluation.md, `ood`): seeded generators (families.py), the generated batches with each position's role (episodes.py),
 and the stateless train sampler and fixed test sets over them (sampler.py)."""
 
 from .episodes import IGNORE, ROLE_NAMES, Episodes, partition_bits

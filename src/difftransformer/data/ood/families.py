@@ -8,7 +8,7 @@ it, as every document of the corpus pipeline does), 1 is PAD, the family's own t
     length   context length x factor, the number of items unchanged (more filler between them)
     density  items x factor at the training context length (more distractors, less filler)
 
-Families (docs/evaluation.md, "Out-of-distribution retrieval"):
+Families (docs/evaluation.md, "`ood`"):
 - `mqar` (multi-query associative recall with noise; Zoology's MQAR with filler): N key-value pairs
   (keys of `key_len`, values of `value_len` tokens) at random places among filler tokens, then `|`
   and min(queries, N) queries "key value" asking distinct keys of the context; the loss is on the

@@ -1,5 +1,4 @@
-"""`ood`: accuracy and attention on a synthetic task out of distribution (docs/evaluation.md,
-"Out-of-distribution retrieval").
+"""`ood`: accuracy and attention on a synthetic task out of distribution (docs/evaluation.md, `ood`).
 
 The model was trained on a task family of data/ood/ (its prepared-data folder, EvalConfig.data_dir,
 names the family and its settings). For each test condition, a fixed seeded test set (`eval_set`:

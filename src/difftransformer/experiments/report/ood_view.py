@@ -76,7 +76,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
          "Accuracy per query (a query is right when every answer token is) on fixed test sets never trained on, "
          "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler) and "
          "at denser distractors (more items at the training length); mean [95% interval] over seeds. Protocol: "
-         "docs/evaluation.md, \"Out-of-distribution retrieval\".", ""]
+         "docs/evaluation.md, `ood`.", ""]
     L += _bar(ctx, arms, cells)
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
