@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +28,11 @@ def test_one_task_writes_json_and_png_and_is_reused(compared, capsys):
     assert "loss@row/4" in out.out
     assert main(argv) == 0
     assert "reusing" in capsys.readouterr().err
-    assert main(argv[:-2] + ["--bits", "16,6"]) == 0  # other settings: computed again
+    assert main(argv[:-2] + ["--bits", "16,6"]) == 2  # other settings: the stored result is not replaced
+    err = capsys.readouterr().err.strip()
+    assert "options.bits: [16, 4] before, [16, 6] now" in err and "--force" in err and len(err.splitlines()) == 2
+    assert json.loads((run / "eval" / "logit-quant.json").read_text()) == record
+    assert main(argv[:-2] + ["--bits", "16,6", "--force"]) == 0  # on purpose: computed again
     assert "wrote" in capsys.readouterr().err
 
 
@@ -65,3 +73,46 @@ def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
     cli_fails(capsys, ["eval", "outliers", run, "--seq-len", "100000"], "--seq-len 100000 is beyond the context of")
     cli_fails(capsys, ["eval", "all", run, "--tasks", ","], "names no task")
     cli_fails(capsys, ["eval", "heldout-loss", str(compared)], "is a comparison folder")
+    cli_fails(capsys, ["eval", "icl", run, "--draws", "99999999999999999999"],
+              "icl.draws is 999999999999... (20 digits), beyond what an evaluation can run")
+    cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "10000000000"], "--batch-size 10000000000 is beyond")
+    for flag in ("--out-dir", "--data-dir", "--tokenizer"):
+        cli_fails(capsys, ["eval", "heldout-loss", run, flag, ""], f"{flag} is empty")
+
+
+def _copies(compared, tmp_path):
+    """Both arms of the shared study without their stored results, free to evaluate."""
+    return [shutil.copytree(compared / arm, tmp_path / arm, ignore=shutil.ignore_patterns("eval"))
+            for arm in ("transformer", "diff")]
+
+
+def test_compare_never_replaces_results_run_with_chosen_options(compared, capsys, tmp_path):
+    """`eval compare` ran every task with its defaults and replaced a result the user had run with chosen
+    options: refused before anything runs, naming the file, the option and --no-run."""
+    a, b = _copies(compared, tmp_path)
+    assert main(["eval", "outliers", str(b), "--tokens", "64"]) == 0
+    chosen = (b / "eval" / "outliers.json").read_bytes()
+    capsys.readouterr()
+    argv = ["eval", "compare", str(a), str(b), "--tasks", "heldout-loss,outliers"]
+    cli_fails(capsys, argv, "outliers.json holds outliers's result for these weights with other settings",
+              "options.tokens: 64 before, 32768 now", "--no-run", "--force")
+    assert (b / "eval" / "outliers.json").read_bytes() == chosen and not (a / "eval" / "heldout-loss.json").exists()
+    assert main([*argv, "--no-run"]) == 0 and "| outliers |" not in capsys.readouterr().out  # only one model has it
+    assert (b / "eval" / "outliers.json").read_bytes() == chosen
+
+
+def test_compare_out_on_a_full_disk_keeps_the_old_table(compared, capsys, tmp_path, monkeypatch):
+    a, b = _copies(compared, tmp_path)
+    argv = ["eval", "compare", str(a), str(b), "--tasks", "heldout-loss", "--out", str(tmp_path / "t.md")]
+    assert main(argv) == 0
+    table = (tmp_path / "t.md").read_text()
+
+    def full_disk(self, text, *args, **kwargs):
+        with open(self, "w") as fh:
+            fh.write(text[:10])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert main([*argv, "--no-run"]) == 2
+    monkeypatch.undo()
+    assert (tmp_path / "t.md").read_text() == table and not list(tmp_path.glob("t.md*.tmp"))

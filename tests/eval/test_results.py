@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 from difftransformer.eval import EvalConfig, Task, TaskResult, get_task, run_task
 from difftransformer.eval.compare import compare_table
-from difftransformer.eval.results import ResultsDir
+from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
 from difftransformer.eval.task import TASKS, register_task, weights_hash
 from difftransformer.model import DiffTransformerLM
 from tests.helpers import tiny
@@ -112,3 +115,98 @@ def test_compare_table_puts_metrics_side_by_side():
     mine = {"x": {**a["x"], "settings": {**a["x"]["settings"], "corpus_hash": "a"}}}
     assert "x: not compared, the two results differ in corpus_hash" in compare_table(mine, other_text, ("a", "b"),
                                                                                        ("t", "d"))
+
+
+def _saved(tmp_path, scale: float = 1.0):
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny())
+    task, cfg = get_task("test-echo", scale=scale), EvalConfig()
+    results = ResultsDir(tmp_path / "eval")
+    record, reused = evaluate_cached(task, model, None, cfg, results)
+    return model, cfg, results, record
+
+
+def test_a_figure_and_its_json_are_one_result(tmp_path, monkeypatch):
+    """The JSON is written last and records the figure's sha256: a figure of another run beside it (a kill
+    between the two files, two writers) means the result is computed again, never reused as "the same"."""
+    import hashlib
+
+    import difftransformer.eval.results as results_module
+
+    model, cfg, results, record = _saved(tmp_path)
+    png = results.png_path("test-echo")
+    assert record["provenance"]["figure_sha256"] == hashlib.sha256(png.read_bytes()).hexdigest()
+    settings = record["settings"]
+    assert results.cached("test-echo", weights_hash(model), settings) is not None
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies after the figure, before the JSON
+
+    monkeypatch.setattr(results_module, "atomic_write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_cached(get_task("test-echo", scale=3.0), model, None, cfg, results, force=True)
+    monkeypatch.undo()
+    assert json.loads(results.json_path("test-echo").read_text()) == record  # the old JSON, a new figure
+    assert results.cached("test-echo", weights_hash(model), settings) is None
+    again, reused = evaluate_cached(get_task("test-echo"), model, None, cfg, results)
+    assert not reused and again["provenance"]["figure_sha256"] == hashlib.sha256(png.read_bytes()).hexdigest()
+    png.unlink()  # a result whose figure is gone is not whole either
+    assert results.cached("test-echo", weights_hash(model), settings) is None
+
+
+def test_a_killed_figure_leaves_no_temporary_and_the_next_writer_sweeps_old_ones(tmp_path, monkeypatch):
+    model, cfg, results, record = _saved(tmp_path)
+    left = results.path / "test-echo.png.0123abcd.tmp.png"
+    left.write_bytes(b"\x89PNG half")  # what a SIGKILL mid-plot leaves
+
+    def killed_plot(self, result, path):
+        Path(path).write_bytes(b"\x89PNG")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_Echo, "plot", killed_plot)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_cached(get_task("test-echo"), model, None, cfg, results, force=True)
+    assert sorted(p.name for p in results.path.iterdir()) == [".lock", "test-echo.json", "test-echo.png"]
+
+
+def test_a_stored_result_with_other_settings_is_not_replaced_without_force(tmp_path):
+    model, cfg, results, record = _saved(tmp_path)
+    before = results.json_path("test-echo").read_bytes()
+    with pytest.raises(StoredResultError, match=r"test-echo.json holds test-echo's result for these weights with "
+                                                r"other settings \(options.scale: 1.0 before, 3.0 now\).*--force"):
+        evaluate_cached(get_task("test-echo", scale=3.0), model, None, cfg, results)
+    assert results.json_path("test-echo").read_bytes() == before
+    record, reused = evaluate_cached(get_task("test-echo", scale=3.0), model, None, cfg, results, force=True)
+    assert not reused and record["metrics"]["value"] == 36.0
+    other = DiffTransformerLM(tiny())  # other weights: the stored result measured a model that is gone
+    assert evaluate_cached(get_task("test-echo"), other, None, cfg, results)[0]["metrics"]["value"] == 12.0
+
+
+def test_one_writer_at_a_time_per_results_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from difftransformer._io import FolderInUseError
+
+    results = ResultsDir(tmp_path / "eval")
+    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(results.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*--out-dir"):
+            evaluate_cached(get_task("test-echo"), DiffTransformerLM(tiny()), None, EvalConfig(), results)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not results.json_path("test-echo").exists()
+
+
+def test_numeric_options_are_bounded():
+    for value, shown in ((99999999999999999999, "999999999999... (20 digits)"), (float("inf"), "inf")):
+        with pytest.raises(ValueError, match=re.escape(f"test-echo.scale is {shown}, beyond")):
+            get_task("test-echo", scale=value)
+    with pytest.raises(ValueError, match=re.escape("test-echo.lengths is 1e+20, beyond")):
+        get_task("test-echo", lengths=[4, 1e20])
+    with pytest.raises(ValueError, match="EvalConfig.batch_size must be a positive integer up to"):
+        EvalConfig(batch_size=10**20)

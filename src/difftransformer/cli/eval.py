@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from difftransformer._io import atomic_write_text
 from difftransformer.cli.common import (
     Formatter,
     check_device,
@@ -29,8 +30,8 @@ from difftransformer.cli.common import (
 )
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.compare import compare_table
-from difftransformer.eval.results import ResultsDir, evaluate_cached
-from difftransformer.eval.task import option_kind, weights_hash
+from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
+from difftransformer.eval.task import OPTION_LIMIT, option_kind, shown, task_settings, weights_hash
 from difftransformer.experiments.evaluate import task_for_run
 from difftransformer.run_config import ConfigError
 from difftransformer.train import RunDir
@@ -178,7 +179,7 @@ class _Model:
         data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split, seq_len=args.seq_len,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
-        self.results = ResultsDir(args.out_dir or self._default_results())
+        self.results = ResultsDir(args.out_dir if args.out_dir is not None else self._default_results())
         self.out_dir_given = args.out_dir is not None
         self.hash = weights_hash(self.model)  # once per model, whatever number of tasks
 
@@ -210,6 +211,20 @@ class _Model:
 
     def task(self, name: str, options: dict[str, Any]) -> Task:
         return task_for_run(name, self.run, options)
+
+    def conflicts(self, names: list[str]) -> list[str]:
+        """The stored results (these weights, other settings) that running `names` with their defaults would
+        replace (ResultsDir.conflict), before anything runs."""
+        out = []
+        for name in names:
+            try:
+                task = self.task(name, {})
+            except ValueError:  # a task that cannot run on this model is named when it is skipped
+                continue
+            conflict = self.results.conflict(name, self.hash, task_settings(task, self.cfg))
+            if conflict:
+                out.append(conflict)
+        return out
 
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
@@ -244,6 +259,14 @@ def _check_shared(args: argparse.Namespace) -> None:
         raise ConfigError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.seq_len is not None and args.seq_len < 1:
         raise ConfigError(f"--seq-len must be a positive integer, got {args.seq_len}")
+    for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value > OPTION_LIMIT:
+            raise ConfigError(f"{flag} {shown(value)} is beyond what an evaluation can run; use at most "
+                              f"{OPTION_LIMIT:,}")
+    for flag, value in (("--out-dir", args.out_dir), ("--out", getattr(args, "out", None)),
+                        ("--data-dir", args.data_dir), ("--tokenizer", args.tokenizer)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty; name a path (`.` for the current folder), or leave {flag} out")
     check_device(args.device)
     if not 0 <= args.eval_seed < 2**63:
         raise ConfigError(f"--eval-seed must be in [0, 2**63), got {args.eval_seed}")
@@ -269,6 +292,15 @@ def _check_own_results_folders(a: _Model, b: _Model) -> None:
                           f"other's; leave --out-dir out (each model keeps its results in its own eval/ folder)")
 
 
+def _refuse_replacing(conflicts: list[str], way: str) -> None:
+    """Refuse, before anything runs, to replace stored results of other settings (the user's work): one line
+    naming the first, how many there are, and the ways out."""
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise ConfigError(f"{conflicts[0]}{more}, which running the tasks with their defaults would replace; use "
+                          f"{way}, --out-dir DIR to keep new results elsewhere, or --force to replace them")
+
+
 def _print_metrics(name: str, record: dict[str, Any]) -> None:
     print(f"## {name}")
     for key, value in record.get("metrics", {}).items():
@@ -284,6 +316,8 @@ def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dic
             print(f"{name}: --seq-len is not read by this task (it sizes its own prompts)", file=sys.stderr)
         try:
             out[name] = model.evaluate(model.task(name, {}), force)
+        except StoredResultError:
+            raise
         except ValueError as e:
             print(f"{name}: skipped: {e}", file=sys.stderr)
     return out
@@ -297,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         a, b = _Model(args.model, args), _Model(args.model_b, args)
         _check_own_results_folders(a, b)
         names = _task_names(args)
+        if not (args.no_run or args.force):
+            _refuse_replacing(a.conflicts(names) + b.conflicts(names), "--no-run to compare the stored results")
         if args.no_run:
             ra, rb = a.stored(names), b.stored(names)
         else:
@@ -306,12 +342,15 @@ def run(args: argparse.Namespace) -> int:
         print(table)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(table + "\n", encoding="utf-8")
+            atomic_write_text(args.out, table + "\n")
             print(f"wrote {args.out}", file=sys.stderr)
         return 0
     model = _Model(args.model, args)
     if args.task == ALL:
-        for name, record in _evaluate_all(model, _task_names(args), args.force).items():
+        names = _task_names(args)
+        if not args.force:
+            _refuse_replacing(model.conflicts(names), "--tasks to leave those tasks out")
+        for name, record in _evaluate_all(model, names, args.force).items():
             _print_metrics(name, record)
         return 0
     record = model.evaluate(model.task(args.task, _options(args)), args.force)

@@ -6,27 +6,30 @@
     record, reused = evaluate_cached(task, model, tokenizer, cfg, results)   # both in one call
 
 A stored result is reused only when it belongs to the same weights (sha256 of every tensor), the
-same settings (the task's options and the EvalConfig fields that change numbers) and the same
-prepared data (eval.task.data_identity: not just the same folder name). Anything else, or a file
-that cannot be read or does not have a result's shape (a hand edit, a foreign JSON), means the task
-runs again; nothing is ever merged or guessed.
+same settings (the task's options and the EvalConfig fields that change numbers), the same
+prepared data (eval.task.data_identity: not just the same folder name) and its figure is the one
+saved with it (the JSON records the PNG's sha256). A file that cannot be read or does not have a
+result's shape (a hand edit, a foreign JSON), or one of other weights, means the task runs again;
+nothing is ever merged or guessed. A result of these weights with other settings is the user's
+work: it is never replaced without `force` (StoredResultError names the settings that differ).
+One writer at a time per folder: evaluate_cached holds the folder's lock (_io.folder_lock).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import secrets
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from difftransformer._io import atomic_write_text, writing
+from difftransformer._io import atomic_path, atomic_write_text, folder_lock, writing
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, task_settings, weights_hash
 
 # EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
 UNSCORED = ("device", "batch_size")
+FIGURE_HASH = "figure_sha256"  # provenance key: the sha256 of the PNG saved with a result (None: no figure)
 
 
 def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -109,32 +112,85 @@ class ResultsDir:
         return {k: v for k, v in found.items() if v is not None}
 
     def cached(self, task: str, weights_sha256: str, settings: dict[str, Any]) -> dict[str, Any] | None:
-        """The stored result if it was computed from these weights with these settings, else None."""
+        """The stored result if it was computed from these weights with these settings and its figure is the
+        one it was saved with (`figure_matches`), else None."""
         stored = self.load(task)
         if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
             return None
-        return stored if comparable_settings(stored.get("settings", {})) == comparable_settings(settings) else None
+        if comparable_settings(stored.get("settings", {})) != comparable_settings(settings):
+            return None
+        return stored if self.figure_matches(stored) else None
+
+    def figure_matches(self, stored: dict[str, Any]) -> bool:
+        """Whether `<task>.png` is the figure saved with the stored result: the sha256 the JSON records, or no
+        figure where it records none (a result saved before figures were hashed counts only without one)."""
+        png = self.png_path(stored["task"])
+        want = stored.get("provenance", {}).get(FIGURE_HASH)
+        if want is None:
+            return not png.exists()
+        return png.is_file() and _sha256(png) == want
+
+    def conflict(self, task: str, weights_sha256: str, settings: dict[str, Any]) -> str | None:
+        """Why running `task` here would replace a stored result that is the user's work, in words naming the
+        file and the settings that differ: a result for these very weights with other settings (the task's
+        options and the EvalConfig, the user's choices). None when there is none: no result, a broken one,
+        one with these settings, or one of other weights or of a data folder prepared again since (it
+        measured a model or text that is gone)."""
+        stored = self.load(task)
+        if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
+            return None
+        chosen = lambda d: {k: v for k, v in comparable_settings(d).items() if k != "data"}  # noqa: E731
+        old, new = chosen(stored.get("settings", {})), chosen(settings)
+        if old == new:
+            return None
+        return f"{self.json_path(task)} holds {task}'s result for these weights with other settings " \
+               f"({'; '.join(differing_keys(old, new)[:3])})"
 
     def save(self, result: TaskResult, plot: Callable[[TaskResult, Path], bool] | None = None) -> list[Path]:
-        """Write `<task>.json` (and `<task>.png` when `plot` draws one) atomically; the paths written."""
+        """Write `<task>.png` (when `plot` draws one) and then `<task>.json`, each atomically: the JSON, which
+        the reuse check reads, comes last and records the figure's sha256 (provenance["figure_sha256"]), so
+        a figure and a JSON of two different runs (a kill between the two, two writers) are never taken
+        for one result. Returns the paths written."""
         self.path.mkdir(parents=True, exist_ok=True)
-        written = []
         png = self.png_path(result.task)
-        # the temporary name ends in .png: plotting libraries pick the format from the suffix
-        tmp = png.with_name(f".{png.stem}.{secrets.token_hex(4)}.png")
-        try:
-            with writing(png):  # a full disk names the figure, not the temporary file
-                drawn = plot is not None and plot(result, tmp) and tmp.is_file() and tmp.stat().st_size
-            if drawn:
-                os.replace(tmp, png)
-                written.append(png)
-            else:
-                png.unlink(missing_ok=True)  # a stale figure of an earlier result must not stay beside this one
-        finally:
-            tmp.unlink(missing_ok=True)
+        figure = None
+        if plot is not None:
+            try:
+                with atomic_path(png, suffix=".png") as tmp:  # plotting libraries pick the format from the suffix
+                    with writing(png):  # a full disk names the figure, not the temporary file
+                        if not (plot(result, tmp) and tmp.is_file() and tmp.stat().st_size):
+                            raise _NoFigure
+                    figure = _sha256(tmp)
+            except _NoFigure:
+                pass
+        if figure is None:
+            png.unlink(missing_ok=True)  # a stale figure of an earlier result must not stay beside this one
+        result.provenance = {**result.provenance, FIGURE_HASH: figure}
         path = self.json_path(result.task)
         atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=True) + "\n")
-        return [path, *written]
+        return [path, *([png] if figure else [])]
+
+
+class _NoFigure(Exception):
+    """The task drew no figure for this result."""
+
+
+class StoredResultError(ValueError):
+    """Running a task would replace a stored result computed with other settings (see ResultsDir.conflict)."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted keys at which two nested records differ, with both values, for messages:
+    ["options.lengths: [128] before, [256] now"] (long values cut)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for k in sorted(set(old) | set(new), key=str)
+                for line in differing_keys(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))]
+    cut = lambda v: (text if len(text := repr(v)) <= 40 else text[:37] + "...")  # noqa: E731
+    return [] if old == new else [f"{prefix or 'value'}: {cut(old)} before, {cut(new)} now"]
 
 
 def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig, results: ResultsDir,
@@ -145,13 +201,20 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
 
     weights_sha256: the model's `weights_hash`, so that a caller running several tasks hashes once."""
     digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
-    cached = None if force else results.cached(task.name, digest, task_settings(task, cfg))
-    if cached is not None:
-        if log:
-            log(f"{task.name}: reusing {results.json_path(task.name)} (same weights and settings)")
-        return cached, True
-    result = run_task(task, model, tokenizer, cfg, weights_sha256=digest)
-    for path in results.save(result, task.plot):
-        if log:
-            log(f"  wrote {path}")
+    settings = task_settings(task, cfg)
+    with folder_lock(results.path, purpose="wait for it to finish, or keep these results in another folder "
+                                           "(eval --out-dir DIR)"):
+        cached = None if force else results.cached(task.name, digest, settings)
+        if cached is not None:
+            if log:
+                log(f"{task.name}: reusing {results.json_path(task.name)} (same weights and settings)")
+            return cached, True
+        conflict = None if force else results.conflict(task.name, digest, settings)
+        if conflict:
+            raise StoredResultError(f"{conflict}; it is not replaced: keep the new result in another folder "
+                                    f"(eval --out-dir DIR), or replace it on purpose (eval --force)")
+        result = run_task(task, model, tokenizer, cfg, weights_sha256=digest)
+        for path in results.save(result, task.plot):
+            if log:
+                log(f"  wrote {path}")
     return result.to_dict(), False

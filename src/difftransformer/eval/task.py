@@ -35,6 +35,15 @@ from difftransformer._version import __version__
 from difftransformer.dist import is_device_name
 
 
+OPTION_LIMIT = 10**9  # the magnitude every numeric setting of a task (a count, a length, a ratio) stays within
+
+
+def shown(value: Any) -> str:
+    """A number for a message: an integer of more than 15 digits is cut (a 400-digit one is not printed whole)."""
+    text = str(value)
+    return text if len(text) <= 15 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+
+
 @dataclass
 class EvalConfig:
     """Settings every task shares; a task reads what it needs and records it in its result."""
@@ -50,8 +59,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_field_types(self, "EvalConfig")
         for name in ("batch_size", "seq_len", "max_windows"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"EvalConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= OPTION_LIMIT:
+                raise ValueError(f"EvalConfig.{name} must be a positive integer up to {OPTION_LIMIT:,}, got "
+                                 f"{shown(value)}")
         if self.split == "train":
             raise ValueError("EvalConfig.split='train' would evaluate on the text the model was trained on; "
                              "use 'val' or 'test'")
@@ -100,7 +111,11 @@ def _check_option(owner: str, f: dataclasses.Field, value: Any) -> Any:
     kind, is_tuple = option_kind(f)
 
     def one(v: Any) -> Any:
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if number and kind in (int, float) and not abs(v) <= OPTION_LIMIT:  # nan and inf too
+            raise ValueError(f"{owner}.{f.name} is {shown(v)}, beyond what an evaluation can run; numeric task "
+                             f"options are finite and within ±{OPTION_LIMIT:,}")
+        if kind is float and number:
             return float(v)
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
             raise ValueError(f"{owner}.{f.name} takes {kind.__name__} values, got {v!r} ({type(v).__name__})")

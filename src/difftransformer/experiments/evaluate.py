@@ -17,7 +17,7 @@ from typing import Any
 
 from difftransformer.data import Tokenizer
 from difftransformer.eval import EvalConfig, Task, get_task
-from difftransformer.eval.results import ResultsDir, evaluate_cached
+from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
 from difftransformer.eval.task import weights_hash
 from difftransformer.train import RunDir, load_model
 
@@ -35,8 +35,8 @@ def task_for_run(name: str, run: RunDir | None, options: dict[str, Any] | None =
 
 
 def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_seed: int = 0,
-                 device: str = "cpu") -> dict[str, dict[str, Any]]:
-    """Every task (default options) on the run's final model; {task: result record}."""
+                 device: str = "cpu", options: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every task on the run's final model, with options[task] (default: its defaults); {task: result record}."""
     if not tasks or not run.has_final():
         return {}
     loaded = load_model(run.final, device)
@@ -48,8 +48,11 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
     for name in tasks:
         log.info("%s: %s ...", run.path, name)
         try:
-            out[name], reused = evaluate_cached(task_for_run(name, run), loaded.model, tokenizer, cfg, results,
+            task = task_for_run(name, run, (options or {}).get(name))
+            out[name], reused = evaluate_cached(task, loaded.model, tokenizer, cfg, results,
                                                 weights_sha256=digest)
+        except StoredResultError:
+            raise  # a result of these weights run with other settings (by hand) is the user's: never replaced
         except ValueError as e:
             log.warning("%s: %s cannot run on this model: %s", run.path, name, e)
             continue

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from difftransformer._io import atomic_write_text
+from difftransformer.eval.results import differing_keys
 
 UNIT_FORMAT = "difftransformer-unit-v1"
 MANIFEST_COPY = "compare.json"  # the study's manifest, copied beside its result files (study_dir.MANIFEST_FILE)
@@ -160,15 +161,6 @@ def _train_defaults() -> dict[str, Any]:
     from difftransformer.train import TrainConfig
 
     return TrainConfig().to_dict()
-
-
-def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """The dotted keys at which two recorded identities (or parts of them) differ, with both values, for
-    messages: ["train.max_steps: 4 before, 2 now"]."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [line for k in sorted(set(old) | set(new), key=str)
-                for line in differing_keys(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))]
-    return [] if old == new else [f"{prefix or 'identity'}: {old!r} before, {new!r} now"]
 
 
 def _with_defaults(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
