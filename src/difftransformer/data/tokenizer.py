@@ -29,6 +29,9 @@ class Tokenizer:
     """A thin wrapper over `tokenizers.Tokenizer` with the few calls the pipeline needs."""
 
     def __init__(self, tok: HFTokenizer, eos_token: str = EOS_TOKEN):
+        if isinstance(tok, (str, Path)):
+            raise TypeError(f"Tokenizer() wraps a loaded tokenizers.Tokenizer, got the path {str(tok)!r}; load a "
+                            f"tokenizer.json with Tokenizer.from_file(path)")
         eos = tok.token_to_id(eos_token)
         if eos is None:
             raise ValueError(
