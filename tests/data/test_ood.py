@@ -7,7 +7,17 @@ import torch
 
 from difftransformer.data import DataConfig
 from difftransformer.data.ood import (
-    EOS_ID, FAMILIES, IGNORE, MQAR, PAD_ID, TRAIN, Condition, FlipFlop, Induction, MaxRetrieval, family_from_dict,
+    EOS_ID,
+    FAMILIES,
+    IGNORE,
+    MQAR,
+    PAD_ID,
+    TRAIN,
+    Condition,
+    FlipFlop,
+    Induction,
+    MaxRetrieval,
+    family_from_dict,
     partition_bits,
 )
 from difftransformer.data.ood.episodes import BOS, FILLER, ITEM, PAD, QUERY

@@ -14,8 +14,15 @@ from difftransformer.data.ood.sampler import eval_set
 from difftransformer.data.prepare import prepare_task
 from difftransformer.eval import EvalConfig, get_task, run_task
 from difftransformer.eval.probes.ood import (
-    ADAPTIVE_POLY, OODOptions, adaptive_beta, adaptive_temperature_hook, conditions, mechanism, query_accuracy,
-    score, wilson_interval,
+    ADAPTIVE_POLY,
+    OODOptions,
+    adaptive_beta,
+    adaptive_temperature_hook,
+    conditions,
+    mechanism,
+    query_accuracy,
+    score,
+    wilson_interval,
 )
 
 

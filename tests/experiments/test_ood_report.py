@@ -54,8 +54,8 @@ def test_no_ood_results_no_section():
 
 
 def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_reports(tmp_path):
-    from difftransformer.experiments import CompareConfig, Study, StudyDir, run_compare
     from difftransformer.data import DataConfig
+    from difftransformer.experiments import CompareConfig, Study, StudyDir, run_compare
     from difftransformer.experiments.units import find_results
     from difftransformer.train import TrainConfig
     from tests.helpers import tiny

@@ -86,7 +86,9 @@ class PreparedData:
 
     def save(self) -> None:
         """Write the manifest atomically, with paths relative to out_dir so the folder can move."""
-        rel = lambda p: Path(p).relative_to(self.out_dir).as_posix()
+        def rel(p: Path) -> str:
+            return Path(p).relative_to(self.out_dir).as_posix()
+
         manifest = {
             "corpus": self.corpus,
             "corpus_hash": self.corpus_hash,
@@ -202,7 +204,8 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
     splits = split_documents(docs, val_fraction, test_fraction, split_seed)
     if not splits["train"]:
         raise ValueError(
-            f"corpus {corpus!r} has {len(docs)} document(s) and none landed in train; add documents (3 or more guarantee every split one)"
+            f"corpus {corpus!r} has {len(docs)} document(s) and none landed in train; add documents (3 or more "
+            f"guarantee every split one)"
         )
     log.info("corpus %s: %s documents", corpus, {s: len(d) for s, d in splits.items()})
 
@@ -305,7 +308,8 @@ def prepare_again_hint(out_dir: str | Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return (f"prepare it again with the corpus and settings it was made with (`difftransformer prepare CORPUS "
-            f"--out-dir {out_dir} --force ...`: without CORPUS, prepare makes the default corpus), or delete the folder")
+            f"--out-dir {out_dir} --force ...`: without CORPUS, prepare makes the default corpus), or delete the "
+            f"folder")
 
 
 def prepare_from_config(config: DataConfig, force: bool = False) -> PreparedData:

@@ -162,4 +162,5 @@ class TokenDataset:
         return self.tokens[idx]
 
     def __repr__(self) -> str:
-        return f"TokenDataset(split={self.split!r}, num_tokens={self.num_tokens}, dtype={self.dtype.name}, path={str(self.bin_path)!r})"
+        return (f"TokenDataset(split={self.split!r}, num_tokens={self.num_tokens}, dtype={self.dtype.name}, "
+                f"path={str(self.bin_path)!r})")

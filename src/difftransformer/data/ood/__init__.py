@@ -1,10 +1,12 @@
-"""Synthetic task families for out-of-distribution tests of attention (docs/evaluation.md, `ood`): seeded generators (families.py), the generated batches with each position's role (episodes.py),
-and the stateless train sampler and fixed test sets over them (sampler.py)."""
+"""Synthetic task families for out-of-distribution tests of attention (docs/evaluation.md, `ood`): seeded
+generators (families.py), the generated batches with each position's role (episodes.py), and the stateless
+train sampler and fixed test sets over them (sampler.py)."""
 
 from .episodes import IGNORE, ROLE_NAMES, Episodes, partition_bits
 from .families import (
     EOS_ID,
     FAMILIES,
+    MQAR,
     PAD_ID,
     SPECIALS,
     TRAIN,
@@ -13,7 +15,6 @@ from .families import (
     FlipFlop,
     Induction,
     MaxRetrieval,
-    MQAR,
     family_from_dict,
     geometric,
 )

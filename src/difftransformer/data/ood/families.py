@@ -307,12 +307,12 @@ class FlipFlop(Family):
         return 1 + 2 * _scaled(self.max_instructions, condition.length) - 1
 
     def generate(self, rng: np.random.Generator, n: int, condition: Condition = TRAIN) -> Episodes:
-        W, I, R, B0 = 2, 3, 4, 5  # ids of w, i, r, 0 (1 is B0 + 1)
+        W, IGN, R, B0 = 2, 3, 4, 5  # ids of w, i, r, 0 (1 is B0 + 1)
         lo, hi = _scaled(self.min_instructions, condition.length), _scaled(self.max_instructions, condition.length)
         counts = rng.integers(lo, hi + 1, size=n)
         p_i = self.p_ignore_at(condition)
         u = rng.random((n, hi))
-        instr = np.where(u < p_i, I, np.where(u < p_i + (1 - p_i) / 2, W, R))
+        instr = np.where(u < p_i, IGN, np.where(u < p_i + (1 - p_i) / 2, W, R))
         idx = np.arange(hi)[None]
         instr[:, 0] = W
         instr[np.arange(n), counts - 1] = R  # every sequence asks at least once

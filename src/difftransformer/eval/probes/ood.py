@@ -185,7 +185,8 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
             count += 1
             for i, maps in enumerate(out.attentions):
                 a2 = maps.a2 if maps.a2 is not None else maps.a1
-                rows = {"diff": maps.diff[b, :, t].double(), "a1": maps.a1[b, :, t].double(), "a2": a2[b, :, t].double()}
+                rows = {"diff": maps.diff[b, :, t].double(), "a1": maps.a1[b, :, t].double(),
+                        "a2": a2[b, :, t].double()}
                 record = {f"{name}_mass": position_masses(r, part, b, t) for name, r in rows.items()}
                 record["a1_entropy"], record["a2_entropy"] = entropy(rows["a1"]), entropy(rows["a2"])
                 logit = top[i][b, :, :, t].double()  # (heads of the scores, maps)
@@ -273,7 +274,8 @@ class OOD(Task):
         if self.options.attention and self.options.attention_sequences:
             sample = episodes.take(np.arange(min(self.options.attention_sequences, len(episodes))))
             cell["attention"] = mechanism(model, sample, cfg.device)
-            cell["attention"]["mean"] = {w: summary_masses(cell["attention"]["layers"], w) for w in ("diff", "a1", "a2")}
+            layers = cell["attention"]["layers"]
+            cell["attention"]["mean"] = {w: summary_masses(layers, w) for w in ("diff", "a1", "a2")}
         return cell
 
     def plot(self, result: TaskResult, path: Path) -> bool:
