@@ -152,7 +152,8 @@ def test_help_lists_the_formats(capsys):
 
 def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
     """transformers reads special tokens from tokenizer_config.json: without it, the exported tokenizer
-    has no EOS and neither generation nor `eval` can end a document."""
+    has no EOS and neither generation nor `eval` can end a document. EOS starts every text encoded with
+    special tokens (transformers' default), as training puts it before every document."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer
 
@@ -166,7 +167,8 @@ def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
     assert convert(tmp_path / "ours", tmp_path / "dl", "diffllama") == 0
     loaded = AutoTokenizer.from_pretrained(tmp_path / "dl")
     assert loaded.eos_token == EOS_TOKEN and loaded.eos_token_id == 0
-    assert loaded("the union is strong")["input_ids"] == [1, 2, 3, 4]
+    assert loaded("the union is strong")["input_ids"] == [0, 1, 2, 3, 4]  # EOS first, as training put it
+    assert loaded("the union is strong", add_special_tokens=False)["input_ids"] == [1, 2, 3, 4]
     assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0  # and it travels back with the tokenizer
     assert (tmp_path / "back" / "tokenizer_config.json").is_file()
 

@@ -27,7 +27,7 @@ import torch
 from difftransformer._io import atomic_write_text, broken_link, writing
 from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
-from difftransformer.data.tokenizer import EOS_TOKEN, Tokenizer
+from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
@@ -186,8 +186,9 @@ def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, 
 
 def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
     """The source's tokenizer.json (and tokenizer_config.json, if it has one) go along. A transformers
-    folder gets a tokenizer_config.json naming our EOS token when the source has none: without it
-    transformers loads the tokenizer with no EOS, and generation and evaluation cannot end a document."""
+    folder gets our tokenizer as transformers' when the source has no tokenizer_config.json: EOS named
+    (without it generation and evaluation cannot end a document) and first in every encoded text, as in
+    training (difftransformer.hf.convert.save_transformers_tokenizer)."""
     tokenizer = src / TOKENIZER_FILE
     if not tokenizer.is_file():
         return
@@ -195,9 +196,9 @@ def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
     if (src / TOKENIZER_CONFIG).is_file():
         shutil.copyfile(src / TOKENIZER_CONFIG, folder / TOKENIZER_CONFIG)
     elif fmt in ("diffllama", "llama") and _has_eos(tokenizer):
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
-                    "model_max_length": config.get("max_position_embeddings")}
-        atomic_write_text(folder / TOKENIZER_CONFIG, json.dumps(settings, indent=2) + "\n")
+        from difftransformer.hf.convert import save_transformers_tokenizer  # transformers wrote the folder
+
+        save_transformers_tokenizer(tokenizer, folder, config.get("max_position_embeddings"))
 
 
 def _has_eos(tokenizer: Path) -> bool:

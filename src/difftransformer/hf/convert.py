@@ -4,7 +4,8 @@ The converters in `difftransformer.convert` are pure state-dict functions and im
 transformers; this is where a converted (state dict, config dict) becomes a folder that
 `DiffLlamaForCausalLM.from_pretrained` / `LlamaForCausalLM.from_pretrained` load with no missing
 or unexpected keys: the class is built on the meta device, the weights are assigned, and its own
-`save_pretrained` writes config.json and model.safetensors.
+`save_pretrained` writes config.json and model.safetensors. `save_transformers_tokenizer` writes the
+tokenizer of such a folder.
 """
 
 from __future__ import annotations
@@ -30,3 +31,12 @@ def save_transformers_folder(fmt: str, folder: Path, state: dict[str, torch.Tens
     if hf_config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(folder)
+
+
+def save_transformers_tokenizer(tokenizer_json: Path, folder: Path, context: int | None = None) -> None:
+    """Our tokenizer.json as `folder`'s transformers tokenizer: EOS is its BOS, EOS and pad token and starts every
+    text encoded with special tokens (transformers' default), as training puts EOS before every document
+    (hf.lm_eval.save_tokenizer_for_transformers; encodings without special tokens are ours unchanged)."""
+    from difftransformer.hf.lm_eval import save_tokenizer_for_transformers
+
+    save_tokenizer_for_transformers(tokenizer_json, folder, model_max_length=context)

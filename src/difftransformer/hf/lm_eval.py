@@ -116,7 +116,8 @@ def _check_same(tok, ours: Tokenizer, where: str, bos: bool = True) -> None:
                          f"rewrite it with save_tokenizer_for_transformers")
 
 
-def save_tokenizer_for_transformers(tokenizer_json: str | Path, out_dir: str | Path) -> Path:
+def save_tokenizer_for_transformers(tokenizer_json: str | Path, out_dir: str | Path,
+                                    model_max_length: int | None = None) -> Path:
     """Export `tokenizer_json` as a plain transformers tokenizer folder that AutoTokenizer loads with no
     difftransformer import: the generic PreTrainedTokenizerFast with `tokenizer_settings()` (a way to
     use our tokenizer elsewhere; lm-eval on our folders needs no export).
@@ -126,7 +127,8 @@ def save_tokenizer_for_transformers(tokenizer_json: str | Path, out_dir: str | P
     post-processor that puts EOS first; its encodings without special tokens are unchanged, but its
     sha256 differs, so it is an export, not a replacement: out_dir may not be the folder of
     tokenizer_json (a run's final/ needs no export: importing this module lets AutoTokenizer read it as
-    it is). The folder written is loaded back and checked to encode as EOS + our ids. Returns out_dir."""
+    it is). The folder written is loaded back and checked to encode as EOS + our ids. `model_max_length` (the
+    model's context), when given, is recorded in its tokenizer_config.json. Returns out_dir."""
     src, out = Path(tokenizer_json), Path(out_dir)
     ours = Tokenizer.from_file(src)  # names the file and the fix when it is not ours (no EOS token)
     if out.exists() and out.resolve() == src.parent.resolve():
@@ -137,7 +139,8 @@ def save_tokenizer_for_transformers(tokenizer_json: str | Path, out_dir: str | P
     eos = ours.eos_token
     inner.post_processor = processors.TemplateProcessing(
         single=f"{eos}:0 $A:0", pair=f"{eos}:0 $A:0 {eos}:1 $B:1", special_tokens=[(eos, ours.eos_id)])
-    PreTrainedTokenizerFast(tokenizer_object=inner, **tokenizer_settings(eos)).save_pretrained(out)
+    extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
+    PreTrainedTokenizerFast(tokenizer_object=inner, **tokenizer_settings(eos), **extra).save_pretrained(out)
     _check_same(AutoTokenizer.from_pretrained(out), ours, str(out))
     return out
 
