@@ -166,6 +166,37 @@ def test_the_weight_guard_can_be_switched_off_and_is_validated(data_dir, tmp_pat
     assert res.final_step == 1  # a large (finite) jump is accepted when the norm check is off
 
 
+def test_the_weight_guard_measures_against_the_run_start_in_every_call(data_dir, tmp_path):
+    """The norm reference is the run's, kept in its checkpoints: the same command run again after a stop
+    resumes from the last good checkpoint and stops again at the same state (it measured against that
+    checkpoint's norm before, and went on to save the state it had refused)."""
+    import math
+
+    from difftransformer.model import DiffTransformerLM
+
+    def norm(state=None) -> float:  # over the parameters, as the guard counts them (tied weights once)
+        torch.manual_seed(0)
+        model = DiffTransformerLM(tiny())
+        if state is not None:
+            model.load_state_dict(state)
+        return math.sqrt(sum(float(p.detach().double().norm()) ** 2 for p in model.parameters()))
+
+    base = dict(lr_schedule="constant", warmup_steps=0, min_lr=0.0, ckpt_interval=1, keep_last=3, eval_interval=100,
+                grad_clip=0.0, lr=0.3)
+    probe = tmp_path / "probe"  # the same run unguarded: its weights' norms at steps 0, 1 and 2
+    train(tiny(), make_cfg(data_dir, probe, max_steps=2, max_weight_growth=0.0, **base))
+    n0 = norm()  # train() seeds with train.seed (0) and builds the model
+    n1, n2 = (norm(load_checkpoint(probe / "checkpoints" / f"step_0000000{s}")["model"]) for s in (1, 2))
+    assert n1 > n0 and n2 > n1
+    growth = max(n1 / n0, n2 / n1) * 1.0001  # step 1 passes against step 0, step 2 against step 1 only
+    assert growth < n2 / n0
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=2, max_weight_growth=growth, **base)
+    for _ in range(2):
+        with pytest.raises(TrainingDivergedError, match=r"diverged by step 2: .* at step 0 .*step_00000001"):
+            train(tiny(), cfg)
+        assert latest_dir(tmp_path / "run").name == "step_00000001"
+
+
 def test_unaligned_widths_get_a_warning_with_the_fix(caplog):
     """On CUDA the trainer names each width that is not a multiple of 8 and a multiple of 64 above it."""
     import logging
@@ -199,3 +230,18 @@ def test_a_new_call_clears_what_a_killed_write_left_in_checkpoints_and_final(dat
     assert not any(p.exists() for p in left)
     assert {p.name for p in (out / "final").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
     assert_same_weights(DiffTransformerLM.from_pretrained(out / "final"), again.model)
+
+
+def test_a_full_disk_while_copying_the_tokenizer_leaves_no_torn_final_tokenizer(data_dir, tmp_path, monkeypatch):
+    import errno
+    import os
+    import shutil
+
+    def full_disk(src, dst, *args, **kwargs):
+        Path(dst).write_bytes(b"")  # the file is created, then nothing fits
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=1))
+    assert not (tmp_path / "final" / "tokenizer.json").exists() and not list((tmp_path / "final").glob("*.tmp"))

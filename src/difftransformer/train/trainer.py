@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftransformer._io import folder_lock
+from difftransformer._io import atomic_copy, folder_lock
 from difftransformer.data import BatchSampler, PreparedData, TokenDataset, iter_eval_batches, num_eval_windows
 from difftransformer.data.ood.sampler import TaskSampler, TaskValSet
 from difftransformer.dist import full_tensor
@@ -413,11 +413,14 @@ class _Loop:
         self.last_good = ckpt["path"].name if ckpt else None
         self.t_call = time.perf_counter()
         self.replaced = replaced  # old checkpoints set aside by a fresh start, deleted after the first save
+        self.norm_reference = _norm_reference(ckpt)  # the run's, kept in its checkpoints (None: a fresh start)
 
     def run(self, start_step: int) -> tuple[float | None, float]:
         """Train from start_step to max_steps; returns (last validation loss, seconds spent in steps)."""
         cfg, parts = self.cfg, self.parts
-        self.start_norm = (start_step, self.weight_norm())  # the healthy reference for the divergence guard
+        # the healthy reference for the divergence guard: the weights' norm when the run started, carried from
+        # checkpoint to checkpoint, so a command run again after a divergence measures against the same one
+        self.start_norm = self.norm_reference or (start_step, self.weight_norm())
         metrics = MetricsWriter(self.run_dir.metrics,
                                 tensorboard_dir=self.run_dir.tensorboard if cfg.tensorboard else None,
                                 enabled=self.env.is_main, progress=cfg.progress, start_step=start_step,
@@ -535,6 +538,7 @@ class _Loop:
                 "data": {"corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash,
                          "vocab_size": data.vocab_size},
                 "world_size": env.world_size,
+                NORM_REFERENCE: list(self.start_norm),
             }
             path = save_checkpoint(self.run_dir.checkpoints, step, model_state, optim_state, state, self.model_config,
                                    cfg, cfg.keep_last)
@@ -543,6 +547,19 @@ class _Loop:
                 shutil.rmtree(self.replaced, ignore_errors=True)
                 self.replaced = None
         env.barrier()
+
+
+NORM_REFERENCE = "weight_norm_reference"  # checkpoint state: [step, norm] the divergence guard measures against
+
+
+def _norm_reference(ckpt: dict[str, Any] | None) -> tuple[int, float] | None:
+    """The divergence guard's (step, norm) stored in a checkpoint; None without one (a checkpoint written
+    before the reference was stored: the norm when this call starts is taken, as then)."""
+    ref = (ckpt or {}).get("state", {}).get(NORM_REFERENCE)
+    if (isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], int) and isinstance(ref[1], (int, float))
+            and math.isfinite(ref[1]) and ref[1] > 0):
+        return int(ref[0]), float(ref[1])
+    return None
 
 
 def _write_final(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
@@ -558,7 +575,7 @@ def _write_final(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainCon
     if env.is_main:
         model.save_pretrained(run.final)
         if data.tokenizer_path.is_file():
-            shutil.copyfile(data.tokenizer_path, run.final_tokenizer)
+            atomic_copy(data.tokenizer_path, run.final_tokenizer)  # a full disk leaves no torn tokenizer.json
         log.info("final weights in %s", run.final)
     env.barrier()
     return model
