@@ -438,6 +438,53 @@ def test_folders_load_both_ways(tmp_path, tied):
         assert torch.equal(hf.native()(ids).logits, want)
 
 
+def save_tokenizer_with_eos_at(folder: Path, eos: int) -> None:
+    """A word-level tokenizer.json of VOCAB tokens whose EOS token has id `eos`, into `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from difftransformer.data.tokenizer import EOS_TOKEN
+
+    words = [f"w{i}" for i in range(VOCAB - 1)]
+    vocab = {w: i + (i >= eos) for i, w in enumerate(words)} | {EOS_TOKEN: eos}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_a_final_folder_gives_generate_its_tokenizers_eos(tmp_path):
+    """A run's final/ holds config.json (no EOS: our config has none), the weights and the tokenizer: loaded
+    through transformers, generate() stops at that tokenizer's EOS (it ran to max_new_tokens before)."""
+    lm, _ = pair("diff")
+    ids = ids_of(PROMPTS[0])
+    new = lm.generate(ids, 8, temperature=0)[0, 3:].tolist()
+    eos = next(t for i, t in enumerate(new) if i >= 2 and t not in new[:i])  # emitted at step >= 2, not before
+    lm.save_pretrained(tmp_path)
+    save_tokenizer_with_eos_at(tmp_path, eos)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == eos
+    assert hf.generation_config.pad_token_id == hf.generation_config.bos_token_id == eos
+    out = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert out == new[:new.index(eos) + 1]  # our tokens up to and including EOS, then stopped
+    # an EOS of the caller's (here a generation_config.json) is kept
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).generation_config.eos_token_id == 1
+
+
+def test_a_run_folder_loads_its_final_model(tmp_path):
+    """Every CLI command takes a run folder; so does from_pretrained (its final/ folder)."""
+    from difftransformer.hf.modeling import RUN_FINAL_DIR
+    from difftransformer.train.run_dir import FINAL_DIR
+
+    assert RUN_FINAL_DIR == FINAL_DIR
+    lm, _ = pair("diff")
+    lm.save_pretrained(tmp_path / "run" / FINAL_DIR)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    hf = DiffTransformerForCausalLM.from_pretrained(tmp_path / "run").eval()
+    ids = ids_of(PROMPTS[1])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, lm(ids).logits)
+
+
 def test_a_fresh_process_loads_our_folder_after_importing_difftransformer_hf(tmp_path):
     lm, _ = pair("diff")
     lm.save_pretrained(tmp_path)

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import lean_sample, lean_sample_applies, sample_arguments
 from difftransformer.model import DiffTransformerLM
 from difftransformer.model.inputs import check_input_ids, keep_last_positions
-from difftransformer.model.serialization import WEIGHTS_NAME
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
 log = logging.get_logger(__name__)
@@ -229,12 +230,18 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' `from_pretrained`, made as strict as `DiffTransformerLM.from_pretrained`: safetensors
         only (a pickle is never loaded, whatever its name), and every weight of the model in the file and
         nothing else (transformers alone would initialise missing weights at random and only log it).
-        An unreadable or mismatched weights file is a one-line ValueError naming it."""
+        An unreadable or mismatched weights file is a one-line ValueError naming it.
+
+        A training run's folder loads its final/ model (every CLI command takes run folders). A folder's
+        tokenizer.json (a run's final/ holds the one the model was trained with) gives the config and the
+        generation config the EOS id where they name none, as BOS, EOS and pad (what the model was trained
+        with before every document), so generate() stops at EOS as transformers' models do."""
         if kwargs.get("use_safetensors") is False:
             raise ValueError("use_safetensors=False asks to unpickle weights; difftransformer loads safetensors only "
                              "(a pickle can run code when loaded). Convert the checkpoint to safetensors")
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs.update(use_safetensors=True, output_loading_info=True)
+        pretrained_model_name_or_path = _final_of_run(pretrained_model_name_or_path)
         source = str(pretrained_model_name_or_path)
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -247,6 +254,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
             _refuse(source, lines[0] if lines else "tensor shapes differ; see transformers' load report above")
         _check_loaded(source, info)
+        _adopt_tokenizer_eos(model, pretrained_model_name_or_path)
         return (model, info) if wants_info else model
 
     # -- generation ---------------------------------------------------------------------
@@ -495,6 +503,34 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 x = res
         return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
+
+
+RUN_FINAL_DIR = "final"  # a training run's model folder (train/run_dir.py FINAL_DIR; hf may not import train)
+
+
+def _final_of_run(path):
+    """A local training run's folder (no config.json, a final/ model) as its final/ folder; anything else as given."""
+    folder = Path(str(path))
+    if folder.is_dir() and not (folder / CONFIG_NAME).is_file() and (folder / RUN_FINAL_DIR / CONFIG_NAME).is_file():
+        return folder / RUN_FINAL_DIR
+    return path
+
+
+def _adopt_tokenizer_eos(model: "DiffTransformerForCausalLM", path) -> None:
+    """BOS, EOS and pad ids from the tokenizer.json of a local model folder, where neither the config nor the
+    generation config names them (an explicit setting, from config.json or a generation_config.json, stays)."""
+    from difftransformer.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    tokenizer = Path(str(path)) / TOKENIZER_FILE
+    if not tokenizer.is_file() or model.config.eos_token_id is not None:
+        return
+    eos = Tokenizer.from_file(tokenizer).eos_id
+    for config in (model.config, model.generation_config):
+        if config is None:
+            continue
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(config, name, None) is None:
+                setattr(config, name, eos)
 
 
 def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
