@@ -490,14 +490,23 @@ def test_a_fresh_process_loads_our_folder_after_importing_difftransformer_hf(tmp
     lm.save_pretrained(tmp_path)
     ids = ids_of(PROMPTS[0])
     code = ("import json, sys, torch\n"
-            "import difftransformer.hf\n"
             "from transformers import AutoModelForCausalLM\n"
+            "try:\n"
+            "    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "except ValueError as e:\n"
+            "    print(str(e).splitlines()[0])\n"
+            "import difftransformer.hf\n"
             "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], use_safetensors=True)\n"
             "ids = torch.tensor(json.loads(sys.argv[2]))\n"
             "print(type(m).__name__, json.dumps(m.generate(ids, max_new_tokens=6, do_sample=False).tolist()))\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(ids.tolist())],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    # without the import, transformers' message, which docs/interop.md quotes with the fix
+    unknown = done.stdout.strip().splitlines()[0]
+    assert "model type `difftransformer` but Transformers does not recognize this architecture" in unknown
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "interop.md").read_text().split())
+    assert "Forgetting `import difftransformer.hf`" in doc and "does not recognize this architecture" in doc
     name, tokens = done.stdout.strip().splitlines()[-1].split(" ", 1)
     assert name == "DiffTransformerForCausalLM"
     assert json.loads(tokens) == lm.generate(ids, 6, temperature=0).tolist()
