@@ -75,6 +75,20 @@ def test_config_defaults_and_fields_are_ours():
     assert DiffTransformerHFConfig.from_native(cfg).to_native() == cfg
 
 
+def test_a_new_model_is_initialised_as_ours():
+    """transformers initialises a new model through `_init_weights` (its hook for custom models): our init,
+    N(0, initializer_range) matrices, unit norms, λ vectors N(0, 0.1)."""
+    from difftransformer.norm import RMSNorm
+
+    torch.manual_seed(0)
+    hf = DiffTransformerForCausalLM(DiffTransformerHFConfig.from_native(small("diff", initializer_range=0.05)))
+    assert hf.embed_tokens.weight.std().item() == pytest.approx(0.05, rel=0.1)
+    assert hf.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.05, rel=0.1)
+    norms = [m.weight for m in hf.modules() if isinstance(m, RMSNorm) and m.weight is not None]
+    assert norms and all(torch.equal(w, torch.ones_like(w)) for w in norms)
+    assert hf.layers[0].self_attn.lambda_q1.std().item() == pytest.approx(0.1, rel=0.5)
+
+
 def test_config_errors_name_the_value_and_the_rule():
     with pytest.raises(ValueError, match=r"invalid difftransformer config: hidden_size \(30\) must be divisible"):
         DiffTransformerHFConfig(hidden_size=30, num_attention_heads=4)
