@@ -36,7 +36,7 @@ class DiffTransformerHFConfig(PretrainedConfig):
     """The model config for `DiffTransformerForCausalLM`; see the module docstring."""
 
     model_type = MODEL_TYPE
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache's name up to transformers 5.23, from 5.24
 
     def __init__(
         self,
