@@ -66,13 +66,14 @@ def test_black_box_tasks_run_and_probes_refuse(pair, data_dir):
         run_task("outliers", model, tok, EvalConfig(data_dir=data_dir))
 
 
-def test_the_cli_takes_a_transformers_folder(pair, data_dir, capsys):
+def test_the_cli_takes_a_transformers_folder(pair, data_dir, capsys, tmp_path):
     folder = pair[1]
     assert main(["eval", "heldout-loss", str(folder), "--data-dir", data_dir]) == 0
     record = json.loads((folder / "eval" / "heldout-loss.json").read_text())
     assert record["settings"]["retokenized"] is True and record["metrics"]["loss"] > 0
     capsys.readouterr()
     cli_fails(capsys, ["eval", "outliers", str(folder), "--data-dir", data_dir], "runs on this package's models only")
-    assert main(["eval", "heldout-loss", str(folder)]) == 2  # after its progress line, one line of error
+    # no data: after its progress line, one line of error (into a folder of its own: the stored result stays)
+    assert main(["eval", "heldout-loss", str(folder), "--out-dir", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "".join(err) and "set EvalConfig.data_dir (--data-dir)" in err[-1]
