@@ -104,3 +104,40 @@ def test_a_read_only_out_dir(workdir, tmp_path, capsys):
                         str(ro))
     finally:
         ro.chmod(0o700)
+
+
+def test_weights_of_a_wrong_dtype_are_one_line_for_every_command(compared, tmp_path, capsys):
+    """Integer or bool "weights" were cast silently (generate, eval, train --init-from ran on them) and convert
+    printed a traceback: refused at load, naming the file, the tensor and its dtype."""
+    from safetensors.torch import load_file, save_file
+
+    final = shutil.copytree(compared / "diff" / "final", tmp_path / "final")
+    state = load_file(str(final / "model.safetensors"))
+    state["norm.weight"] = state["norm.weight"].to(torch.int64)
+    save_file(state, str(final / "model.safetensors"))
+    needle = "tensor 'norm.weight' is stored as I64, not as floating point"
+    cli_fails(capsys, ["generate", str(final), "--prompt", "the", "--max-new-tokens", "2"], needle)
+    cli_fails(capsys, ["eval", "heldout-loss", str(final)], needle)
+    cli_fails(capsys, ["convert", str(final), str(tmp_path / "out"), "--to", "diffllama"], needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_conversion_into_one_destination_fails_at_once(compared, tmp_path, capsys):
+    """A conversion into DST holds the flock of its `.DST.converting-PID` folder; a second one into DST is
+    refused before reading anything (it failed only at the end, after all the work)."""
+    import subprocess
+    import sys
+
+    claim = tmp_path / ".out.converting-1"
+    hold = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n")
+    claim.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(claim)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        cli_fails(capsys, ["convert", str(compared / "diff"), str(tmp_path / "out"), "--to", "diffllama"],
+                  "another conversion into", ".out.converting-1 is in use")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [claim.name]

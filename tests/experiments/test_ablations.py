@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from difftransformer.experiments import ABLATIONS, Arm, CompareConfig, parse_arm
@@ -89,3 +91,16 @@ def test_an_override_that_makes_an_invalid_model_names_the_arm(spec):
         arm.config(spec)
     with pytest.raises(ValueError, match="lists an arm twice"):
         CompareConfig(arms=["diff", {"name": "diff", "attention": "transformer"}])
+
+
+def test_lambda_init_belongs_to_the_arms_with_a_scalar_lambda(spec):
+    """An arm override of lambda_init on a kind without λ is refused naming the arm; a size spec's lambda_init
+    sets the DIFF V1 arms and is not carried into the others (where it would be recorded and ignored)."""
+    for kind in ("transformer", "transformer_gated", "diff_v2"):
+        with pytest.raises(ValueError, match="arm 'x' is not a valid model at this size: model.lambda_init"):
+            Arm("x", kind, {"lambda_init": 0.5}).config(spec)
+    assert spec.attention == "diff"
+    configs = {a: parse_arm(a).config(dataclasses.replace(spec, lambda_init=0.5))
+               for a in ("diff", "transformer", "transformer_gated", "diff_v2")}
+    assert configs["diff"].lambda_init == 0.5
+    assert all(configs[a].lambda_init is None for a in ("transformer", "transformer_gated", "diff_v2"))

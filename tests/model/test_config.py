@@ -115,3 +115,13 @@ def test_position_encoding_is_checked_and_flows_through_matched(kind):
         tiny(kind, position_encoding="NoPE")
     with pytest.raises(TypeError, match="model.position_encoding must be a str"):
         tiny(kind, position_encoding=None)
+
+
+@pytest.mark.parametrize("attention", ["transformer", "transformer_gated", "diff_v2", "transformer_headnorm"])
+def test_lambda_init_is_refused_where_it_would_do_nothing(attention):
+    """Only the DIFF V1 kinds have a scalar λ: elsewhere lambda_init would be recorded and ignored."""
+    with pytest.raises(ValueError, match=rf"model.lambda_init \(0.5\) applies to .*attention='{attention}' has none"):
+        tiny(attention, lambda_init=0.5)
+    for kind in ("diff", "diff_no_headnorm"):
+        assert tiny(kind, lambda_init=0.5).lambda_init == 0.5
+    assert tiny("diff", lambda_init=0.5).matched("diff_no_headnorm").lambda_init == 0.5

@@ -37,3 +37,16 @@ def test_load_errors(tmp_path):
         DiffTransformerLM.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model config"):
         DiffTransformerLM.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bool, "BOOL"), (torch.int64, "I64")])
+def test_weights_that_are_not_floating_point_are_refused_not_cast(tmp_path, dtype, name):
+    from safetensors.torch import load_file, save_file
+
+    DiffTransformerLM(tiny()).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(str(weights))
+    state["layers.0.mlp.up_proj.weight"] = state["layers.0.mlp.up_proj.weight"].to(dtype)
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match=rf"tensor 'layers.0.mlp.up_proj.weight' is stored as {name}, not as floating"):
+        DiffTransformerLM.from_pretrained(tmp_path)

@@ -15,10 +15,12 @@ its settings JSON. The tokenizer.json saved with the source (a run's final/) is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from difftransformer.convert import FORMATS, ConversionError, from_ours, read_ch
 from difftransformer.convert.unilm import SETTINGS_NAME
 from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
-from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
+from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, check_weight_dtypes
 from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' tokenizer settings (special tokens)
@@ -57,15 +59,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     src, dst = _source_folder(Path(args.src)), Path(args.dst)
     _check_destination(src, dst)
-    ckpt = read_checkpoint(src)
-    if ckpt.format == args.to:
-        raise ConversionError(f"{src} is already in format {args.to!r}; pick another --to")
-    state, config = to_ours(ckpt.format, ckpt.state, ckpt.config)
-    params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
-    state, out_config = from_ours(args.to, state, config)
-    if args.to in ("diffllama", "llama"):
-        out_config = {**out_config, **_eos_token_id(src)}
-    _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src))
+    for weights in sorted(src.glob("*.safetensors")) if src.is_dir() else []:
+        check_weight_dtypes(weights)  # bool or integer "weights" would be cast into a model computing garbage
+    with _claim(dst):  # a second conversion into DST fails now, not after all the work
+        ckpt = read_checkpoint(src)
+        if ckpt.format == args.to:
+            raise ConversionError(f"{src} is already in format {args.to!r}; pick another --to")
+        state, config = to_ours(ckpt.format, ckpt.state, ckpt.config)
+        params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
+        state, out_config = from_ours(args.to, state, config)
+        if args.to in ("diffllama", "llama"):
+            out_config = {**out_config, **_eos_token_id(src)}
+        _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src))
     print(f"converted {src} ({ckpt.format}) to {dst} ({args.to}): attention {config.attention!r}, "
           f"{config.num_hidden_layers} layers, {params:,} parameters")
     return 0
@@ -118,26 +123,81 @@ def _link_target(link: Path) -> str:
     return f"to {target}" + (", an empty folder" if link.is_dir() and not any(link.iterdir()) else "")
 
 
-def _write_atomically(dst: Path, write) -> None:
-    """Call write(folder) on a fresh folder beside `dst`, then rename it to `dst` (nothing half-written is left)."""
+_claimed: dict[Path, Path] = {}  # DST -> the temporary folder this process claimed it with (_claim)
+
+
+@contextlib.contextmanager
+def _claim(dst: Path) -> Iterator[Path]:
+    """Claim `dst` for this process: make its temporary folder `.DST.converting-PID` beside it and hold an
+    flock on it, then refuse (ConversionError) when another conversion holds the flock of one of its own.
+    Locking first and looking second, of two conversions started together at least one sees the other and
+    stops before any work; the operating system drops a killed one's flock. Re-entrant; the folder is
+    removed when the block ends."""
+    if dst in _claimed:
+        yield _claimed[dst]
+        return
     dst.parent.mkdir(parents=True, exist_ok=True)
     _sweep_abandoned(dst)
     tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    fd = os.open(tmp, os.O_RDONLY)
     try:
-        try:
-            with writing(dst):  # an error without a file name (a full disk) names DST
-                write(tmp)
-        except OSError as e:  # and one naming a file of the temporary folder names that file in DST
-            if e.filename is not None and os.fspath(e.filename).startswith(os.fspath(tmp)):
-                e.filename = os.fspath(dst) + os.fspath(e.filename)[len(os.fspath(tmp)):]
-            raise
-        if dst.is_dir():
-            dst.rmdir()  # empty (checked before)
-        os.replace(tmp, dst)
+        if _flock(fd):
+            for other in dst.parent.glob(f".{glob.escape(dst.name)}.converting-*"):
+                if other != tmp and other.is_dir() and _held(other):
+                    raise ConversionError(f"another conversion into {dst} is running ({other.name} is in use); "
+                                          f"wait for it to finish, or choose another DST")
+        _claimed[dst] = tmp
+        yield tmp
     finally:
+        _claimed.pop(dst, None)
+        os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _flock(fd: int) -> bool:
+    """Take an exclusive flock on `fd` without waiting: True when taken, False when held elsewhere or where
+    there is no flock (Windows)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _held(folder: Path) -> bool:
+    """Whether another process holds the flock of `folder` (a conversion running into it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return not _flock(fd)
+    finally:
+        os.close(fd)  # closing drops a flock taken just to look
+
+
+def _write_atomically(dst: Path, write) -> None:
+    """Call write(folder) on a fresh folder beside `dst`, then rename it to `dst` (nothing half-written is left)."""
+    with _claim(dst) as tmp:
+        _write_claimed(dst, tmp, write)
+
+
+def _write_claimed(dst: Path, tmp: Path, write) -> None:
+    """write(tmp), then `tmp` renamed to `dst`; a failure names DST's files, not the temporary folder's."""
+    try:
+        with writing(dst):  # an error without a file name (a full disk) names DST
+            write(tmp)
+    except OSError as e:  # and one naming a file of the temporary folder names that file in DST
+        if e.filename is not None and os.fspath(e.filename).startswith(os.fspath(tmp)):
+            e.filename = os.fspath(dst) + os.fspath(e.filename)[len(os.fspath(tmp)):]
+        raise
+    if dst.is_dir():
+        dst.rmdir()  # empty (checked before)
+    os.replace(tmp, dst)
 
 
 def _sweep_abandoned(dst: Path) -> None:

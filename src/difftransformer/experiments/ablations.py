@@ -66,7 +66,10 @@ class Arm:
                                  f"are {', '.join(sorted(known))}")
 
     def config(self, spec: DiffTransformerConfig) -> DiffTransformerConfig:
-        """This arm's model at the size `spec` (a ValueError naming the arm when the result is invalid)."""
+        """This arm's model at the size `spec` (a ValueError naming the arm when the result is invalid). A spec's
+        lambda_init is for the arms with a scalar λ: the others are derived without it (an arm's own is refused)."""
+        if spec.lambda_init is not None and not attention_kind(self.attention).scalar_lambda:
+            spec = dataclasses.replace(spec, lambda_init=None)
         cfg = spec.matched(self.attention)
         changes = dict(self.overrides)
         if self.heads == "diff":

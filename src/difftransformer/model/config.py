@@ -131,6 +131,10 @@ class DiffTransformerConfig:
             raise ValueError(f"model.lambda_init must lie in [0, 1) (the head-norm output is scaled by 1 - "
                              f"lambda_init), or be null for the depth schedule 0.8 - 0.6 exp(-0.3 layer); got "
                              f"{self.lambda_init}")
+        if self.lambda_init is not None and not self.kind.scalar_lambda:  # it would be recorded and do nothing
+            raise ValueError(f"model.lambda_init ({self.lambda_init}) applies to the kinds with a scalar λ (DIFF V1: "
+                             f"diff, diff_no_headnorm, diff_retrofit); attention={self.attention!r} has none and would "
+                             f"ignore it: leave it at null")
 
     def backend_on(self, device: torch.device) -> str:
         """The backend this model's attention uses on `device` (the one rule of attention/backends.py);

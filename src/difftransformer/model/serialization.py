@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -65,8 +65,28 @@ def read_pretrained(directory: str | Path) -> tuple[DiffTransformerConfig, Path]
     return config, weights
 
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes model weights are stored in
+
+
+def check_weight_dtypes(weights: str | Path) -> None:
+    """ValueError naming the file, the tensor and its dtype when a safetensors file holds a tensor that is not
+    floating point (bool, integers): loading would cast it silently into a model that computes garbage."""
+    try:
+        with safe_open(str(weights), "pt") as fh:
+            found = next(((n, fh.get_slice(n).get_dtype()) for n in fh.keys()
+                          if fh.get_slice(n).get_dtype() not in FLOAT_DTYPES), None)
+    except (SafetensorError, OSError):
+        return  # an unreadable file: the loader that follows names what is wrong with it
+    if found is not None:
+        raise ValueError(f"{weights}: tensor {found[0]!r} is stored as {found[1]}, not as floating point "
+                         f"({', '.join(FLOAT_DTYPES)}) like model weights; the file was not written by save_pretrained "
+                         f"or a conversion (edited, or another kind of file?): restore or re-export it")
+
+
 def load_weights(model: nn.Module, weights: Path, device="cpu") -> None:
-    """Load a safetensors file into `model` strictly; errors name the file and what is wrong."""
+    """Load a safetensors file into `model` strictly; errors name the file and what is wrong (a tensor that
+    is not floating point included: check_weight_dtypes)."""
+    check_weight_dtypes(weights)
     try:
         load_model(model, str(weights), strict=True, device=str(device))
     except SafetensorError as e:
