@@ -71,7 +71,7 @@ def test_config_defaults_and_fields_are_ours():
     hf, native = DiffTransformerHFConfig(), DiffTransformerConfig()
     assert hf.model_type == "difftransformer"
     assert hf.to_native() == native  # same defaults, resolved the same way (kv heads, FFN width)
-    cfg = small("diff_v2", gqa=True, lambda_init=0.5, tie_word_embeddings=False)
+    cfg = small("diff", gqa=True, lambda_init=0.5, tie_word_embeddings=False)
     assert DiffTransformerHFConfig.from_native(cfg).to_native() == cfg
 
 
