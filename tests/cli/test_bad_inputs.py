@@ -141,3 +141,12 @@ def test_a_second_conversion_into_one_destination_fails_at_once(compared, tmp_pa
         proc.kill()
         proc.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == [claim.name]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_config_json_that_is_a_fifo_is_named_not_waited_on(compared, tmp_path, capsys):
+    final = shutil.copytree(compared / "diff" / "final", tmp_path / "final")
+    (final / "config.json").unlink()
+    os.mkfifo(final / "config.json")  # reading it would block until someone writes: forever
+    for argv in (["generate", str(final), "--prompt", "the"], ["eval", "heldout-loss", str(final)]):
+        cli_fails(capsys, argv, f"{final / 'config.json'} is a FIFO, not a regular file")

@@ -8,6 +8,8 @@ this module only reads and writes the files, so it does not depend on the model'
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,27 @@ def is_pretrained_dir(directory: str | Path) -> bool:
 def folder_model_type(directory: str | Path) -> str | None:
     """The model_type that `directory`'s config.json names (ours is MODEL_TYPE), or None when there is
     no readable JSON object with a string model_type there: a cheap look before choosing a reader, whose
-    own errors then say what is wrong with the file."""
+    own errors then say what is wrong with the file. A config.json that is no regular file (a FIFO, a
+    device: reading it would wait forever) is a ValueError naming it."""
+    check_regular(Path(directory) / CONFIG_NAME)
     try:
         data: Any = json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     kind = data.get("model_type") if isinstance(data, dict) else None
     return kind if isinstance(kind, str) else None
+
+
+def check_regular(path: Path) -> None:
+    """ValueError when `path` exists but is no regular file (a FIFO, a socket, a device): reading one blocks
+    or returns endless bytes. A missing path is left to the reader, whose message names it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise ValueError(f"{path} is {what}, not a regular file; put the file it should be there (or remove it)")
 
 
 def save_pretrained(model: nn.Module, directory: str | Path) -> Path:
@@ -58,6 +74,8 @@ def read_pretrained(directory: str | Path) -> tuple[DiffTransformerConfig, Path]
     if directory.is_file():
         raise ValueError(f"{directory} is a file; give the folder that holds {CONFIG_NAME} and {WEIGHTS_NAME} "
                          f"(this file's folder is {directory.parent})")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        check_regular(directory / name)
     config = DiffTransformerConfig.load(directory / CONFIG_NAME)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
