@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The integration's tests run width-32 models, whose products gain nothing from a second thread and, on a
+    busy machine, wait for it at every operation: one intra-op thread for each test, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
