@@ -12,7 +12,7 @@ import torch
 from difftransformer.data import BatchSampler
 from difftransformer.model import DiffTransformerLM
 from difftransformer.train import TrainingDivergedError, load_checkpoint, read_metrics, train
-from tests.helpers import assert_same_weights, latest_dir, make_cfg, tiny, untimed
+from tests.helpers import CPP_KERNEL_DISABLED, assert_same_weights, latest_dir, make_cfg, tiny, untimed
 
 
 def test_reproducible_and_writes_expected_files(data_dir, tmp_path):
@@ -245,3 +245,20 @@ def test_a_full_disk_while_copying_the_tokenizer_leaves_no_torn_final_tokenizer(
     with pytest.raises(OSError, match="No space left"):
         train(tiny(), make_cfg(data_dir, tmp_path, max_steps=1))
     assert not (tmp_path / "final" / "tokenizer.json").exists() and not list((tmp_path / "final").glob("*.tmp"))
+
+
+@pytest.mark.skipif(CPP_KERNEL_DISABLED, reason="the fused C++ kernel is switched off here")
+def test_a_resume_that_cannot_use_the_cpp_kernel_says_it_is_not_bitwise_equal(data_dir, tmp_path, monkeypatch,
+                                                                               caplog):
+    """A checkpoint trained on the C++ kernel resumed where it cannot be built runs on SDPA: said in one line."""
+    import logging
+
+    from difftransformer.kernels import flash_cpu
+
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=1))
+    assert load_checkpoint(tmp_path)["state"]["attention_backend"] == "cpp"
+    monkeypatch.setattr(flash_cpu, "is_available", lambda: False)  # as where no compiler builds it
+    with caplog.at_level(logging.WARNING, logger="difftransformer.train"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=1))
+    warned = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert len(warned) == 1 and "'cpp'" in warned[0] and "'sdpa'" in warned[0] and "bitwise" in warned[0]

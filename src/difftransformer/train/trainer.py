@@ -414,6 +414,13 @@ class _Loop:
         self.t_call = time.perf_counter()
         self.replaced = replaced  # old checkpoints set aside by a fresh start, deleted after the first save
         self.norm_reference = _norm_reference(ckpt)  # the run's, kept in its checkpoints (None: a fresh start)
+        self.backend = model_config.backend_on(env.device)  # the attention backend the steps run on here
+        if ckpt is not None and ckpt["state"].get(BACKEND_KEY, self.backend) != self.backend and env.is_main:
+            old = ckpt["state"][BACKEND_KEY]
+            why = " (the fused C++ kernel cannot be built here)" if old == "cpp" else ""
+            log.warning("%s trained with the %r attention backend and this call runs %r%s: its numbers differ in "
+                        "the last bits, so this run is no longer bitwise equal to an uninterrupted one",
+                        ckpt["path"], old, self.backend, why)
 
     def run(self, start_step: int) -> tuple[float | None, float]:
         """Train from start_step to max_steps; returns (last validation loss, seconds spent in steps)."""
@@ -539,6 +546,7 @@ class _Loop:
                          "vocab_size": data.vocab_size},
                 "world_size": env.world_size,
                 NORM_REFERENCE: list(self.start_norm),
+                BACKEND_KEY: self.backend,
             }
             path = save_checkpoint(self.run_dir.checkpoints, step, model_state, optim_state, state, self.model_config,
                                    cfg, cfg.keep_last)
@@ -550,6 +558,7 @@ class _Loop:
 
 
 NORM_REFERENCE = "weight_norm_reference"  # checkpoint state: [step, norm] the divergence guard measures against
+BACKEND_KEY = "attention_backend"  # checkpoint state: the backend its steps ran on (a resume on another is warned)
 
 
 def _norm_reference(ckpt: dict[str, Any] | None) -> tuple[int, float] | None:
