@@ -150,3 +150,8 @@ def test_a_config_json_that_is_a_fifo_is_named_not_waited_on(compared, tmp_path,
     os.mkfifo(final / "config.json")  # reading it would block until someone writes: forever
     for argv in (["generate", str(final), "--prompt", "the"], ["eval", "heldout-loss", str(final)]):
         cli_fails(capsys, argv, f"{final / 'config.json'} is a FIFO, not a regular file")
+
+
+def test_an_empty_folder_argument_is_not_taken_for_here(compared, capsys):
+    cli_fails(capsys, ["report", ""], "DIR is empty")
+    cli_fails(capsys, ["eval", "heldout-loss", str(compared / "diff"), "--out-dir", " "], "--out-dir is empty")
