@@ -32,6 +32,8 @@ def write_report(study_dir: str | Path, *, samples: bool = True, html: bool = Tr
     both give the same report, because every number is read from the units' result records, or from a
     run folder for a unit that has no result file yet. It holds the folder's lock while it writes (a
     `compare` running there refuses, and the reverse: FolderInUseError)."""
+    if not str(study_dir).strip():
+        raise ValueError("the study folder is empty ''; name it (e.g. runs/demo, or . for the current folder)")
     if not Path(study_dir).is_dir():
         raise FileNotFoundError(f"{study_dir} is not a folder; give the --out-dir of a `difftransformer compare` run")
     with folder_lock(study_dir, purpose="wait for it to finish, then write the report again", kind="a study"):
