@@ -479,6 +479,9 @@ def test_a_final_folder_gives_generate_its_tokenizers_eos(tmp_path):
     assert hf.generation_config.pad_token_id == hf.generation_config.bos_token_id == eos
     out = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, 3:].tolist()
     assert out == new[:new.index(eos) + 1]  # our tokens up to and including EOS, then stopped
+    (tmp_path / "tokenizer.json").write_text("{}")  # not a tokenizer of ours: the model loads without an EOS
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.eos_token_id is None
+    save_tokenizer_with_eos_at(tmp_path, eos)
     # an EOS of the caller's (here a generation_config.json) is kept
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     assert AutoModelForCausalLM.from_pretrained(tmp_path).generation_config.eos_token_id == 1
@@ -573,6 +576,8 @@ def test_inputs_the_wrapper_cannot_serve_are_refused():
         hf(ids, attention_mask=torch.ones(1, 1, 6, 6))
     with pytest.raises(TypeError, match=r"the cache \(past_key_values\) must be a transformers Cache"):
         hf(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),))
+    with pytest.raises(ValueError, match="both cache and past_key_values were given, two different caches"):
+        hf(ids, cache=DynamicCache(), past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         hf()
     with pytest.raises(ValueError, match=f"token id {VOCAB} is outside the vocabulary"):

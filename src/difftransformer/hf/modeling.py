@@ -15,7 +15,8 @@ Contract:
 - `forward` only runs the blocks in order (embedding -> blocks -> final norm -> LM head, the loop of
   `DiffTransformerLM.forward`), adding what transformers needs around it: its KV cache, key-padding
   masks with positions that skip left padding, hidden states, attention maps and checkpointing.
-- KV cache: a transformers `Cache` (a `DynamicCache` by default), seen by our layers through
+- KV cache: a transformers `Cache` (a `DynamicCache` by default; `forward` takes it as `cache`, its name
+  from transformers 5.24, or as `past_key_values`, its name before), seen by our layers through
   `_CacheAdapter`, which gives them the `update(depth, k, v)` and `length(depth)` of our `KVCache`.
   DIFF caches keys (B, 2*h_kv, S, d) and values (B, h_kv, S, 2d); a cache that grows by concatenation
   holds them, caches preallocated from the config (StaticCache, cache_implementation="static") cannot,
@@ -524,7 +525,10 @@ def _adopt_tokenizer_eos(model: "DiffTransformerForCausalLM", path) -> None:
     tokenizer = Path(str(path)) / TOKENIZER_FILE
     if not tokenizer.is_file() or model.config.eos_token_id is not None:
         return
-    eos = Tokenizer.from_file(tokenizer).eos_id
+    try:
+        eos = Tokenizer.from_file(tokenizer).eos_id
+    except (OSError, ValueError):  # not our tokenizer (no EOS token): the model loads all the same, without one
+        return
     for config in (model.config, model.generation_config):
         if config is None:
             continue
