@@ -496,10 +496,13 @@ def test_a_run_folder_loads_its_final_model(tmp_path):
     lm, _ = pair("diff")
     lm.save_pretrained(tmp_path / "run" / FINAL_DIR)
     (tmp_path / "run" / "metrics.jsonl").write_text("")
-    hf = DiffTransformerForCausalLM.from_pretrained(tmp_path / "run").eval()
+    save_tokenizer_with_eos_at(tmp_path / "run" / FINAL_DIR, 7)
     ids = ids_of(PROMPTS[1])
-    with torch.no_grad():
-        assert torch.equal(hf(ids).logits, lm(ids).logits)
+    for hf in (DiffTransformerForCausalLM.from_pretrained(tmp_path / "run"),
+               AutoModelForCausalLM.from_pretrained(tmp_path / "run", subfolder=FINAL_DIR)):  # the auto classes' way
+        assert hf.generation_config.eos_token_id == 7  # final/'s tokenizer
+        with torch.no_grad():
+            assert torch.equal(hf.eval()(ids).logits, lm(ids).logits)
 
 
 def test_a_fresh_process_loads_our_folder_after_importing_difftransformer_hf(tmp_path):

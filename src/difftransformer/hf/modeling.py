@@ -233,7 +233,8 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         nothing else (transformers alone would initialise missing weights at random and only log it).
         An unreadable or mismatched weights file is a one-line ValueError naming it.
 
-        A training run's folder loads its final/ model (every CLI command takes run folders). A folder's
+        A training run's folder loads its final/ model (every CLI command takes run folders; through
+        AutoModelForCausalLM, which reads the folder's config.json first, give subfolder="final"). A folder's
         tokenizer.json (a run's final/ holds the one the model was trained with) gives the config and the
         generation config the EOS id where they name none, as BOS, EOS and pad (what the model was trained
         with before every document), so generate() stops at EOS as transformers' models do."""
@@ -242,7 +243,9 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                              "(a pickle can run code when loaded). Convert the checkpoint to safetensors")
         wants_info = kwargs.pop("output_loading_info", False)
         kwargs.update(use_safetensors=True, output_loading_info=True)
-        pretrained_model_name_or_path = _final_of_run(pretrained_model_name_or_path)
+        subfolder = kwargs.get("subfolder") or ""
+        if not subfolder:
+            pretrained_model_name_or_path = _final_of_run(pretrained_model_name_or_path)
         source = str(pretrained_model_name_or_path)
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -255,7 +258,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
             _refuse(source, lines[0] if lines else "tensor shapes differ; see transformers' load report above")
         _check_loaded(source, info)
-        _adopt_tokenizer_eos(model, pretrained_model_name_or_path)
+        _adopt_tokenizer_eos(model, Path(str(pretrained_model_name_or_path)) / subfolder)
         return (model, info) if wants_info else model
 
     # -- generation ---------------------------------------------------------------------
