@@ -15,6 +15,10 @@ may be called again (it is idempotent).
 The attention kernel is our config field `attn_backend` (`from_pretrained(dir, attn_backend="sdpa")`),
 not transformers' `attn_implementation`, which stays "eager" (transformers refuses "sdpa" for this class).
 
+Tested with transformers 5.23 (pinned) and the newest release (CI's `make test-interop-latest`);
+`difftransformer.hf.compat` says which releases run the wrapper's faster private paths (others run
+transformers' own code, with the same tokens).
+
 This is the only part of the package that imports transformers: the core package imports and runs
 without it (docs/architecture.md), and nothing else imports this one.
 """
