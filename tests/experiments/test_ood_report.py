@@ -12,7 +12,8 @@ from difftransformer.experiments.report.runs import Run
 def _cell(condition, length, density, accuracy, target):
     return {"condition": condition, "length": length, "density": density, "accuracy": accuracy,
             "adaptive": {"accuracy": accuracy},
-            "attention": {"mean": {"diff": {"target": target, "distractor": 0.1, "filler": 0.2, "other": 0.0}}}}
+            "attention": {"top_head": {"diff": {"layer": 1, "head": 0, "target": target, "distractor": 0.1,
+                                                "filler": 0.2, "other": 0.0}}}}
 
 
 def _ctx(values):

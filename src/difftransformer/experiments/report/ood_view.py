@@ -53,11 +53,13 @@ def _adaptive(cell):
 
 
 def _mass(which: str, part: str):
+    """Reads the retrieving head's mass (the head whose map puts the most on the target) on the target, or on
+    distractors + filler."""
     def read(cell):
-        mean = ((cell.get("attention") or {}).get("mean") or {}).get(which)
-        if not mean:
+        head = ((cell.get("attention") or {}).get("top_head") or {}).get(which)
+        if not head:
             return None
-        return mean["target"] if part == "target" else mean["distractor"] + mean["filler"]
+        return head["target"] if part == "target" else head["distractor"] + head["filler"]
     return read
 
 
@@ -87,10 +89,11 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         if any(_values(cells[ref], c, _adaptive) for c in conditions):
             L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
                               "(both arms)")
-    L += _table("Attention mass on the target (answer rows; A1 − λA2 for DIFF, the softmax map otherwise)", arms,
-                cells, conditions, _mass("diff", "target"))
-    L += _table("Attention mass on distractors + filler (the \"attention noise\")", arms, cells, conditions,
-                _mass("diff", "noise"))
+    L += _table("Attention mass on the target (answer rows, the retrieving head: the one putting the most on the "
+                "target; A1 − λA2 for DIFF, the softmax map otherwise)", arms, cells, conditions,
+                _mass("diff", "target"))
+    L += _table("The retrieving head's mass on distractors + filler (the \"attention noise\")", arms, cells,
+                conditions, _mass("diff", "noise"))
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
         L += [f"![accuracy and target mass against the length factor]({PLOT_FILE})", ""]
     return L
