@@ -29,7 +29,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 TESTED_MINORS = ("5.23", "5.24")
 
 CACHE_KEY = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-CACHE_NAMES = ("cache", "past_key_values")  # every name a caller may give the cache under, the current one first
 
 
 def minor(version: str) -> str:
