@@ -34,6 +34,8 @@ def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
     text = "\n".join(ood_section(ctx, tmp_path))
     assert "## Out-of-distribution retrieval" in text and "Every arm and seed is at least 99%" in text
     assert "0.910 [" in text  # diff's mean accuracy at 4x: (0.90 + 0.92 + 0.91) / 3
+    assert "In short: in distribution `diff` 100.0%" in text and "at `length4x-density1x` `diff` 91.0%" in text
+    assert "DIFF's accuracy is higher than the Transformer's (paired Δ +0.300" in text
     rows = [line for line in text.splitlines() if line.startswith("| `transformer") and "length4x" in line]
     t_row = next(r for r in rows if r.startswith("| `transformer` |") and "+0.300" in r)
     assert "`diff` higher" in t_row  # +0.30 on every seed: the interval excludes 0

@@ -80,6 +80,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
          "at denser distractors (more items at the training length); mean [95% interval] over seeds. Protocol: "
          "docs/evaluation.md, `ood`.", ""]
     L += _bar(ctx, arms, cells)
+    L += _summary(ctx, arms, cells, conditions)
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
         L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive)
@@ -111,6 +112,46 @@ def _bar(ctx, arms, cells) -> Lines:
     return [f"**Not every run passed the in-distribution bar ({IN_DISTRIBUTION_BAR:.0%}):** " + ", ".join(below)
             + ". A model that has not learned the task in distribution says nothing about attention noise out of "
             "it; train these longer before reading the differences below.", ""]
+
+
+def _summary(ctx, arms, cells, conditions) -> Lines:
+    """One paragraph: how accuracy moves from the training distribution to the farthest length and density,
+    per arm, and what the seeds allow to say about DIFF against the Transformer there."""
+    farthest = [c for c in (_farthest(conditions, "length"), _farthest(conditions, "density")) if c]
+    if not farthest:
+        return []
+
+    def accs(condition: str) -> str:
+        return ", ".join(f"{code_span(a)} {_mean(_values(cells[a], condition, _accuracy)):.1%}" for a in arms)
+
+    parts = [f"In short: in distribution {accs('length1x-density1x')}"]
+    for c in farthest:
+        parts.append(f"at {code_span(c)} {accs(c)}")
+    text = "; ".join(parts) + "."
+    ref = _reference_arm(ctx)
+    if ref in arms and "transformer" in arms and len(ctx.seeds) > 1:
+        for c in farthest:
+            cmp = compare_paired(_values(cells[ref], c, _accuracy), _values(cells["transformer"], c, _accuracy),
+                                 arm=ref, baseline="transformer", metric=c)
+            if cmp.diffs:
+                said = {"better": "lower than", "worse": "higher than"}.get(cmp.outcome, "not separable from")
+                text += (f" At {code_span(c)}, DIFF's accuracy is {said} the Transformer's (paired Δ "
+                         f"{fmt_ci(list(cmp.diffs), 3, signed=True)} over {cmp.n} seeds).")
+    elif len(ctx.seeds) == 1:
+        text += " One seed per arm: these are observations, not verdicts."
+    return [text, ""]
+
+
+def _farthest(conditions: list[str], axis: str) -> str | None:
+    """The condition farthest out along `axis` (the other factor at 1x), if any beyond the training one."""
+    other = "density" if axis == "length" else "length"
+
+    def factor(c: str, which: str) -> float:
+        part = c.split("-")[0 if which == "length" else 1]
+        return float(part[len(which):-1])
+
+    along = [c for c in conditions if factor(c, other) == 1.0 and factor(c, axis) > 1.0]
+    return max(along, key=lambda c: factor(c, axis)) if along else None
 
 
 def _table(title: str, arms, cells, conditions, read) -> Lines:
