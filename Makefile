@@ -46,9 +46,11 @@ test-interop-latest: venv
 	PYTHONPATH=$(HF_LATEST) TRITON_INTERPRET=1 $(PY) -m pytest tests/hf $(PYTEST_ARGS)
 
 ## make demo: the main job. Prepares the bundled corpus, trains DIFF and the matched Transformer,
-## writes runs/demo/report.md. Re-running resumes unfinished arms.
+## writes runs/demo/report.md; then the out-of-distribution cell (flip-flop, 1x-8x the training length),
+## runs/demo-ood/report.md. Re-running resumes unfinished arms.
 demo: venv
 	$(PY) -m difftransformer compare --config configs/demo.toml --out-dir runs/demo
+	$(PY) -m difftransformer compare --config configs/demo-ood.toml --out-dir runs/demo-ood
 
 ## make paper-cpu: the paper's claims, ablation table and scaling at CPU scale (configs/studies/; several
 ## hours on 2 cores, times in each config). Each unit's result file lands in results/<study>/ (commit
