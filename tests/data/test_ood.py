@@ -194,6 +194,8 @@ def test_tokenizer_maps_words_to_the_generated_ids():
     text = tok.decode(ids)
     assert text.split()[1:] == words(family, ids)[1:]
     assert tok.encode(" ".join(words(family, ids)[1:])) == ids[1:]
+    prompt, rest = ids[1:6], ids[6:9]
+    assert tok.decode(prompt) + tok.decode(rest) == tok.decode(ids[1:9]) == " " + " ".join(words(family, ids[1:9]))
     assert tok.eos_id == EOS_ID and tok.vocab_size == family.vocab_size
 
 

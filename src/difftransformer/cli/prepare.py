@@ -65,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
     config: DataConfig = build_section("data", section)
     t0 = time.perf_counter()
     data = prepare_from_config(config, force=args.force)
-    print(f"prepared {config.corpus!r} in {data.out_dir} ({time.perf_counter() - t0:.1f}s)")
+    what = f"the {config.task.name} task" if config.task is not None else repr(config.corpus)
+    print(f"prepared {what} in {data.out_dir} ({time.perf_counter() - t0:.1f}s)")
     print(f"tokenizer: {data.tokenizer_path} ({data.vocab_size} tokens)")
+    if config.task is not None:
+        print("no token shards: training sequences are generated from the task's settings as they are needed")
+        return 0
     print(f"{'split':<6} {'documents':>10} {'tokens':>12}")
     for split in data.num_tokens:
         print(f"{split:<6} {data.num_documents.get(split, 0):>10,} {data.num_tokens[split]:>12,}")

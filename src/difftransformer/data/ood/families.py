@@ -44,6 +44,7 @@ from .episodes import BOS, FILLER, IGNORE, ITEM, PAD, QUERY, Episodes
 
 EOS_ID, PAD_ID = 0, 1
 SPECIALS = ("<|endoftext|>", "<pad>")  # ids 0 and 1 of every family's vocabulary
+_SPACE = "\u2581"  # the word-start mark of the task tokenizers (a space in text)
 
 
 @dataclass(frozen=True)
@@ -182,16 +183,18 @@ class Family:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
     def tokenizer(self):
-        """A word-level tokenizer of SPECIALS + vocab(): ids as `generate` writes them, text as "k3 v7 ..."."""
+        """A word-level tokenizer of SPECIALS + vocab(): ids as `generate` writes them. Text is the words
+        separated by spaces ("w 1 i 0 r"); a word decodes with its leading space (" 1"), as byte-level BPE
+        tokens do, so a continuation decoded alone appends to its prompt."""
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
         from ..tokenizer import Tokenizer
 
-        words = [*SPECIALS, *self.vocab()]
+        words = [*SPECIALS, *(_SPACE + w for w in self.vocab())]
         inner = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIALS[1]))
-        inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        inner.decoder = decoders.WordPiece(prefix="\u0000")  # joins words with spaces, strips nothing
+        inner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="always")
+        inner.decoder = decoders.Metaspace(replacement=_SPACE, prepend_scheme="never")
         inner.add_special_tokens(list(SPECIALS))
         return Tokenizer(inner, SPECIALS[0])
 
