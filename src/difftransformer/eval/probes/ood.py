@@ -167,7 +167,7 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
     """Per layer and head, averaged over every answer position of `episodes`: masses on "diff", "a1",
     "a2" (MASSES each), entropy of a1 and a2, and the largest logit of each map."""
     layers = len(model.layers)
-    sums: dict[str, Any] = {}
+    sums: dict[tuple[int, str], torch.Tensor] = {}
     count = 0
     batch = probe_batch(model, episodes.inputs.shape[1], 8, device, maps_kept=layers)
     for start in range(0, len(episodes), batch):
