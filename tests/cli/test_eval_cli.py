@@ -75,7 +75,8 @@ def test_bad_inputs_are_one_line(compared, capsys, tmp_path):
     cli_fails(capsys, ["eval", "heldout-loss", str(compared)], "is a comparison folder")
     cli_fails(capsys, ["eval", "icl", run, "--draws", "99999999999999999999"],
               "icl.draws is 999999999999... (20 digits), beyond what an evaluation can run")
-    cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "10000000000"], "--batch-size 10000000000 is beyond")
+    cli_fails(capsys, ["eval", "heldout-loss", run, "--batch-size", "10000000000"],
+              "--batch-size 10000000000 is beyond")
     for flag in ("--out-dir", "--data-dir", "--tokenizer"):
         cli_fails(capsys, ["eval", "heldout-loss", run, flag, ""], f"{flag} is empty")
 

@@ -1,15 +1,17 @@
-"""Fault injection through the real command line: kill -9 at random points of `compare` and `prepare`,
+"""Fault injection through the real command line: kill -9 at random points of `compare`, `prepare` and `eval`,
 then run the same command again. Nothing is lost or mixed: the results equal an uninterrupted run's.
 
 The kill times are drawn from a seeded generator, so a failure reproduces; the runs are tiny, so the
-whole module stays within about a minute on 2 cores.
+whole module stays within about a minute and a half on 2 cores.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,3 +113,44 @@ def test_a_second_writer_started_mid_run_is_refused_and_the_first_finishes(workd
     assert first.wait(timeout=120) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
     assert len(steps) == 30 and max(steps) == 40  # the first run's log is whole: 20 train rows and 10 val rows
+
+
+def _evaluated(folder: Path) -> dict[str, object]:
+    """What an evaluation decided, by file: each result's metrics, details and settings (no timings), and each
+    figure's bytes; every JSON's figure hash must be its PNG's."""
+    out: dict[str, object] = {}
+    for path in sorted(folder.rglob("*.json")):
+        record = json.loads(path.read_text())
+        if "metrics" in record and "task" in record:  # eval/<task>.json
+            png = path.with_suffix(".png")
+            figure = hashlib.sha256(png.read_bytes()).hexdigest() if png.is_file() else None
+            assert record["provenance"]["figure_sha256"] == figure, path
+            out[str(path.relative_to(folder))] = (record["metrics"], record["details"], record["settings"])
+        elif "evals" in record:  # a study's result file
+            out[str(path.relative_to(folder))] = {t: (e["metrics"], e["provenance"]["figure_sha256"])
+                                                  for t, e in record["evals"].items()}
+    out.update({str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.png"))
+                if p.parent.name in ("eval", "by-hand")})
+    return out
+
+
+def test_eval_and_a_studys_evaluation_killed_at_random_points_end_as_if_never_killed(compared, workdir, tmp_path):
+    """kill -9 at random points of `eval` and of a study's evaluation phase (its units trained, evaluation
+    tasks added), then the same command in full: every result, figure and result file equals an uninterrupted
+    run's, nothing is left half-written, and every figure belongs to its JSON."""
+    rng = random.Random(5)
+    copies = {name: Path(shutil.copytree(compared, tmp_path / name)) for name in ("reference", "killed")}
+    tasks = ("--set", 'compare.eval_tasks=["heldout-loss"]')
+    for name, study in copies.items():
+        one = ("eval", "outliers", str(study / "diff"), "--tokens", "4096", "--out-dir", str(study / "by-hand"))
+        again = ("compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(study), *tasks)
+        if name == "killed":
+            for argv, lock, late in ((one, study / "by-hand" / ".lock", 1.0),
+                                     (again, study / "diff" / "eval" / ".lock", 1.0)):
+                for _ in range(2):
+                    _kill_after(_cli(*argv), rng.uniform(0.0, late), lock)
+        assert main(list(one)) == 0 and main(list(again)) == 0
+    reference, killed = (_evaluated(copies[n]) for n in ("reference", "killed"))
+    assert killed.keys() == reference.keys() and len(reference) >= 6
+    assert killed == reference
+    assert not list(copies["killed"].rglob("*.tmp*"))

@@ -270,7 +270,10 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
 
     results = tmp_path / "committed"
     base = _study(data_dir, results)
-    recipe = lambda steps: dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=steps))
+
+    def recipe(steps: int) -> Study:
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=steps))
+
     run_compare(recipe(3), tmp_path / "machine1", report=False)
     files = sorted(results.rglob("*.json"))
     before = {p: p.read_bytes() for p in files}

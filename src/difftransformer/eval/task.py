@@ -34,7 +34,6 @@ from difftransformer._config import check_field_types
 from difftransformer._version import __version__
 from difftransformer.dist import is_device_name
 
-
 OPTION_LIMIT = 10**9  # the magnitude every numeric setting of a task (a count, a length, a ratio) stays within
 
 

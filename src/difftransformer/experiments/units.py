@@ -185,8 +185,7 @@ def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any],
         return True
     keys = "; ".join(differing_keys(_with_defaults(old, identity), identity))
     if differ == ["train"]:
-        steps = lambda d: {**d, "train": {k: v for k, v in (d.get("train") or {}).items() if k != "max_steps"}}
-        if not identity_differences(steps(old), steps(identity)):
+        if not identity_differences(_without_steps(old), _without_steps(identity)):
             if replace:
                 return False
             raise ResultFileError(f"{path} holds a finished result of another training length ({keys}); a stored "
@@ -194,6 +193,10 @@ def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any],
                                   f"and --out-dir, or pass --replace-results to train it again and replace the file")
     raise ResultFileError(f"{path} holds the result of another experiment ({', '.join(differ)} differ: {keys}); use "
                           f"another compare.results_dir, or delete the file to train this unit again")
+
+
+def _without_steps(identity: dict[str, Any]) -> dict[str, Any]:
+    return {**identity, "train": {k: v for k, v in (identity.get("train") or {}).items() if k != "max_steps"}}
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:

@@ -18,8 +18,8 @@ from difftransformer.experiments.report import sections
 from difftransformer.experiments.report.html import write_html
 from difftransformer.experiments.report.ood_view import ood_section
 from difftransformer.experiments.report.plots import plot_lambdas, plot_losses
-from difftransformer.experiments.report.scaling_view import plot_scaling
 from difftransformer.experiments.report.runs import Run
+from difftransformer.experiments.report.scaling_view import plot_scaling
 from difftransformer.experiments.study_dir import MANIFEST_FILE, StudyDir
 from difftransformer.experiments.units import Unit, find_results
 from difftransformer.train.run_dir import METRICS_FILE
