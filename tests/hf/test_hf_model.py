@@ -489,13 +489,13 @@ def test_a_final_folder_gives_generate_its_tokenizers_eos(tmp_path):
 
 def test_a_run_folder_loads_its_final_model(tmp_path):
     """Every CLI command takes a run folder; so does from_pretrained (its final/ folder)."""
-    from difftransformer.hf.modeling import RUN_FINAL_DIR
-    from difftransformer.train.run_dir import FINAL_DIR
+    from difftransformer.train.run_dir import FINAL_DIR, REPLACED_DIR, RunDir
 
-    assert RUN_FINAL_DIR == FINAL_DIR
     lm, _ = pair("diff")
     lm.save_pretrained(tmp_path / "run" / FINAL_DIR)
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    lm.save_pretrained(tmp_path / "run" / REPLACED_DIR / FINAL_DIR)  # deeper folders do not count
+    (tmp_path / "run" / "checkpoints").mkdir()
+    assert RunDir(tmp_path / "run").final == tmp_path / "run" / FINAL_DIR
     save_tokenizer_with_eos_at(tmp_path / "run" / FINAL_DIR, 7)
     ids = ids_of(PROMPTS[1])
     for hf in (DiffTransformerForCausalLM.from_pretrained(tmp_path / "run"),

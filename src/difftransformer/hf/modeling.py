@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from difftransformer.hf import compat
+import difftransformer.hf.compat as compat
 from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import lean_sample, lean_sample_applies, sample_arguments
@@ -509,15 +509,16 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         return x, tuple(hidden) if output_hidden_states else None, tuple(maps) if output_attentions else None
 
 
-RUN_FINAL_DIR = "final"  # a training run's model folder (train/run_dir.py FINAL_DIR; hf may not import train)
-
-
 def _final_of_run(path):
-    """A local training run's folder (no config.json, a final/ model) as its final/ folder; anything else as given."""
+    """A local training run's folder as its final/ folder; anything else as given. A run folder is told by its
+    layout, not its names (those are train/run_dir.py's, which hf may not import): no config.json of its own,
+    and exactly one subfolder holding a model (config.json and weights), its final/ (checkpoints, and a
+    replaced run's final/, sit one level deeper)."""
     folder = Path(str(path))
-    if folder.is_dir() and not (folder / CONFIG_NAME).is_file() and (folder / RUN_FINAL_DIR / CONFIG_NAME).is_file():
-        return folder / RUN_FINAL_DIR
-    return path
+    if not folder.is_dir() or (folder / CONFIG_NAME).is_file():
+        return path
+    models = [sub for sub in folder.iterdir() if (sub / CONFIG_NAME).is_file() and (sub / WEIGHTS_NAME).is_file()]
+    return models[0] if len(models) == 1 else path
 
 
 def _adopt_tokenizer_eos(model: "DiffTransformerForCausalLM", path) -> None:
