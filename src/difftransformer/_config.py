@@ -7,6 +7,7 @@ fail deep inside a run (or, worse, run); each config checks its fields here firs
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Any
 
@@ -19,6 +20,12 @@ def debugging() -> bool:
     Read here, a base module, so every entry point (the CLI, `python -m difftransformer.hf.lm_eval`)
     reads it the same way."""
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in DEBUG_OFF
+
+
+def did_you_mean(value: Any, choices) -> str:
+    """' (did you mean 'x'?)' naming the closest of `choices` to a mistyped `value`, or '' when none is close."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class ConfigTypeError(TypeError, ValueError):

@@ -24,7 +24,6 @@ all, because a silently ignored setting wastes a training run) and hands each se
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import tomllib
 import yaml
 
+from difftransformer._config import did_you_mean
 from difftransformer.data import DataConfig
 from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.experiments.config import CompareConfig
@@ -91,9 +91,7 @@ class RunConfig:
 # reading and overriding
 
 
-def _suggest(key: str, valid) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+_suggest = did_you_mean
 
 
 def parse_scalar(text: str) -> Any:

@@ -16,13 +16,12 @@ folder holds only the task's word-level tokenizer and its manifest. Unset, it ch
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._config import check_field_types
+from .._config import check_field_types, did_you_mean
 from .ood import Family, family_from_dict
 from .tokenizer import Tokenizer
 
@@ -76,9 +75,8 @@ class MixtureConfig:
         valid = _field_names(cls)
         for key in values:
             if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"unknown key {key!r} in [data.mixture]{hint}; valid keys: {', '.join(valid)}")
+                raise ValueError(f"unknown key {key!r} in [data.mixture]{did_you_mean(key, valid)}; valid keys: "
+                                 f"{', '.join(valid)}")
         return cls(**values)
 
     @property

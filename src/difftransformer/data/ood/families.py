@@ -28,7 +28,6 @@ Families (docs/evaluation.md, "`ood`"):
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
@@ -38,7 +37,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from difftransformer._config import check_field_types
+from difftransformer._config import check_field_types, did_you_mean
 
 from .episodes import BOS, FILLER, IGNORE, ITEM, PAD, QUERY, Episodes
 
@@ -199,6 +198,12 @@ class Family:
         return Tokenizer(inner, SPECIALS[0])
 
 
+def _check_positive(config, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"data.task.{name} must be >= 1, got {getattr(config, name)}")
+
+
 def _check_range(owner: str, lo_name: str, hi_name: str, lo: int, hi: int, least: int = 1) -> None:
     if lo < least or hi < lo:
         raise ValueError(f"{owner}: need {least} <= {lo_name} <= {hi_name}, got {lo_name}={lo}, {hi_name}={hi}")
@@ -222,9 +227,7 @@ class MQAR(Family):
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.task")
-        for name in ("num_keys", "num_values", "key_len", "value_len", "queries", "filler_vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.task.{name} must be >= 1, got {getattr(self, name)}")
+        _check_positive(self, ("num_keys", "num_values", "key_len", "value_len", "queries", "filler_vocab"))
         _check_range("data.task (mqar)", "min_pairs", "max_pairs", self.min_pairs, self.max_pairs)
         _check_range("data.task (mqar)", "min_context", "max_context", self.min_context, self.max_context)
         self.check_condition(TRAIN)
@@ -358,9 +361,7 @@ class Induction(Family):
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.task")
-        for name in ("background_vocab", "trigger_vocab", "triggers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.task.{name} must be >= 1, got {getattr(self, name)}")
+        _check_positive(self, ("background_vocab", "trigger_vocab", "triggers"))
         _check_range("data.task (induction)", "min_occurrences", "max_occurrences", self.min_occurrences,
                      self.max_occurrences, 2)
         _check_range("data.task (induction)", "min_context", "max_context", self.min_context, self.max_context)
@@ -446,9 +447,7 @@ class MaxRetrieval(Family):
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.task")
-        for name in ("num_keys", "num_values", "filler_vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.task.{name} must be >= 1, got {getattr(self, name)}")
+        _check_positive(self, ("num_keys", "num_values", "filler_vocab"))
         _check_range("data.task (maxret)", "min_items", "max_items", self.min_items, self.max_items)
         _check_range("data.task (maxret)", "min_context", "max_context", self.min_context, self.max_context)
         self.check_condition(TRAIN)
@@ -498,15 +497,13 @@ def family_from_dict(values: dict[str, Any], owner: str = "data.task") -> Family
     name = values.pop("family", None)
     cls = FAMILIES.get(name) if isinstance(name, str) else None
     if cls is None:
-        close = difflib.get_close_matches(str(name), list(FAMILIES), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{owner}.family must be one of {', '.join(FAMILIES)}, got {name!r}{hint}")
+        raise ValueError(f"{owner}.family must be one of {', '.join(FAMILIES)}, got {name!r}"
+                         f"{did_you_mean(name, FAMILIES)}")
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown key {key!r} in {owner} for family {name!r}{hint}; valid: {', '.join(valid)}")
+            raise ValueError(f"unknown key {key!r} in {owner} for family {name!r}{did_you_mean(key, valid)}; "
+                             f"valid: {', '.join(valid)}")
     return cls(**values)
 
 
