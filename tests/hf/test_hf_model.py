@@ -10,6 +10,7 @@ load both ways, in a fresh process too, while a file that is not safetensors is 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import subprocess
 import sys
@@ -689,3 +690,19 @@ def test_the_in_place_cache_layer_refuses_another_batch():
     k1, v1 = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 1, 8)
     keys, values = empty_first.update(k1, v1)
     assert keys.shape == (1, 2, 1, 4) and torch.equal(keys, k1) and torch.equal(values, v1)  # not broadcast
+
+
+def test_the_config_takes_position_encoding_and_ssmax_settings_and_checks_them_at_once():
+    from difftransformer.hf import DiffTransformerForCausalLM, DiffTransformerHFConfig
+
+    cfg = DiffTransformerHFConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  attention="transformer_ssmax", position_encoding="none", ssmax_init_length=32)
+    assert cfg.to_native().position_encoding == "none" and cfg.to_native().ssmax_init_length == 32
+    with pytest.raises(ValueError, match="position_encoding"):
+        DiffTransformerHFConfig(position_encoding="alibi")
+    model = DiffTransformerForCausalLM(cfg)
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        attn.ssmax_scale.fill_(7.0)
+    model._init_weights(attn)  # transformers' per-module initialisation gives s = 1 / log(ssmax_init_length)
+    assert torch.allclose(attn.ssmax_scale, torch.full_like(attn.ssmax_scale, 1 / math.log(32)))

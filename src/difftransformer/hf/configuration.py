@@ -57,6 +57,8 @@ class DiffTransformerHFConfig(PretrainedConfig):
         attn_deterministic: bool = True,
         attention_head_dim: int | None = None,
         head_norm_ramp_steps: int = 0,
+        position_encoding: str = "rope",
+        ssmax_init_length: int | None = None,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -71,7 +73,8 @@ class DiffTransformerHFConfig(PretrainedConfig):
             rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_word_embeddings=tie_word_embeddings,
             lambda_init=lambda_init, initializer_range=initializer_range, attn_backend=attn_backend,
             attn_deterministic=attn_deterministic, attention_head_dim=attention_head_dim,
-            head_norm_ramp_steps=head_norm_ramp_steps))
+            head_norm_ramp_steps=head_norm_ramp_steps, position_encoding=position_encoding,
+            ssmax_init_length=ssmax_init_length))
         for name in NATIVE_FIELDS:
             if name != "tie_word_embeddings":  # the base class owns that one (transformers 4.x sets it there)
                 setattr(self, name, getattr(native, name))

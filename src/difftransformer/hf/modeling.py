@@ -361,7 +361,10 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Our initialisation (DiffTransformerLM.reset_parameters), module by module as transformers asks:
-        linear and embedding weights N(0, initializer_range), norms 1, λ vectors N(0, 0.1)."""
+        linear and embedding weights N(0, initializer_range), norms 1, λ vectors N(0, 0.1), SSMax scales
+        1 / log(ssmax_init_length)."""
+        if hasattr(module, "reset_ssmax_parameters"):
+            module.reset_ssmax_parameters()
         if hasattr(module, "reset_lambda_parameters"):
             module.reset_lambda_parameters()
         elif isinstance(module, RMSNorm):
