@@ -293,12 +293,17 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
     assert record["max_steps"] == record["last_step"] == record["identity"]["train"]["max_steps"] == 4
 
 
-def test_a_result_file_with_a_metric_no_float_holds_is_named_not_a_traceback(tmp_path):
-    record = _record(Unit(None, None, 0, "diff"), 3.0, 1000, {"needle": {"metrics": {"acc": 10**400}}})
+@pytest.mark.parametrize("edit, problem", [
+    ({"evals": {"needle": {"metrics": {"acc": 10**400}}}}, r"evals.needle.metrics.acc is 1000000.*, not a number"),
+    ({"samples": [5]}, "samples is not a list of {prompt, greedy, sampled} texts"),
+    ({"samples": [{"prompt": 5, "greedy": "a", "sampled": "b"}]}, "samples is not a list of"),
+    ({"train": [{"step": 1, "loss": 3.0, "tokens": 10, "lambdas": "x"}]}, "train is not a list of rows whose λ"),
+])
+def test_a_hand_edited_result_file_is_named_not_a_traceback(tmp_path, edit, problem):
+    record = {**_record(Unit(None, None, 0, "diff"), 3.0, 1000), **edit}
     _write_results(tmp_path / "r", [record, _record(Unit(None, None, 0, "transformer"), 3.1, 1000)], [], [0])
-    with pytest.raises(ResultFileError, match=r"diff.json is not a valid result file \(evals.needle.metrics.acc is "
-                                              r"1000000.*, not a number"):
-        write_report(tmp_path / "r", samples=False)
+    with pytest.raises(ResultFileError, match=r"diff.json is not a valid result file \(" + problem.replace("{", r"\{")):
+        write_report(tmp_path / "r", samples=True)
 
 
 def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(data_dir, tmp_path):

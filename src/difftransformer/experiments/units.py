@@ -131,7 +131,11 @@ def _shape_problem(record: dict[str, Any]) -> str | None:
         ("evals", isinstance(record.get("evals", {}), dict) and all(
             isinstance(v, dict) and isinstance(v.get("metrics"), dict) for v in (record.get("evals") or {}).values()),
          "a table of task results with their metrics"),
-        ("samples", record.get("samples") is None or isinstance(record["samples"], list), "a list or null"),
+        ("train", all(_layer_values(r.get(k)) for r in record.get("train") or [] if isinstance(r, dict)
+                      for k in ("lambdas", "lambda_inits")), "a list of rows whose λ are lists of numbers"),
+        ("samples", record.get("samples") is None or (isinstance(record["samples"], list) and all(
+            isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("prompt", "greedy", "sampled"))
+            for r in record["samples"])), "a list of {prompt, greedy, sampled} texts or null"),
     ]
     bad = [f"{name} is not {what}" for name, ok, what in checks if not ok]
     evals = record.get("evals") if isinstance(record.get("evals"), dict) else {}
@@ -139,6 +143,11 @@ def _shape_problem(record: dict[str, Any]) -> str | None:
             if isinstance(e, dict) and isinstance(e.get("metrics"), dict)
             for k, v in e["metrics"].items() if not _number(v)][:1]
     return "; ".join(bad) or None
+
+
+def _layer_values(v: Any) -> bool:
+    """A row's λ per layer: absent, or a list of numbers (None for layers without λ)."""
+    return v is None or (isinstance(v, list) and all(map(_number, v)))
 
 
 def _is_unit(d: Any) -> bool:
