@@ -24,10 +24,10 @@ def test_set_overrides_parse_scalars_and_win_over_the_file(tmp_path):
     cfg = load_run_config(tmp_path / "c.toml", attention="transformer",
                           overrides=["train.lr=3e-4", "train.max_steps=7", "train.tensorboard=false",
                                      "model.num_hidden_layers=3", "data.corpus=notes/", 'compare.arms=["diff"]',
-                                     "model.lambda_init=0.5", "model.num_key_value_heads=null"])
+                                     "model.rope_theta=5e5", "model.num_key_value_heads=null"])
     assert cfg.train.lr == 3e-4 and cfg.train.max_steps == 7 and cfg.train.tensorboard is False
     assert cfg.model.attention == "transformer" and cfg.model.num_hidden_layers == 3
-    assert cfg.model.lambda_init == 0.5
+    assert cfg.model.rope_theta == 5e5  # (lambda_init, DIFF's, is refused on a transformer: tests/model)
     assert cfg.data.corpus == "notes/" and cfg.compare.arm_names == ["diff"]
     assert parse_scalar("[1, 2]") == [1, 2] and parse_scalar("none") is None and parse_scalar("abc") == "abc"
 
