@@ -50,7 +50,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables
     # Divergence guard: before every checkpoint the weights must be finite and their global norm within
-    # this factor of its value when the call started; otherwise nothing is saved (0 disables the norm check).
+    # this factor of its value at the run's start (kept in checkpoints); otherwise nothing is saved (0: no check).
     max_weight_growth: float = 10.0
     decay_norms_and_lambdas: bool = False  # by default no weight decay on norms, λ vectors, embeddings
     decay_embeddings: bool = False
