@@ -195,6 +195,7 @@ def test_the_batch_shrinks_to_what_memory_holds_and_changes_no_number(data_dir, 
     alone = probe(model, data_dir, tokens=4 * CONTEXT)
     assert seen == [1, 1, 1, 1] and alone.metrics == full.metrics
     monkeypatch.setattr(hooks, "_free_bytes", lambda device: one_window // 3)
+    # 128 T² bytes <= 5,461
     with pytest.raises(ValueError, match=r"one window of 16 tokens needs ~32.0 KiB of explicit attention maps "
-                                         r"\(4 maps of 16x16 per layer\).*use a shorter window, e.g. --seq-len 4$"):  # 128 T² bytes <= 5,461
+                                         r"\(4 maps of 16x16 per layer\).*use a shorter window, e.g. --seq-len 4$"):
         probe(model, data_dir, tokens=4 * CONTEXT)

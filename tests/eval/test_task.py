@@ -21,7 +21,9 @@ def test_heldout_loss_of_a_uniform_model_is_log_vocab(data_dir):
     assert result.metrics["loss"] == pytest.approx(math.log(vocab))
     assert result.metrics["perplexity"] == pytest.approx(vocab)
     assert result.metrics["bits_per_token"] == pytest.approx(math.log2(vocab))
-    assert result.settings["windows"] == 5 and result.settings["tokens"] == 5 * 32 and result.settings["split"] == "test"
+    assert (
+        result.settings["windows"] == 5 and result.settings["tokens"] == 5 * 32 and result.settings["split"] == "test"
+    )
 
 
 def test_heldout_loss_on_val_equals_the_trainers_validation_loss(data_dir, tmp_path):

@@ -63,7 +63,9 @@ def test_a_manifest_from_before_keeps_working(tmp_path):
     """Manifests written before the baseline was recomputed on merge: the report takes the rule, not the file."""
     root = tmp_path / "s"
     (root / "diff").mkdir(parents=True)
-    (root / "diff" / "metrics.jsonl").write_text(json.dumps({"kind": "val", "step": 1, "loss": 1.0, "tokens": 8}) + "\n")
+    (root / "diff" / "metrics.jsonl").write_text(
+        json.dumps({"kind": "val", "step": 1, "loss": 1.0, "tokens": 8}) + "\n"
+    )
     (root / "compare.json").write_text(json.dumps({"arms": ["diff_v2", "diff"], "seeds": [0], "baseline": "diff_v2"}))
     from difftransformer.experiments import write_report
 
@@ -83,7 +85,10 @@ def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplo
         assert (evals / "long-context.json").is_file() and (evals / "long-context.png").is_file()
     report = folder.report.read_text()
     loss = {a: r["metrics"]["loss"] for a, r in records.items()}
-    assert "## Evaluation" in report and f"| heldout-loss | loss | {loss['transformer']:.4g} | {loss['diff']:.4g} |" in report
+    assert (
+        "## Evaluation" in report
+        and f"| heldout-loss | loss | {loss['transformer']:.4g} | {loss['diff']:.4g} |" in report
+    )
     # a second call trains nothing and evaluates nothing: each unit has its result file
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):

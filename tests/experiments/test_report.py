@@ -63,7 +63,9 @@ def test_report_marks_unfinished_runs(tmp_path):
 
 
 def test_lambda_table_shows_the_logged_lambda_and_lambda_init(tmp_path):
-    text = write_report(_synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]}), samples=False).read_text()
+    text = write_report(
+        _synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]}), samples=False
+    ).read_text()
     table = text.split("## λ per layer")[1]
     assert "| 0 | 0.250 | 0.300 ± 0.000 |" in table and "| 1 | 0.500 | 0.500 ± 0.000 |" in table
 

@@ -162,7 +162,9 @@ class _Model:
         self.foreign = is_transformers_folder(path)
         if self.foreign:  # black-box tasks on any transformers causal LM
             if args.tokenizer:
-                raise ConfigError(f"{path} is a transformers folder and brings its own tokenizer; leave --tokenizer out")
+                raise ConfigError(
+                    f"{path} is a transformers folder and brings its own tokenizer; leave --tokenizer out"
+                )
             from difftransformer.hf.causal_lm import load_causal_lm
 
             self.model, self.tokenizer = load_causal_lm(path, args.device)

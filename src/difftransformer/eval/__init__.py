@@ -18,6 +18,7 @@ from difftransformer.eval.tasks import HeldOutLoss  # registers the built-in tas
 from difftransformer.eval import probes  # registers the white-box probes
 
 __all__ = [
-    "TASKS", "probes", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult", "continuation_logprob",
+    "TASKS", "probes", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult",
+    "continuation_logprob",
     "encode_prompt", "generate_text", "get_task", "new_token_budget", "register_task", "run_task", "token_nll",
 ]

@@ -1,7 +1,8 @@
 """The paper's published numbers (arXiv 2410.05258 v2), keyed by our task and metric names.
 
 One home for them: the data file paper_numbers.json beside this module (each entry names its table
-or figure); `eval compare` and the study reports print them beside our measurements. The paper measured 3B-13B models on 4K-64K contexts with a GPT-4o
+or figure); `eval compare` and the study reports print them beside our measurements. The paper measured
+3B-13B models on 4K-64K contexts with a GPT-4o
 judge where we measure small models offline: the numbers are a reference for direction and size of
 an effect, not a target a small model should reach (docs/evaluation.md says what each compares to).
 """
@@ -13,7 +14,9 @@ from importlib import resources
 from typing import NamedTuple
 
 PAPER_FILE = "paper_numbers.json"
-STUDY_TASKS = ("lm", "scaling")  # numbers about training (loss, scaling fits), read by study reports  # package data beside this module: the numbers with their references
+# numbers about training (loss, scaling fits), read by study reports
+# package data beside this module: the numbers with their references
+STUDY_TASKS = ("lm", "scaling")
 
 
 class PaperNumber(NamedTuple):

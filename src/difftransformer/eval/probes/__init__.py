@@ -14,5 +14,5 @@ from difftransformer.eval.probes.logit_quant import LogitQuant, fake_quantize
 from difftransformer.eval.probes.ood import OOD
 from difftransformer.eval.probes.outliers import Outliers
 
-__all__ = ["AttentionNoise", "LogitQuant", "OOD", "Outliers", "attention_layers", "capture_layer_outputs", "fake_quantize",
-           "inspect_attention", "require_own_model"]
+__all__ = ["AttentionNoise", "LogitQuant", "OOD", "Outliers", "attention_layers", "capture_layer_outputs",
+           "fake_quantize", "inspect_attention", "require_own_model"]

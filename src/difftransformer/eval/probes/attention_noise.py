@@ -4,7 +4,8 @@ Protocol (docs/evaluation.md, "`attention-noise`"): needle prompts from `eval/sy
 one needle in held-out text; the option `length`, else EvalConfig.seq_len, else the model's context
 long; the answer needle at depth 0/25/50/75/100%). Each prompt is cut into five segments: BOS, the
 context before the answer needle (the instruction included), the answer, the context after it,
-and the query (the question through its completion cue). The attention rows that produce the answer are summed over each segment:
+and the query (the question through its completion cue). The attention rows that produce the answer are
+summed over each segment:
 
 - The map: `AttentionMaps.diff` of every layer, i.e. A1 - λA2 for DIFF (its rows sum to 1 - λ and
   may hold negative entries), A1 - λ_t A2 for DIFF V2, and the softmax map of ordinary attention.

@@ -48,7 +48,8 @@ Choices made where the paper is silent (it used real data sets and an LLM judge)
     whole words at both ends, and sized so that the whole prompt is `context_length` tokens of the
     model's tokenizer (default: the model's context less max_new_tokens; EvalConfig.seq_len is not
     used), or as close below as the re-tokenisation allows, and short enough that the prompt and its
-    longest forced-choice continuation fit in the model's context. The fact goes at the sentence boundary nearest to a uniform random
+    longest forced-choice continuation fit in the model's context. The fact goes at the sentence boundary
+    nearest to a uniform random
     depth. A fact whose value (or, for counterfactuals, whose world-knowledge value) already occurs
     in the window is drawn again, so the answer is recoverable from the fact alone.
   - Counterfactual value: another value of the same kind (another capital, planet, number, ...),
@@ -58,7 +59,8 @@ Choices made where the paper is silent (it used real data sets and an LLM judge)
     small model runs on after its answer and the matching judge checks every number it states; the
     full continuation is kept in the examples and handed to external judges as "full_output".
   - Judge records: context = the passage, question (or instruction), answer_prefix = the cue the
-    answer continues ("Maria Lopez was born in", "In summary, Maria Lopez"), output, reference = the in-context value, candidates =
+    answer continues ("Maria Lopez was born in", "In summary, Maria Lopez"), output, reference = the in-context
+    value, candidates =
     values of the same kind (the judge's contradicting candidates). See eval/judge.py.
   - Forced-choice score: log P(" value" | prompt), summed over the value's tokens (for the summary,
     the whole restated predicate with each value). A sample counts when the in-context value

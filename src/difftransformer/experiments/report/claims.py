@@ -122,7 +122,9 @@ def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
     (without an interval there is nothing to say about them one by one)."""
     L = ["### What did not reproduce", ""]
     single = [r for r in rows if r["verdict"] == "one seed"]
-    tested = sorted((r for r in rows if r["verdict"] in ("opposite", "not shown")), key=lambda r: r["verdict"] != "opposite")
+    tested = sorted(
+        (r for r in rows if r["verdict"] in ("opposite", "not shown")), key=lambda r: r["verdict"] != "opposite"
+    )
     if not tested and not single:
         return L + ["Every measured claim reproduced at this scale.", ""]
     if single:

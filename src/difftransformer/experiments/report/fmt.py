@@ -71,7 +71,8 @@ def code_span(text: Any) -> str:
 
 
 def md_name(text: str) -> str:
-    """A name for prose: as it is when it is plain (letters, digits, `.`, `/`, `+`, `-`, inner `_`), else a code span."""
+    """A name for prose: as it is when it is plain (letters, digits, `.`, `/`, `+`, `-`, inner `_`), else a code
+    span."""
     return text if _PLAIN.fullmatch(text) else code_span(text)
 
 

@@ -228,7 +228,8 @@ def samples(ctx: Context) -> Lines:
             L += ["(no final model yet)", ""]
             continue
         for row in got:
-            L += [f"**Prompt:** {code_span(repr(row['prompt']))}", "", "greedy:", "", _code(row["prompt"] + row["greedy"]), "",
+            L += [f"**Prompt:** {code_span(repr(row['prompt']))}", "", "greedy:", "",
+                  _code(row["prompt"] + row["greedy"]), "",
                   "sampled:", "", _code(row["prompt"] + row["sampled"]), ""]
     return L
 
