@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from difftransformer.data import PreparedData, Tokenizer
+from difftransformer.data import PreparedData, Tokenizer, iter_eval_batches
 from difftransformer.eval import EvalConfig, run_task
-from difftransformer.data import iter_eval_batches
 from difftransformer.eval.heldout import documents, heldout_split, input_windows, window_length
 from tests.helpers import UniformLM
 

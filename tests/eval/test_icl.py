@@ -20,9 +20,18 @@ from difftransformer.data import PreparedData
 from difftransformer.eval import labelled
 from difftransformer.eval.labelled import load_labelled
 from difftransformer.eval.task import EvalConfig, get_task, run_task
-from difftransformer.eval.tasks.icl import (SEPARATOR, LabelTrie, _Plan, alternating_order, automatic_max_shots,
-                                            automatic_shots, balanced_draw, build_prompt, constrained_decode,
-                                            random_order)
+from difftransformer.eval.tasks.icl import (
+    SEPARATOR,
+    LabelTrie,
+    _Plan,
+    alternating_order,
+    automatic_max_shots,
+    automatic_shots,
+    balanced_draw,
+    build_prompt,
+    constrained_decode,
+    random_order,
+)
 from difftransformer.model import DiffTransformerLM
 from tests.helpers import tiny
 

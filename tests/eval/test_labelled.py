@@ -10,8 +10,13 @@ from collections import Counter
 import pytest
 
 from difftransformer.eval import labelled
-from difftransformer.eval.labelled import (SYNTHETIC_ADJECTIVES, SYNTHETIC_KINDS, LabelledSet, labelled_names,
-                                           load_labelled)
+from difftransformer.eval.labelled import (
+    SYNTHETIC_ADJECTIVES,
+    SYNTHETIC_KINDS,
+    LabelledSet,
+    labelled_names,
+    load_labelled,
+)
 
 REAL = ("rotten-tomatoes", "sotu-party", "sotu-century")
 

@@ -13,8 +13,8 @@ import torch
 import difftransformer.eval.tasks.long_context as lc
 from difftransformer.data import PreparedData
 from difftransformer.eval import EvalConfig, get_task, run_task
-from difftransformer.model import DiffTransformerLM
 from difftransformer.eval.heldout import documents
+from difftransformer.model import DiffTransformerLM
 from tests.helpers import UniformLM, tiny
 
 

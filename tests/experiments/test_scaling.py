@@ -9,7 +9,12 @@ import pytest
 
 from difftransformer.experiments import scaling
 from difftransformer.experiments.scaling import (
-    PowerLaw, ScalingResult, equivalent_fraction, fit_power_law, headline, scaling_fraction,
+    PowerLaw,
+    ScalingResult,
+    equivalent_fraction,
+    fit_power_law,
+    headline,
+    scaling_fraction,
 )
 
 X = np.geomspace(1e5, 1e7, 6)  # six model sizes, 100K to 10M parameters

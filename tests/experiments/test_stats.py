@@ -9,7 +9,13 @@ import pytest
 from scipy import stats as sst
 
 from difftransformer.experiments.stats import (
-    Interval, compare_paired, mean_std, paired_differences, t_interval, verdict, verdict_text,
+    Interval,
+    compare_paired,
+    mean_std,
+    paired_differences,
+    t_interval,
+    verdict,
+    verdict_text,
 )
 
 # t quantile 0.975 with 2 degrees of freedom; for df = 2 it is (2p − 1) / sqrt(2p(1 − p)) = 4.3026527297

@@ -4,6 +4,7 @@
     result = run_task("heldout-loss", model, tokenizer, EvalConfig(data_dir="cache/data/sotu-8192"))
 """
 
+from difftransformer.eval import probes  # registers the white-box probes
 from difftransformer.eval.lm import (
     ContinuationScore,
     Generation,
@@ -15,7 +16,6 @@ from difftransformer.eval.lm import (
 )
 from difftransformer.eval.task import TASKS, EvalConfig, Task, TaskResult, get_task, register_task, run_task
 from difftransformer.eval.tasks import HeldOutLoss  # registers the built-in tasks
-from difftransformer.eval import probes  # registers the white-box probes
 
 __all__ = [
     "TASKS", "probes", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult",

@@ -20,8 +20,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from difftransformer.attention import MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
-from difftransformer.attention import ScoreHook
+from difftransformer.attention import MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2, ScoreHook
 from difftransformer.model import DiffTransformerLM
 
 _ATTENTION_LAYERS = (MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2)

@@ -41,9 +41,14 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.eval.probes.hooks import (attention_layers, capture_layer_outputs, inspect_attention,
-                                               probe_batch, require_own_model)
 from difftransformer.eval.heldout import HeldOutSplit, heldout_split, input_windows, split_too_short, window_length
+from difftransformer.eval.probes.hooks import (
+    attention_layers,
+    capture_layer_outputs,
+    inspect_attention,
+    probe_batch,
+    require_own_model,
+)
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 TOP_KS = (1, 2, 3, 10, 100)

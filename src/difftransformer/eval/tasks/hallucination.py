@@ -84,6 +84,7 @@ import torch
 from difftransformer.data import PreparedData
 from difftransformer.data.templates import Fact, held_out_text, insert_at_depth, person_fact  # shared with training
 from difftransformer.data.templates import fact_prompt as build_prompt
+from difftransformer.eval.heldout import heldout_split
 from difftransformer.eval.judge import (
     DEFAULT_TIMEOUT_S,
     CallableJudge,
@@ -94,7 +95,6 @@ from difftransformer.eval.judge import (
     occurs,
 )
 from difftransformer.eval.lm import continuation_token_logprobs, generate_text, split_continuation
-from difftransformer.eval.heldout import heldout_split
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 SUBTASKS = ("qa", "counterfactual", "summary")

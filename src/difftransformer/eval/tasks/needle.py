@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from difftransformer.eval.heldout import heldout_split, window_length
+from difftransformer.eval.lm import continuation_token_logprobs, until_eos
 from difftransformer.eval.synthetic import (
     HeldoutText,
     NeedleSample,
@@ -61,8 +63,6 @@ from difftransformer.eval.synthetic import (
     min_prompt_length,
     needle_prompt,
 )
-from difftransformer.eval.heldout import heldout_split, window_length
-from difftransformer.eval.lm import continuation_token_logprobs, until_eos
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 DEPTHS = (0, 25, 50, 75, 100)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.report.fmt import code_span
+from difftransformer.experiments.report.runs import Run
 
 AXES = {"parameters": "non-embedding parameters", "tokens": "training tokens"}
 

@@ -12,15 +12,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from difftransformer.eval.paper import paper_number
-from difftransformer.experiments.report.fmt import (Lines, code_span, direction, fmt_ci, fmt_ms, fmt_num, fmt_p,
-                                                     md_name, metric_values, table)
+from difftransformer.experiments.report.fmt import (
+    Lines,
+    code_span,
+    direction,
+    fmt_ci,
+    fmt_ms,
+    fmt_num,
+    fmt_p,
+    md_name,
+    metric_values,
+    table,
+)
 from difftransformer.experiments.report.runs import Run, finished_val
 from difftransformer.experiments.stats import compare_paired, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
 from difftransformer.experiments.units import cell_label
 from difftransformer.model import ATTENTION_KINDS
 from difftransformer.train.run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, TENSORBOARD_DIR
-
 
 
 @dataclass
