@@ -72,8 +72,12 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
                             eval_tasks=["ood"], eval_options=options)
     out = run_compare(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, compare),
                       tmp_path / "study")
-    records = find_results(StudyDir(out).results_dir())
+    study = StudyDir(out)
+    records = find_results(study.results_dir())
     assert len(records) == 4
+    # one process: a unit's result file is written before the next unit trains
+    first = study.results_dir() / "seed0" / "diff.json"
+    assert first.stat().st_mtime <= (out / "seed0" / "transformer" / "final" / "model.safetensors").stat().st_mtime
     for record in records.values():
         ood = record["evals"]["ood"]
         assert [c["condition"] for c in ood["details"]["cells"]] == ["length1x-density1x", "length2x-density1x"]

@@ -226,13 +226,17 @@ class _Cell:
         for i in range(len(arms)):
             if done[i]:
                 log.info("%s: result file exists; skipping", units[i].label())
+        finished: set[int] = set()
         if pending:
             states = paired_init(configs, self.seed)  # ignored by train() for arms that resume from a checkpoint
             for n, i in enumerate(pending):
                 self._train(units[i], configs[i], train_cfg, dirs[i], states[i], resume, n, len(pending))
                 states[i] = None  # free memory early: big models
-        if dist.is_main():
-            for i in range(len(arms)):
+                if dist.world_size() == 1:  # one process: each unit's result file lands before the next trains,
+                    self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])  # so a stop
+                    finished.add(i)  # loses at most the unit in training
+        if dist.is_main():  # under torchrun every rank trains each unit, so rank 0 evaluates after the group
+            for i in (i for i in range(len(arms)) if i not in finished):
                 self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
 
     def _result_file(self, unit: Unit) -> Path:
