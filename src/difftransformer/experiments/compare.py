@@ -227,6 +227,10 @@ class _Cell:
             if done[i]:
                 log.info("%s: result file exists; skipping", units[i].label())
         finished: set[int] = set()
+        if dist.world_size() == 1:  # one process: units trained earlier get their result files first
+            for i in (i for i in range(len(arms)) if i not in pending):
+                self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
+                finished.add(i)
         if pending:
             states = paired_init(configs, self.seed)  # ignored by train() for arms that resume from a checkpoint
             for n, i in enumerate(pending):
