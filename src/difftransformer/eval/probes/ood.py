@@ -102,8 +102,9 @@ def conditions(options: OODOptions) -> list[Condition]:
 def task_family(cfg: EvalConfig) -> Family:
     """The family of the prepared-data folder cfg.data_dir, or a ValueError naming the fix."""
     if cfg.data_dir is None:
-        raise ValueError("ood needs the prepared-data folder of the synthetic task the model was trained on "
-                         "(--data-dir cache/data/task-...); it names the family and its settings")
+        raise ValueError("ood needs the prepared-data folder of the synthetic task the model was trained on (a "
+                         "run folder brings its own; else --data-dir cache/data/task-...): it names the family "
+                         "and its settings")
     family = PreparedData.load(cfg.data_dir).family()
     if family is None:
         raise ValueError(f"{cfg.data_dir} holds a corpus, not a synthetic task (data.task); ood tests a model "
