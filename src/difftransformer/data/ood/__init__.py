@@ -2,7 +2,7 @@
 generators (families.py), the generated batches with each position's role (episodes.py), and the stateless
 train sampler and fixed test sets over them (sampler.py)."""
 
-from .episodes import IGNORE, ROLE_NAMES, Episodes, partition_bits
+from .episodes import IGNORE, Episodes, partition_bits
 from .families import (
     EOS_ID,
     FAMILIES,
@@ -16,10 +16,9 @@ from .families import (
     Induction,
     MaxRetrieval,
     family_from_dict,
-    geometric,
 )
 
 __all__ = [
-    "EOS_ID", "FAMILIES", "IGNORE", "MQAR", "PAD_ID", "ROLE_NAMES", "SPECIALS", "TRAIN", "Condition", "Episodes",
-    "Family", "FlipFlop", "Induction", "MaxRetrieval", "family_from_dict", "geometric", "partition_bits",
+    "EOS_ID", "FAMILIES", "IGNORE", "MQAR", "PAD_ID", "SPECIALS", "TRAIN", "Condition", "Episodes",
+    "Family", "FlipFlop", "Induction", "MaxRetrieval", "family_from_dict", "partition_bits",
 ]

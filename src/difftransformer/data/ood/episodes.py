@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 PAD, BOS, FILLER, ITEM, QUERY = 0, 1, 2, 3, 4
-ROLE_NAMES = ("pad", "bos", "filler", "item", "query")
 IGNORE = -100
 _HASH_SEED = 0x5EED_0DD5
 

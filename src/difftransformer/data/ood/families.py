@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -505,8 +504,3 @@ def family_from_dict(values: dict[str, Any], owner: str = "data.task") -> Family
             raise ValueError(f"unknown key {key!r} in {owner} for family {name!r}{did_you_mean(key, valid)}; "
                              f"valid: {', '.join(valid)}")
     return cls(**values)
-
-
-def geometric(lo: float, hi: float) -> list[float]:
-    """Factors lo, 2 lo, 4 lo, ... up to hi (the conditions of a test grid)."""
-    return [lo * 2 ** i for i in range(int(math.log2(hi / lo) + 1e-9) + 1)]
