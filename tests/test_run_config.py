@@ -79,13 +79,13 @@ def test_bad_values_are_config_errors():
 
 def test_each_section_is_built_and_validated_by_its_owner():
     from difftransformer.data import DataConfig
-    from difftransformer.experiments import CompareConfig
+    from difftransformer.experiments import StudyConfig
     from difftransformer.model import DiffTransformerConfig
     from difftransformer.train import TrainConfig
 
     cfg = load_run_config(preset="tiny", overrides=["data.split_seed=3", "compare.sample_seed=5"])
     assert (type(cfg.model), type(cfg.train), type(cfg.data), type(cfg.compare)) == \
-        (DiffTransformerConfig, TrainConfig, DataConfig, CompareConfig)
+        (DiffTransformerConfig, TrainConfig, DataConfig, StudyConfig)
     assert cfg.data.split_seed == 3 and cfg.compare.sample_seed == 5 and cfg.train.seed == 0
     assert cfg.train.data_dir == "cache/data/sotu-8192-val0.05-test0.05-splitseed3"
     with pytest.raises(ConfigError, match=r"invalid \[data\] settings: data.split_seed must be an integer >= 0"):

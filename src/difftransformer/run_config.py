@@ -2,7 +2,7 @@
 
     [model]                 # model.config: a preset + overrides ...
     preset = "cpu-small"
-    attention = "diff"      # the kind this model (or a comparison's size spec) uses
+    attention = "diff"      # the kind this model (or a study's size spec) uses
     hidden_size = 192       # any DiffTransformerConfig field overrides the preset
     # ... or, without `preset`, DiffTransformerConfig fields in full (missing ones take defaults)
 
@@ -13,7 +13,7 @@
     corpus = "sotu"
     vocab_size = 8192
 
-    [compare]               # experiments.CompareConfig: only read by `difftransformer compare`
+    [compare]               # experiments.StudyConfig: only read by `difftransformer compare`
     arms = ["diff", "transformer"]
 
 Each subsystem owns and validates its config; this module only reads files, applies overrides,
@@ -35,7 +35,7 @@ import yaml
 from difftransformer._config import did_you_mean
 from difftransformer.data import DataConfig
 from difftransformer.data.tokenizer import Tokenizer
-from difftransformer.experiments.config import CompareConfig
+from difftransformer.experiments.config import StudyConfig
 from difftransformer.model import DiffTransformerConfig
 from difftransformer.model.config import MODEL_SECTION_KEYS, model_config_from_section
 from difftransformer.train import TrainConfig
@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 def _valid_keys() -> dict[str, frozenset[str]]:
     fields = lambda cls: frozenset(f.name for f in dataclasses.fields(cls))  # noqa: E731
     return {"model": MODEL_SECTION_KEYS, "train": fields(TrainConfig), "data": fields(DataConfig),
-            "compare": fields(CompareConfig)}
+            "compare": fields(StudyConfig)}
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RunConfig:
     model: DiffTransformerConfig
     train: TrainConfig
     data: DataConfig
-    compare: CompareConfig
+    compare: StudyConfig
     model_section: dict[str, Any]  # the [model] section as written (after overrides), for the record
     source: str | None = None  # the config file, if any
 
@@ -187,7 +187,7 @@ def apply_overrides(sections: dict[str, dict[str, Any]], overrides: list[str]) -
 
 def _nested_tables(section: str) -> dict[str, type]:
     """Fields of [section] that are nested tables: a dataclass default ([data.mixture] -> MixtureConfig)."""
-    owner = {"train": TrainConfig, "data": DataConfig, "compare": CompareConfig}.get(section)
+    owner = {"train": TrainConfig, "data": DataConfig, "compare": StudyConfig}.get(section)
     if owner is None:
         return {}
     return {f.name: f.default_factory for f in dataclasses.fields(owner)
@@ -220,7 +220,7 @@ def check_keys(section: str, values: dict[str, Any]) -> None:
 
 
 _BUILDERS = {"model": model_config_from_section, "train": lambda s: TrainConfig(**s),
-             "data": lambda s: DataConfig(**s), "compare": lambda s: CompareConfig(**s)}
+             "data": lambda s: DataConfig(**s), "compare": lambda s: StudyConfig(**s)}
 
 
 def build_section(section: str, values: dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftransformer.eval import EvalConfig, Task, TaskResult, get_task, run_task
-from difftransformer.eval.compare import compare_table
+from difftransformer.eval.comparison import compare_table
 from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
 from difftransformer.eval.task import TASKS, register_task, weights_hash
 from difftransformer.model import DiffTransformerLM

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from difftransformer.experiments import ABLATIONS, Arm, CompareConfig, parse_arm
+from difftransformer.experiments import ABLATIONS, Arm, StudyConfig, parse_arm
 from difftransformer.model import DiffTransformerLM, get_preset
 from difftransformer.model.kinds import attention_kind
 
@@ -63,9 +63,9 @@ def test_arms_from_names_kinds_and_tables(spec):
                       "overrides": {"intermediate_size": 512}})
     c = wide.config(spec)
     assert (c.num_attention_heads, c.head_dim, c.intermediate_size) == (4, 64, 512)
-    cfg = CompareConfig(arms=["diff", {"name": "diff_l0.3", "attention": "diff", "overrides": {"lambda_init": 0.3}}])
+    cfg = StudyConfig(arms=["diff", {"name": "diff_l0.3", "attention": "diff", "overrides": {"lambda_init": 0.3}}])
     assert cfg.arm_names == ["diff", "diff_l0.3"]
-    assert CompareConfig(**cfg.to_dict()).arms == cfg.arms  # a manifest's record reads back
+    assert StudyConfig(**cfg.to_dict()).arms == cfg.arms  # a manifest's record reads back
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -90,7 +90,7 @@ def test_an_override_that_makes_an_invalid_model_names_the_arm(spec):
     with pytest.raises(ValueError, match="arm 'bad' is not a valid model at this size"):
         arm.config(spec)
     with pytest.raises(ValueError, match="lists an arm twice"):
-        CompareConfig(arms=["diff", {"name": "diff", "attention": "transformer"}])
+        StudyConfig(arms=["diff", {"name": "diff", "attention": "transformer"}])
 
 
 def test_lambda_init_belongs_to_the_arms_with_a_scalar_lambda(spec):

@@ -58,7 +58,7 @@ def test_no_ood_results_no_section():
 
 def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_reports(tmp_path):
     from difftransformer.data import DataConfig
-    from difftransformer.experiments import CompareConfig, Study, StudyDir, run_compare
+    from difftransformer.experiments import Study, StudyConfig, StudyDir, run_study
     from difftransformer.experiments.units import find_results
     from difftransformer.train import TrainConfig
     from tests.helpers import tiny
@@ -68,9 +68,9 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
     recipe = TrainConfig(seq_len=12, batch_size=4, max_steps=2, warmup_steps=1, eval_interval=2, eval_batches=1,
                          log_interval=1, ckpt_interval=2, progress=False, tensorboard=False, device="cpu")
     options = {"ood": {"lengths": [1, 2], "densities": [], "min_queries": 20, "attention_sequences": 2}}
-    compare = CompareConfig(arms=["diff", "transformer"], seeds=[0, 1], sample_tokens=2, prompts=["k3 v1 max"],
+    compare = StudyConfig(arms=["diff", "transformer"], seeds=[0, 1], sample_tokens=2, prompts=["k3 v1 max"],
                             eval_tasks=["ood"], eval_options=options)
-    out = run_compare(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, compare),
+    out = run_study(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, compare),
                       tmp_path / "study")
     study = StudyDir(out)
     records = find_results(study.results_dir())
@@ -85,6 +85,6 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
     text = StudyDir(out).report.read_text()
     assert "## Out-of-distribution retrieval" in text and "`diff` − each arm, accuracy" in text
     with pytest.raises(ValueError, match="not in compare.eval_tasks"):
-        CompareConfig(eval_options={"ood": {}})
+        StudyConfig(eval_options={"ood": {}})
     with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
-        CompareConfig(eval_tasks=["ood"], eval_options={"ood": {"min_queries": 0}})
+        StudyConfig(eval_tasks=["ood"], eval_options={"ood": {"min_queries": 0}})

@@ -1,5 +1,6 @@
-"""Studies as grids: sizes and token budgets, result files that survive the machine, resuming, and the report
-rebuilt from result files alone."""
+"""Studies through their Python API: the data folder reconciled, arms added later, the baseline rule; grids of
+sizes and token budgets, result files that survive the machine, resuming, and the report rebuilt from result
+files alone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ from pathlib import Path
 import pytest
 
 from difftransformer.data import DataConfig, PreparedData
-from difftransformer.experiments import CompareConfig, Size, Study, StudyDir, Unit, run_compare, write_report
+from difftransformer.experiments import (
+    Size,
+    Study,
+    StudyConfig,
+    StudyDir,
+    StudyMismatchError,
+    Unit,
+    run_study,
+    write_report,
+)
+from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.units import ResultFileError, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
@@ -29,17 +40,17 @@ def _study(data_dir: str, results_dir: Path | None = None, **compare) -> Study:
                          log_interval=1, ckpt_interval=2, progress=False, tensorboard=False, device="cpu")
     settings = dict(arms=["diff", "transformer"], sample_tokens=2, prompts=["a"],
                     results_dir=str(results_dir) if results_dir else None)
-    return Study(tiny(vocab_size=prepared.vocab_size), recipe, data, CompareConfig(**{**settings, **compare}))
+    return Study(tiny(vocab_size=prepared.vocab_size), recipe, data, StudyConfig(**{**settings, **compare}))
 
 
 def test_sizes_and_budgets_in_the_config():
-    cfg = CompareConfig(sizes=["cpu-small", *SIZES], tokens="1_000,500")
+    cfg = StudyConfig(sizes=["cpu-small", *SIZES], tokens="1_000,500")
     assert [s.name for s in cfg.sizes] == ["cpu-small", "s32", "s64"] and cfg.tokens == [500, 1000]
     assert cfg.sizes[0] == Size("cpu-small", 256, 4, 4)
     spec = cfg.sizes[1].spec(get_preset("tiny").config("transformer"))
     assert (spec.attention, spec.hidden_size, spec.num_attention_heads, spec.head_dim, spec.intermediate_size) == (
         "diff", 32, 1, 16, round(8 * 32 / 3))  # the FFN follows the width unless given
-    assert CompareConfig(**cfg.to_dict()).sizes == cfg.sizes
+    assert StudyConfig(**cfg.to_dict()).sizes == cfg.sizes
     study = Study(tiny(), TrainConfig(seq_len=32, batch_size=4, warmup_steps=2), DataConfig(), cfg)
     assert study.train_for(1000).max_steps == 8 and study.train_for(None) is study.train  # ceil(1000 / 128)
     with pytest.raises(ValueError, match="not more than train.warmup_steps"):
@@ -53,7 +64,7 @@ def test_sizes_and_budgets_in_the_config():
                          ({"tokens": [100, -1]}, "positive token budgets"),
                          ({"tokens": [100, 100]}, "budget twice")):
         with pytest.raises(ValueError, match=message):
-            CompareConfig(**bad)
+            StudyConfig(**bad)
     with pytest.raises(ValueError, match="size 'odd' is not a valid model"):
         Size("odd", 30, 1, 4).spec(tiny())
 
@@ -61,7 +72,7 @@ def test_sizes_and_budgets_in_the_config():
 def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data_dir, tmp_path, caplog):
     results = tmp_path / "committed" / "grid"
     study = _study(data_dir, results, sizes=SIZES, seeds=[0, 1])
-    out = run_compare(study, tmp_path / "machine1")
+    out = run_study(study, tmp_path / "machine1")
     folder = StudyDir(out)
     for size in ("s32", "s64"):
         for seed in (0, 1):
@@ -84,7 +95,7 @@ def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data
     # another machine: only the committed result files; nothing is trained again
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):
-        run_compare(study, tmp_path / "machine2")
+        run_study(study, tmp_path / "machine2")
     assert caplog.text.count("result file exists; skipping") == 8 and "training into" not in caplog.text
 
     # the result files alone rebuild the same report
@@ -101,11 +112,11 @@ def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data
 
 
 def test_a_killed_study_resumes_and_a_foreign_result_file_is_refused(data_dir, tmp_path, monkeypatch):
-    import difftransformer.experiments.compare as compare
+    import difftransformer.experiments.study as study_module
 
     study = _study(data_dir, None, tokens=[256, 384])
     calls = []
-    real = compare.train
+    real = study_module.train
 
     def dies_on_second(*args, **kwargs):
         calls.append(kwargs.get("resume"))
@@ -113,11 +124,11 @@ def test_a_killed_study_resumes_and_a_foreign_result_file_is_refused(data_dir, t
             raise KeyboardInterrupt  # killed while training the second unit
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compare, "train", dies_on_second)
+    monkeypatch.setattr(study_module, "train", dies_on_second)
     with pytest.raises(KeyboardInterrupt):
-        run_compare(study, tmp_path / "s")
-    monkeypatch.setattr(compare, "train", real)
-    out = run_compare(study, tmp_path / "s")
+        run_study(study, tmp_path / "s")
+    monkeypatch.setattr(study_module, "train", real)
+    out = run_study(study, tmp_path / "s")
     folder = StudyDir(out)
     for tokens, steps in ((256, 2), (384, 3)):
         for arm in ("diff", "transformer"):
@@ -132,10 +143,10 @@ def test_a_killed_study_resumes_and_a_foreign_result_file_is_refused(data_dir, t
     record["identity"]["model"]["hidden_size"] = 999
     path.write_text(json.dumps(record))
     with pytest.raises(ResultFileError, match=re.escape(str(path)) + ".*another experiment \\(model"):
-        run_compare(study, out)
+        run_study(study, out)
     path.write_text("{not json")
     with pytest.raises(ResultFileError, match="not a readable result file"):
-        run_compare(study, out)
+        run_study(study, out)
 
 
 def _record(unit: Unit, final: float, params: int, evals: dict | None = None) -> dict:
@@ -237,13 +248,13 @@ def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplo
     """compare.reuse: a unit another study already trained and evaluated with the same identity is copied
     (its evals cut to this study's tasks), not trained again; a unit of another recipe is not taken."""
     first = tmp_path / "first"
-    run_compare(_study(data_dir, first, eval_tasks=["heldout-loss", "outliers"]), tmp_path / "a", report=False)
+    run_study(_study(data_dir, first, eval_tasks=["heldout-loss", "outliers"]), tmp_path / "a", report=False)
     second = tmp_path / "second"
     study = _study(data_dir, second, arms=["diff", "transformer", "diff_v2"], eval_tasks=["heldout-loss"],
                    reuse=[str(first)])
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):
-        run_compare(study, tmp_path / "b", report=False)
+        run_study(study, tmp_path / "b", report=False)
     assert caplog.text.count("result reused from") == 2 and caplog.text.count("training into") == 1  # diff_v2 only
     for arm in ("diff", "transformer"):
         source = json.loads(result_path(first, Unit(None, None, 0, arm), False).read_text())
@@ -256,17 +267,16 @@ def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplo
     longer = dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=3))
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):
-        run_compare(longer, tmp_path / "c", report=False)
+        run_study(longer, tmp_path / "c", report=False)
     assert "result reused" not in caplog.text and caplog.text.count("training into") == 2
     with pytest.raises(ValueError, match="compare.reuse must be a list"):
-        CompareConfig(reuse="results/paper-cpu")
+        StudyConfig(reuse="results/paper-cpu")
 
 
 def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, tmp_path):
     """Committed result files (no run folders) and a run of the same study with another max_steps: refused
     before anything is written, naming train.max_steps; with the run folders there, a shorter recipe is refused
     even without result files (their weights are no result of it); --replace-results replaces, on purpose."""
-    from difftransformer.experiments import StudyMismatchError
 
     results = tmp_path / "committed"
     base = _study(data_dir, results)
@@ -274,21 +284,21 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
     def recipe(steps: int) -> Study:
         return dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=steps))
 
-    run_compare(recipe(3), tmp_path / "machine1", report=False)
+    run_study(recipe(3), tmp_path / "machine1", report=False)
     files = sorted(results.rglob("*.json"))
     before = {p: p.read_bytes() for p in files}
     for out, steps in ((tmp_path / "machine2", 2), (tmp_path / "machine2", 4), (tmp_path / "machine1", 2)):
         with pytest.raises(ResultFileError, match=r"train\.max_steps: 3 before, %d now.*--replace-results" % steps):
-            run_compare(recipe(steps), out, report=False)
+            run_study(recipe(steps), out, report=False)
         assert {p: p.read_bytes() for p in files} == before  # nothing rewritten, the manifest copy included
     assert not (tmp_path / "machine2" / "diff").exists()
     for p in files:
         if p.name != "compare.json":
             p.unlink()
     with pytest.raises(StudyMismatchError, match="trained to step 3, past train.max_steps 2.*--no-resume"):
-        run_compare(recipe(2), tmp_path / "machine1", report=False)
-    run_compare(recipe(3), tmp_path / "machine1", report=False)  # the result files come back from the runs
-    run_compare(recipe(4), tmp_path / "machine1", report=False, replace_results=True)
+        run_study(recipe(2), tmp_path / "machine1", report=False)
+    run_study(recipe(3), tmp_path / "machine1", report=False)  # the result files come back from the runs
+    run_study(recipe(4), tmp_path / "machine1", report=False, replace_results=True)
     record = json.loads(result_path(results, Unit(None, None, 0, "diff"), False).read_text())
     assert record["max_steps"] == record["last_step"] == record["identity"]["train"]["max_steps"] == 4
 
@@ -316,13 +326,13 @@ def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(d
     from difftransformer._io import FolderInUseError
 
     results = tmp_path / "shared"
-    run_compare(_study(data_dir, results), tmp_path / "a", report=False)
-    run_compare(_study(data_dir, results, arms=["diff_v2"]), tmp_path / "b", report=False)
+    run_study(_study(data_dir, results), tmp_path / "a", report=False)
+    run_study(_study(data_dir, results, arms=["diff_v2"]), tmp_path / "b", report=False)
     left = [results / "diff.json.0123abcd.tmp", results / "sub" / "x.json.89abcdef.tmp"]
     for p in left:
         p.parent.mkdir(exist_ok=True)
         p.write_text("half")
-    run_compare(_study(data_dir, results), tmp_path / "a", report=False)  # a again: nothing to train
+    run_study(_study(data_dir, results), tmp_path / "a", report=False)  # a again: nothing to train
     assert json.loads((results / "compare.json").read_text())["arms"] == ["diff", "transformer", "diff_v2"]
     assert "| `diff_v2` |" in write_report(results, samples=False).read_text()
     assert not any(p.exists() for p in left)
@@ -332,7 +342,104 @@ def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(d
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*another compare.results_dir"):
-            run_compare(_study(data_dir, results), tmp_path / "c", report=False)
+            run_study(_study(data_dir, results), tmp_path / "c", report=False)
     finally:
         proc.kill()
         proc.wait()
+
+
+
+def _arms_study(data_dir: str, arms: list[str], **train) -> Study:
+    """A one-size study of `arms` (train settings from `train`), results in the study folder."""
+    prepared = PreparedData.load(data_dir)
+    data = DataConfig(corpus=prepared.corpus, data_dir=data_dir, vocab_size=prepared.vocab_size)
+    recipe = TrainConfig(seq_len=32, batch_size=4, max_steps=2, warmup_steps=1, eval_interval=2, eval_batches=1,
+                         log_interval=1, ckpt_interval=2, progress=False, tensorboard=False, device="cpu", **train)
+    # TrainConfig.data_dir keeps its default: run_study points it at the prepared folder
+    return Study(tiny(vocab_size=prepared.vocab_size), recipe, data, StudyConfig(arms=arms, sample_tokens=2))
+
+
+def test_the_api_reconciles_the_data_folder_and_continues_with_new_arms(data_dir, tmp_path):
+    out = run_study(_arms_study(data_dir, ["diff", "transformer"]), tmp_path / "study", report=False)
+    study = StudyDir(out)
+    manifest = study.read_manifest()
+    assert manifest["baseline"] == "transformer" and manifest["train"]["data_dir"] == data_dir
+    for arm in ("diff", "transformer"):
+        run = study.run_dir(arm, 0, multi_seed=False)
+        assert run.is_finished(2) and run.read_json(run.done)["final_step"] == 2
+    # a later call adds an arm: the baseline stays the transformer, the report covers all three
+    run_study(_arms_study(data_dir, ["diff_v2"]), out)
+    manifest = study.read_manifest()
+    assert manifest["arms"] == ["diff_v2", "diff", "transformer"] and manifest["baseline"] == "transformer"
+    assert "paired Δ vs transformer" in study.report.read_text()
+    # another model in the same folder is refused; another backend of the same model is not another study
+    with pytest.raises(StudyMismatchError, match="models differ"):
+        run_study(dataclass_with_layers(_arms_study(data_dir, ["diff"]), 3), out, report=False)
+    relaxed = _arms_study(data_dir, ["diff"])
+    relaxed.model = relaxed.model.__class__(**{**relaxed.model.to_dict(), "attn_backend": "eager"})
+    run_study(relaxed, out, report=False)
+
+
+def dataclass_with_layers(study: Study, layers: int) -> Study:
+    study.model = study.model.__class__(**{**study.model.to_dict(), "num_hidden_layers": layers})
+    return study
+
+
+def test_baseline_rule_and_the_backend_of_derived_arms():
+    assert baseline_arm(["diff", "transformer", "diff_v2"]) == "transformer"
+    assert baseline_arm(["diff", "diff_v2"]) == "diff_v2"
+    spec = tiny(attn_backend="triton")
+    arms = Study(spec, TrainConfig(), DataConfig(), StudyConfig(arms=["diff", "transformer"])).arm_configs(
+        ["diff", "transformer", "diff_v2"])
+    assert [c.attn_backend for c in arms] == ["triton", "auto", "auto"]  # the kernel is DIFF-only
+
+
+def test_a_manifest_from_before_keeps_working(tmp_path):
+    """Manifests written before the baseline was recomputed on merge: the report takes the rule, not the file."""
+    root = tmp_path / "s"
+    (root / "diff").mkdir(parents=True)
+    (root / "diff" / "metrics.jsonl").write_text(
+        json.dumps({"kind": "val", "step": 1, "loss": 1.0, "tokens": 8}) + "\n"
+    )
+    (root / "compare.json").write_text(json.dumps({"arms": ["diff_v2", "diff"], "seeds": [0], "baseline": "diff_v2"}))
+    assert "baseline for differences is `diff`" in Path(write_report(root, samples=False)).read_text()
+
+
+def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplog):
+    study = _arms_study(data_dir, ["diff", "transformer"])
+    study.compare = StudyConfig(arms=["diff", "transformer"], sample_tokens=2,
+                                eval_tasks=["heldout-loss", "long-context"])
+    out = run_study(study, tmp_path / "study")
+    folder = StudyDir(out)
+    records = {}
+    for arm in ("diff", "transformer"):
+        evals = folder.run_dir(arm, 0, multi_seed=False).evals
+        records[arm] = json.loads((evals / "heldout-loss.json").read_text())
+        assert (evals / "long-context.json").is_file() and (evals / "long-context.png").is_file()
+    report = folder.report.read_text()
+    loss = {a: r["metrics"]["loss"] for a, r in records.items()}
+    assert (
+        "## Evaluation" in report
+        and f"| heldout-loss | loss | {loss['transformer']:.4g} | {loss['diff']:.4g} |" in report
+    )
+    # a second call trains nothing and evaluates nothing: each unit has its result file
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_study(study, out)
+    assert caplog.text.count("result file exists; skipping") == 2 and "evaluated" not in caplog.text
+    # without result files, the stored evaluations are reused: they belong to the same weights
+    shutil.rmtree(folder.results)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_study(study, out)
+    assert "evaluated" not in caplog.text and caplog.text.count("reused") == 4
+    assert (folder.results / "diff.json").is_file() and (folder.results / "transformer.json").is_file()
+    with pytest.raises(ValueError, match="compare.eval_tasks: unknown evaluation task 'neddle'"):
+        StudyConfig(eval_tasks=["neddle"])
+
+
+def test_the_names_before_study_still_import_for_one_release():
+    from difftransformer import experiments
+
+    assert experiments.CompareConfig is StudyConfig and experiments.run_compare is run_study
+    assert "CompareConfig" not in experiments.__all__ and "run_compare" not in experiments.__all__

@@ -8,7 +8,7 @@ import time
 from difftransformer import dist
 from difftransformer.cli.common import add_config_args, out_dir, print_section
 from difftransformer.data import ensure_data
-from difftransformer.experiments import CompareConfig, Study, StudyDir, parse_int_list, run_compare
+from difftransformer.experiments import Study, StudyConfig, StudyDir, parse_int_list, run_study
 from difftransformer.run_config import ConfigError, load_run_config
 
 HELP = "train DIFF and its matched Transformer side by side, then report"
@@ -55,19 +55,19 @@ def run(args: argparse.Namespace) -> int:
     arms = seeds = None
     try:
         if args.arms is not None:
-            arms = CompareConfig(arms=args.arms).arm_names  # validates the names with a did-you-mean
+            arms = StudyConfig(arms=args.arms).arm_names  # validates the names with a did-you-mean
         if args.seeds is not None:
             seeds = parse_int_list(args.seeds, "--seeds")
             if not seeds:
                 raise ValueError(f"--seeds {args.seeds!r} names no seed; give training seeds like 0,1,2")
-            CompareConfig(seeds=seeds)  # >= 0, below 2**32, no seed twice
+            StudyConfig(seeds=seeds)  # >= 0, below 2**32, no seed twice
     except ValueError as e:
         raise ConfigError(str(e).replace("compare.seeds", "--seeds")) from None
     study_dir = StudyDir(out_dir(args) or cfg.compare.out_dir)
     data = ensure_data(cfg.data)
     cfg.resolve_vocab(data.vocab_size)
     t0 = time.perf_counter()
-    run_compare(Study(cfg.model, cfg.train, cfg.data, cfg.compare, cfg.source), study_dir.path, arms=arms,
+    run_study(Study(cfg.model, cfg.train, cfg.data, cfg.compare, cfg.source), study_dir.path, arms=arms,
                 seeds=seeds, resume=not args.no_resume, replace_results=args.replace_results)
     if dist.is_main():
         print(f"\ncompare finished in {(time.perf_counter() - t0) / 60:.1f} min; report: {study_dir.report}")

@@ -29,7 +29,7 @@ from difftransformer.cli.common import (
     model_tokenizer,
 )
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
-from difftransformer.eval.compare import compare_table
+from difftransformer.eval.comparison import compare_table
 from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
 from difftransformer.eval.task import OPTION_LIMIT, option_kind, shown, task_settings, weights_hash
 from difftransformer.experiments.evaluate import task_for_run

@@ -119,7 +119,7 @@ def _from_preset(name: str, p: Preset) -> Size:
 
 
 @dataclass
-class CompareConfig:
+class StudyConfig:
     """What `difftransformer compare` runs: arms (attention kinds) x training seeds, and the report's samples."""
 
     arms: list[Any] = field(default_factory=lambda: ["diff", "transformer"])  # -> list[Arm] (ablations.py)

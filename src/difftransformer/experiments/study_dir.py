@@ -1,4 +1,4 @@
-"""One definition of a study folder: where a comparison keeps its runs, its manifest and its report.
+"""One definition of a study folder: where a study keeps its runs, its manifest and its report.
 
     <study>/
       compare.json          the manifest: arms, seeds, model configs, train recipe, data, hardware
@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from difftransformer._io import Folder, folder_entry, register_folder_kind
-from difftransformer.experiments.units import MANIFEST_COPY, Unit
+from difftransformer.experiments.units import MANIFEST_FILE, Unit
 from difftransformer.train import RunDir
 
-MANIFEST_FILE = MANIFEST_COPY
 register_folder_kind("a study", MANIFEST_FILE)
 RESULTS_DIR = "results"
 REPORT_FILE = "report.md"

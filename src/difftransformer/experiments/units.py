@@ -27,7 +27,7 @@ from difftransformer._io import atomic_write_text
 from difftransformer.eval.results import differing_keys
 
 UNIT_FORMAT = "difftransformer-unit-v1"
-MANIFEST_COPY = "compare.json"  # the study's manifest, copied beside its result files (study_dir.MANIFEST_FILE)
+MANIFEST_FILE = "compare.json"  # the study's manifest, in the study folder and copied beside its result files
 _SEED_PREFIX = "seed"
 _TOKENS_SUFFIX = "tok"
 
@@ -220,7 +220,7 @@ def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
     if not root.is_dir():
         return out
     for path in sorted(root.rglob("*.json")):
-        if path.name == MANIFEST_COPY:
+        if path.name == MANIFEST_FILE:
             continue
         record = read_result(path)
         if record is not None:

@@ -295,7 +295,7 @@ def evaluation(ctx: Context) -> Lines:
 
 
 def _evaluation_one_seed(ctx: Context) -> Lines:
-    from difftransformer.eval.compare import compare_table
+    from difftransformer.eval.comparison import compare_table
 
     seed = ctx.seeds[0]
     found = {a: ctx.runs[a, seed].evals for a in ctx.arms if (a, seed) in ctx.runs}

@@ -13,8 +13,8 @@ results_dir (their folder locks); the manifest beside the result files keeps the
 folder that writes them.
 
     study = Study(get_preset("cpu-small").config(), TrainConfig(max_steps=240), DataConfig(corpus="sotu"),
-                  CompareConfig(arms=["diff", "transformer"]))
-    run_compare(study, "runs/demo")      # train.data_dir is set to data's prepared folder
+                  StudyConfig(arms=["diff", "transformer"]))
+    run_study(study, "runs/demo")      # train.data_dir is set to data's prepared folder
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from difftransformer import dist
 from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.data import DataConfig, PreparedData, ensure_data
 from difftransformer.experiments.ablations import Arm, parse_arm
-from difftransformer.experiments.config import CompareConfig, Size, baseline_arm
+from difftransformer.experiments.config import Size, StudyConfig, baseline_arm
 from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
 from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.study_dir import RESULTS_DIR, StudyDir
 from difftransformer.experiments.units import (
-    MANIFEST_COPY,
+    MANIFEST_FILE,
     ResultFileError,
     Unit,
     check_identity,
@@ -58,7 +58,7 @@ log = logging.getLogger("difftransformer.experiments")
 
 
 class StudyMismatchError(ValueError):
-    """A study folder holds another comparison than the one asked to continue in it."""
+    """A study folder holds another study than the one asked to continue in it."""
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Study:
     # vocab_size must hold the tokenizer's (the CLI sizes it from the prepared data)
     train: TrainConfig  # its data_dir is replaced by the folder `data` is prepared in
     data: DataConfig
-    compare: CompareConfig
+    compare: StudyConfig
     config_file: str | None = None  # the run config it came from, for the record
 
     def arm_configs(self, arms: list[str], size: Size | None = None) -> list[DiffTransformerConfig]:
@@ -107,7 +107,7 @@ class Study:
         return next((a for a in self.compare.arms if a.name == name), None) or parse_arm(name)
 
 
-def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
+def run_study(study: Study, out_dir: str | Path, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 resume: bool = True, command: str | None = None, report: bool = True,
                 replace_results: bool = False) -> Path:
     """Train and evaluate every unit (arm x seed x size x budget, paired per seed), write each unit's
@@ -124,11 +124,11 @@ def run_compare(study: Study, out_dir: str | Path, *, arms: list[str] | None = N
     _check_folders(study, folder.path)
     args = (study, folder, arms, seeds, resume, command, report, replace_results)
     if not dist.is_main():
-        return _run_compare(*args)
+        return _run_study(*args)
     with folder_lock(folder.path, purpose="compare into another --out-dir", kind="a study"), \
             folder_lock(study.results_dir(folder.path), purpose="give this study another compare.results_dir",
                         sweep_all=True):
-        return _run_compare(*args)
+        return _run_study(*args)
 
 
 def _check_folders(study: Study, out_dir: Path) -> None:
@@ -147,7 +147,7 @@ def _check_folders(study: Study, out_dir: Path) -> None:
                              f"(e.g. results/<study>), or leave results_dir out for {out / RESULTS_DIR}")
 
 
-def _run_compare(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
+def _run_study(study: Study, folder: StudyDir, arms: list[str] | None, seeds: list[int] | None, resume: bool,
                  command: str | None, report: bool, replace: bool) -> Path:
     arms = list(arms or study.compare.arm_names)
     seeds = list(seeds if seeds is not None else (study.compare.seeds or [study.train.seed]))
@@ -378,7 +378,7 @@ def _merge_manifest(folder: StudyDir, results: Path, new: dict[str, Any]) -> dic
     """Continue the manifests of earlier invocations: the study folder's and the one beside the result files
     (a study continued on another machine, or another study folder writing the same results_dir), refusing
     another study: arms and seeds from either stay, so neither report loses an arm."""
-    for source in dict.fromkeys((results / MANIFEST_COPY, folder.manifest)):
+    for source in dict.fromkeys((results / MANIFEST_FILE, folder.manifest)):
         new = _merge_one(source, new)
     return new
 
@@ -400,7 +400,7 @@ def _merge_one(source: Path, new: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
-    """Resuming into a folder that holds another comparison would mix two studies in one report."""
+    """Resuming into a folder that holds another study would mix two studies in one report."""
     recipe = {k: v for k, v in new["train"].items() if k not in FREELY_CHANGEABLE}
     changed = {k: (old.get("train", {}).get(k), v) for k, v in recipe.items()
                if "train" in old and old["train"].get(k, v) != v}
@@ -413,11 +413,11 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
         if key == "data":  # what the tokens are matters; where they are cached does not
             o = {k: o.get(k) for k in ("corpus_hash", "vocab_size")}
             n = {k: n.get(k) for k in ("corpus_hash", "vocab_size")}
-        else:  # arms may be added to a comparison; the ones it already has must be the same models
+        else:  # arms may be added to a study; the ones it already has must be the same models
             o = {a: model_identity(c) for a, c in o.items() if a in n}
             n = {a: model_identity(c) for a, c in n.items() if a in o}
         if o != n:
-            raise StudyMismatchError(f"{path} was written for a different comparison ({key} differ); use another "
+            raise StudyMismatchError(f"{path} was written for a different study ({key} differ); use another "
                                      f"--out-dir, or delete {path.parent} to start over")
 
 
@@ -426,7 +426,7 @@ def _save_manifest(folder: StudyDir, results: Path, manifest: dict[str, Any]) ->
     rebuild the report on another machine)."""
     _write_json(folder.manifest, manifest)
     results.mkdir(parents=True, exist_ok=True)
-    _write_json(results / MANIFEST_COPY, manifest)
+    _write_json(results / MANIFEST_FILE, manifest)
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:

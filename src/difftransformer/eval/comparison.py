@@ -1,4 +1,4 @@
-"""Two models' evaluation results side by side, in one Markdown table beside the paper's numbers.
+"""A comparison: two models' evaluation results side by side, in one Markdown table beside the paper's numbers.
 
     table = compare_table(results_a, results_b, ("runs/demo/transformer", "runs/demo/diff"),
                           ("transformer", "diff"))
