@@ -91,7 +91,8 @@ def test_generate_on_a_transformers_folder_names_it(compared, tmp_path, capsys):
     folder = tmp_path / "exported"
     shutil.copytree(compared / "diff" / "final", folder)
     (folder / "config.json").write_text(json.dumps({"model_type": "diffllama", "hidden_size": 64}))
-    cli_fails(capsys, ["generate", str(folder), "the"], "holds a transformers model (diffllama)", "--to ours")
+    cli_fails(capsys, ["generate", str(folder), "the"], "holds a transformers model (diffllama)",
+              "--to difftransformer")
 
 
 def test_load_model_names_a_device_it_cannot_use(compared):

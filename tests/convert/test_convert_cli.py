@@ -57,7 +57,7 @@ def test_ours_to_diffllama_and_back(tmp_path):
     dl = from_pretrained(DiffLlamaForCausalLM, tmp_path / "dl")
     assert rel(logits(dl, ids()), logits(model, ids())) < 1e-5
     assert (tmp_path / "dl" / TOKENIZER_FILE).read_bytes() == TOKENIZER
-    assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0
+    assert convert(tmp_path / "dl", tmp_path / "back", "difftransformer") == 0
     assert rel(logits(load_ours(tmp_path / "back"), ids()), logits(model, ids())) < 1e-5
 
 
@@ -66,8 +66,10 @@ def test_a_diffllama_saved_by_transformers_converts(tmp_path, capsys):
     assert convert(tmp_path / "seed", tmp_path / "dl", "diffllama") == 0
     dl = randomise_(from_pretrained(DiffLlamaForCausalLM, tmp_path / "dl"), seed=3)
     dl.save_pretrained(tmp_path / "hf")  # transformers' own folder (tied head stored once)
-    assert convert(tmp_path / "hf", tmp_path / "ours", "ours") == 0
-    assert "converted" in capsys.readouterr().out
+    assert convert(tmp_path / "hf", tmp_path / "ours", "ours") == 0  # the name before "difftransformer"
+    out, err = capsys.readouterr()
+    assert "converted" in out and "(difftransformer)" in out
+    assert "--to ours is now --to difftransformer; 'ours' will be removed in the next release" in err
     assert rel(logits(load_ours(tmp_path / "ours"), ids()), logits(dl, ids())) < 1e-5
 
 
@@ -75,7 +77,7 @@ def test_ours_to_llama_and_back_is_exact(tmp_path):
     model = saved(tmp_path / "ours", "transformer", gqa=True, tied=False)
     assert convert(tmp_path / "ours", tmp_path / "llama", "llama") == 0
     assert rel(logits(from_pretrained(LlamaForCausalLM, tmp_path / "llama"), ids()), logits(model, ids())) < 1e-5
-    assert convert(tmp_path / "llama", tmp_path / "back", "ours") == 0
+    assert convert(tmp_path / "llama", tmp_path / "back", "difftransformer") == 0
     assert same_tensors(load_ours(tmp_path / "back").state_dict(), model.state_dict())
 
 
@@ -86,7 +88,7 @@ def test_a_run_folder_converts_its_final_to_the_authors_layout_and_back(tmp_path
     assert written == sorted([WEIGHTS_NAME, SETTINGS_NAME, TOKENIZER_FILE])
     settings = json.loads((tmp_path / "unilm" / SETTINGS_NAME).read_text())
     assert settings["attention"]["num_heads"] == 4
-    assert convert(tmp_path / "unilm", tmp_path / "back", "ours") == 0
+    assert convert(tmp_path / "unilm", tmp_path / "back", "difftransformer") == 0
     assert same_tensors(load_ours(tmp_path / "back").state_dict(), model.state_dict())
 
 
@@ -109,14 +111,14 @@ def _fails(capsys, src: Path, dst: Path, to: str, needle: str) -> None:
 def test_bad_inputs_are_one_line_errors_and_nothing_is_unpickled(tmp_path, capsys):
     dst = tmp_path / "dst"
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
-    _fails(capsys, tmp_path / "notes.txt", dst, "ours", "is a file; convert reads a checkpoint folder")
+    _fails(capsys, tmp_path / "notes.txt", dst, "difftransformer", "is a file; convert reads a checkpoint folder")
     (tmp_path / "empty").mkdir()
-    _fails(capsys, tmp_path / "empty", dst, "ours", "is not a checkpoint folder")
+    _fails(capsys, tmp_path / "empty", dst, "difftransformer", "is not a checkpoint folder")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / CONFIG_NAME).write_text(json.dumps({"model_type": "gpt2"}))
-    _fails(capsys, tmp_path / "gpt2", dst, "ours", "describes a model of type 'gpt2'")
+    _fails(capsys, tmp_path / "gpt2", dst, "difftransformer", "describes a model of type 'gpt2'")
     (tmp_path / "gpt2" / CONFIG_NAME).write_text("{not json")
-    _fails(capsys, tmp_path / "gpt2", dst, "ours", "is not a JSON config")
+    _fails(capsys, tmp_path / "gpt2", dst, "difftransformer", "is not a JSON config")
 
     src, marker = tmp_path / "ours", tmp_path / "unpickled"
     saved(src)
@@ -130,7 +132,7 @@ def test_bad_inputs_are_one_line_errors_and_nothing_is_unpickled(tmp_path, capsy
 def test_refusals_leave_no_destination(tmp_path, capsys):
     saved(tmp_path / "headnorm", "transformer_headnorm")
     _fails(capsys, tmp_path / "headnorm", tmp_path / "dst", "llama", "head-wise RMSNorm that LlamaForCausalLM lacks")
-    _fails(capsys, tmp_path / "headnorm", tmp_path / "dst", "ours", "is already in format 'ours'")
+    _fails(capsys, tmp_path / "headnorm", tmp_path / "dst", "difftransformer", "is already in format 'difftransformer'")
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst*"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
@@ -147,7 +149,9 @@ def test_refusals_leave_no_destination(tmp_path, capsys):
 def test_help_lists_the_formats(capsys):
     with pytest.raises(SystemExit) as e:
         main(["convert", "--help"])
-    assert e.value.code == 0 and "ours, diffllama, llama, unilm" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "difftransformer, diffllama, llama, unilm" in text
+    assert "--to ours, the name difftransformer had before, still works and will be removed" in text
 
 
 def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
@@ -169,7 +173,7 @@ def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
     assert loaded.eos_token == EOS_TOKEN and loaded.eos_token_id == 0
     assert loaded("the union is strong")["input_ids"] == [0, 1, 2, 3, 4]  # EOS first, as training put it
     assert loaded("the union is strong", add_special_tokens=False)["input_ids"] == [1, 2, 3, 4]
-    assert convert(tmp_path / "dl", tmp_path / "back", "ours") == 0  # and it travels back with the tokenizer
+    assert convert(tmp_path / "dl", tmp_path / "back", "difftransformer") == 0  # and it travels back with the tokenizer
     assert (tmp_path / "back" / "tokenizer_config.json").is_file()
 
 
@@ -205,6 +209,6 @@ def test_transformers_generate_stops_where_ours_does(tmp_path):
         model.lm_head = head
         out = model.generate(torch.tensor([[0, 1, 2]]), max_new_tokens=5, do_sample=False)
         assert out[0, 3:].tolist() == [3], out
-    assert convert(tmp_path / "diffllama", tmp_path / "back", "ours") == 0
+    assert convert(tmp_path / "diffllama", tmp_path / "back", "difftransformer") == 0
     assert convert(tmp_path / "back", tmp_path / "dl2", "diffllama") == 0  # ours: the tokenizer's EOS
     assert json.loads((tmp_path / "dl2" / CONFIG_NAME).read_text())["eos_token_id"] == 3

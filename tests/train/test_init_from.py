@@ -129,7 +129,7 @@ def test_command_line_mistakes_are_one_line(source, tmp_path, capsys):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / CONFIG_NAME).write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    cli_fails(capsys, ["train", "--init-from", str(llama)], "holds a 'llama' model", "--to ours")
+    cli_fails(capsys, ["train", "--init-from", str(llama)], "holds a 'llama' model", "--to difftransformer")
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copyfile(source / CONFIG_NAME, no_weights / CONFIG_NAME)

@@ -93,8 +93,8 @@ def load_trained(path: str, device: str) -> LoadedModel:
     _refuse_study_folder(Path(path))
     if is_transformers_folder(path):
         raise ConfigError(f"{path} holds a transformers model ({model_type(path)}), not one of this package's "
-                          f"checkpoints; convert it first (`difftransformer convert {path} OUT --to ours`), or use "
-                          f"`difftransformer eval` (its black-box tasks read transformers folders)")
+                          f"checkpoints; convert it first (`difftransformer convert {path} OUT --to difftransformer`), "
+                          f"or use `difftransformer eval` (its black-box tasks read transformers folders)")
     return load_model(path, device)
 
 

@@ -8,7 +8,7 @@ leaves no half-written DST, and an existing non-empty DST is refused rather than
 that is a symbolic link, before any work).
 Weights are read from safetensors only (a pickle is never opened) and written as safetensors:
 transformers folders by the transformers classes' own save_pretrained (so they load with
-`from_pretrained`), ours by our save_pretrained, the authors' layout as one safetensors file plus
+`from_pretrained`), ours ("difftransformer") by our save_pretrained, the authors' layout as one safetensors file plus
 its settings JSON. The tokenizer.json saved with the source (a run's final/) is copied along.
 """
 
@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from difftransformer._io import atomic_write_text, broken_link, writing
-from difftransformer.convert import FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
+from difftransformer.convert import FORMAT_ALIASES, FORMATS, ConversionError, from_ours, read_checkpoint, to_ours
 from difftransformer.convert.unilm import SETTINGS_NAME
 from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
@@ -37,23 +38,34 @@ from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
 TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' tokenizer settings (special tokens)
 
 HELP = "convert weights between our format, transformers' DiffLlama/Llama and the authors' layout"
-DESCRIPTION = ("Convert a model folder exactly (the converted model computes the same logits): ours <-> "
-               "transformers' DiffLlamaForCausalLM (kind 'diff'), ours <-> LlamaForCausalLM (kind 'transformer'), "
-               "ours <-> the authors' reference layout (unilm Diff-Transformer, kind 'diff'). The source format is "
-               "detected; a model the target cannot express is refused with the reason. Safetensors only.")
+DESCRIPTION = ("Convert a model folder exactly (the converted model computes the same logits): difftransformer "
+               "(this package's format) <-> transformers' DiffLlamaForCausalLM (kind 'diff'), <-> LlamaForCausalLM "
+               "(kind 'transformer'), <-> the authors' reference layout (unilm Diff-Transformer, kind 'diff'). The "
+               "source format is detected; a model the target cannot express is refused with the reason. "
+               "Safetensors only.")
 EXAMPLES = """
     examples:
       difftransformer convert runs/demo/diff exported/diffllama --to diffllama
-      difftransformer convert hf/diffllama-folder imported/diff --to ours
+      difftransformer convert hf/diffllama-folder imported/diff --to difftransformer
       difftransformer convert runs/demo/transformer/final exported/llama --to llama
-      difftransformer convert runs/demo/diff exported/unilm --to unilm"""
+      difftransformer convert runs/demo/diff exported/unilm --to unilm
+
+    --to ours, the name difftransformer had before, still works and will be removed in the next release."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="checkpoint folder: ours (a final/ or run folder), a transformers "
                                               "diffllama/llama folder, or the authors' layout")
     p.add_argument("dst", metavar="DST", help="new folder to write (must not exist, or be empty)")
-    p.add_argument("--to", required=True, choices=FORMATS, metavar="FORMAT",
+    p.add_argument("--to", required=True, type=_format_arg, choices=FORMATS, metavar="FORMAT",
                    help=f"target format: {', '.join(FORMATS)}")
+
+
+def _format_arg(value: str) -> str:
+    """--to's value as a format name: an alias becomes its format, with a note on stderr."""
+    if value in FORMAT_ALIASES:
+        print(f"note: --to {value} is now --to {FORMAT_ALIASES[value]}; {value!r} will be removed in the next "
+              f"release", file=sys.stderr)
+    return FORMAT_ALIASES.get(value, value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,7 +247,7 @@ def _eos_token_id(src: Path) -> dict[str, int]:
 
 
 def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path) -> None:
-    if fmt == "ours":
+    if fmt == "difftransformer":
         _save_ours(folder, state, config)
     elif fmt == "unilm":
         _save_unilm(folder, state, config)
@@ -248,7 +260,7 @@ def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
     """The source's tokenizer.json (and tokenizer_config.json, if it has one) go along. A transformers
     folder gets our tokenizer as transformers' when the source has no tokenizer_config.json: EOS named
     (without it generation and evaluation cannot end a document) and first in every encoded text, as in
-    training (difftransformer.hf.convert.save_transformers_tokenizer)."""
+    training (difftransformer.hf.save.save_transformers_tokenizer)."""
     tokenizer = src / TOKENIZER_FILE
     if not tokenizer.is_file():
         return
@@ -256,7 +268,7 @@ def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
     if (src / TOKENIZER_CONFIG).is_file():
         shutil.copyfile(src / TOKENIZER_CONFIG, folder / TOKENIZER_CONFIG)
     elif fmt in ("diffllama", "llama") and _has_eos(tokenizer):
-        from difftransformer.hf.convert import save_transformers_tokenizer  # transformers wrote the folder
+        from difftransformer.hf.save import save_transformers_tokenizer  # transformers wrote the folder
 
         save_transformers_tokenizer(tokenizer, folder, config.get("max_position_embeddings"))
 
@@ -288,7 +300,7 @@ def _save_unilm(folder: Path, state: dict[str, torch.Tensor], settings: dict[str
 def _save_transformers(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Write a transformers folder through transformers' own classes (difftransformer.hf owns that import)."""
     try:
-        from difftransformer.hf.convert import save_transformers_folder
+        from difftransformer.hf.save import save_transformers_folder
     except ImportError:
         raise ConversionError(f"--to {fmt} writes a transformers folder and needs transformers: "
                               f"pip install 'difftransformer[hf]'") from None

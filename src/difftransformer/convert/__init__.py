@@ -2,9 +2,10 @@
 
     from difftransformer.convert import convert, read_checkpoint
     ckpt = read_checkpoint("hf/diffllama-folder")              # format detected from config.json
-    state, config = convert(ckpt.state, ckpt.config, ckpt.format, "ours")
+    state, config = convert(ckpt.state, ckpt.config, ckpt.format, "difftransformer")
 
-Formats: "ours" (`DiffTransformerLM` state dict + `DiffTransformerConfig`), "diffllama"
+Formats: "difftransformer" (ours: `DiffTransformerLM` state dict + `DiffTransformerConfig`; "ours" is
+still accepted for it and will be removed in the next release), "diffllama"
 (transformers' `DiffLlamaForCausalLM`, our `diff` kind), "llama" (transformers' `LlamaForCausalLM`,
 our `transformer` kind) and "unilm" (the authors' reference layout, our `diff` kind). Each pair is a
 pure function on tensors and configs, named by direction (`diffllama_to_ours`, `ours_to_diffllama`,
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from difftransformer.convert.detect import FORMATS, Checkpoint, detect_format, read_checkpoint
+from difftransformer.convert.detect import FORMAT_ALIASES, FORMATS, Checkpoint, detect_format, read_checkpoint
 from difftransformer.convert.diffllama import diffllama_to_ours, ours_to_diffllama
 from difftransformer.convert.llama import ConversionError, llama_to_ours, ours_state, ours_to_llama
 from difftransformer.convert.llama_retrofit import calibrate_head_norm, retrofit_llama
@@ -36,16 +37,19 @@ _TO_OURS = {"diffllama": diffllama_to_ours, "llama": llama_to_ours, "unilm": uni
 _FROM_OURS = {"diffllama": ours_to_diffllama, "llama": ours_to_llama, "unilm": ours_to_unilm}
 
 
-def _check_format(name: str) -> None:
+def format_name(name: str) -> str:
+    """The format called `name` (one of FORMATS, or an alias of one); a ConversionError names the choices."""
+    name = FORMAT_ALIASES.get(name, name)
     if name not in FORMATS:
         raise ConversionError(f"unknown format {name!r}; choose one of {', '.join(FORMATS)}")
+    return name
 
 
 def to_ours(source: str, state: Mapping[str, torch.Tensor], config: Any) -> tuple[State, DiffTransformerConfig]:
-    """A checkpoint in format `source` as ours. For "ours" the config may be a dict (config.json) or a
-    `DiffTransformerConfig`; the tensors are then only checked."""
-    _check_format(source)
-    if source != "ours":
+    """A checkpoint in format `source` as ours. For "difftransformer" the config may be a dict (config.json)
+    or a `DiffTransformerConfig`; the tensors are then only checked."""
+    source = format_name(source)
+    if source != "difftransformer":
         return _TO_OURS[source](state, config)
     if not isinstance(config, DiffTransformerConfig):
         config = DiffTransformerConfig.from_dict(dict(config))
@@ -53,9 +57,12 @@ def to_ours(source: str, state: Mapping[str, torch.Tensor], config: Any) -> tupl
 
 
 def from_ours(target: str, state: Mapping[str, torch.Tensor], config: DiffTransformerConfig) -> tuple[State, Any]:
-    """Our model in format `target`: (tensors, config dict), or (tensors, `DiffTransformerConfig`) for "ours"."""
-    _check_format(target)
-    return to_ours("ours", state, config) if target == "ours" else _FROM_OURS[target](state, config)
+    """Our model in format `target`: (tensors, config dict), or (tensors, `DiffTransformerConfig`) for
+    "difftransformer"."""
+    target = format_name(target)
+    if target == "difftransformer":
+        return to_ours(target, state, config)
+    return _FROM_OURS[target](state, config)
 
 
 def convert(state: Mapping[str, torch.Tensor], config: Any, source: str, target: str) -> tuple[State, Any]:
@@ -63,6 +70,6 @@ def convert(state: Mapping[str, torch.Tensor], config: Any, source: str, target:
     return from_ours(target, *to_ours(source, state, config))
 
 
-__all__ = ["FORMATS", "Checkpoint", "ConversionError", "calibrate_head_norm", "convert", "detect_format",
-           "diffllama_to_ours", "from_ours", "llama_to_ours", "ours_to_diffllama", "ours_to_llama", "ours_to_unilm",
-           "read_checkpoint", "retrofit_llama", "to_ours", "unilm_to_ours"]
+__all__ = ["FORMATS", "FORMAT_ALIASES", "Checkpoint", "ConversionError", "calibrate_head_norm", "convert",
+           "detect_format", "diffllama_to_ours", "format_name", "from_ours", "llama_to_ours", "ours_to_diffllama",
+           "ours_to_llama", "ours_to_unilm", "read_checkpoint", "retrofit_llama", "to_ours", "unilm_to_ours"]

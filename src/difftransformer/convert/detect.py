@@ -1,7 +1,7 @@
 """Which format a checkpoint folder is in, and reading it: safetensors only, never a pickle.
 
-Contract: `detect_format(folder)` answers "ours", "diffllama", "llama" or "unilm" from the folder's
-config files alone (`config.json`'s model_type: "difftransformer" is ours, "diffllama" and "llama"
+Contract: `detect_format(folder)` answers "difftransformer", "diffllama", "llama" or "unilm" from the
+folder's config files alone (`config.json`'s model_type: "difftransformer" is ours, "diffllama" and "llama"
 are transformers'; the authors' layout has `unilm.SETTINGS_NAME` instead), and `read_checkpoint`
 returns that format, the config dict and the tensors. Anything else is a `ConversionError` in one
 line that names the file and what was expected: a path that is a file, a folder without a config, a
@@ -26,8 +26,10 @@ from difftransformer.convert.llama import ConversionError
 from difftransformer.convert.unilm import SETTINGS_NAME
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 
-FORMATS = ("ours", "diffllama", "llama", "unilm")
-MODEL_TYPES = {"difftransformer": "ours", "diffllama": "diffllama", "llama": "llama"}
+FORMATS = ("difftransformer", "diffllama", "llama", "unilm")
+# "ours" is what "difftransformer" was called before; it is still accepted and will be removed in the next release
+FORMAT_ALIASES = {"ours": "difftransformer"}
+MODEL_TYPES = {"difftransformer": "difftransformer", "diffllama": "diffllama", "llama": "llama"}
 INDEX_NAME = WEIGHTS_NAME + ".index.json"  # transformers' sharded checkpoints
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 

@@ -72,8 +72,8 @@ class TrainConfig:
     # continue training a retrofitted model (docs/interop.md, "Retrofit").
     trainable: str = "all"
     # A model folder (config.json + model.safetensors in our format: a run's final/, the output of
-    # `retrofit` or `convert --to ours`) whose weights start the run instead of a random init; the run's
-    # model config must be the folder's (run configs take it from there). Ignored when resuming.
+    # `retrofit` or `convert --to difftransformer`) whose weights start the run instead of a random init; the
+    # run's model config must be the folder's (run configs take it from there). Ignored when resuming.
     init_from: str | None = None
 
     def __post_init__(self) -> None:

@@ -1,8 +1,8 @@
 """Starting a run from a model folder (`TrainConfig.init_from`, `difftransformer train --init-from DIR`).
 
 Contract: DIR is one of our model folders (config.json + model.safetensors: a run's final/, the output of
-`retrofit` or of `convert --to ours`, a `save_pretrained` folder). The run's model is DIR's model: its
-config is DIR's config.json, and only fields that do not change what the weights compute at step 0 may
+`retrofit` or of `convert --to difftransformer`, a `save_pretrained` folder). The run's model is DIR's model:
+its config is DIR's config.json, and only fields that do not change what the weights compute at step 0 may
 differ (`MAY_CHANGE`: how attention is computed, the retrofit ramp length, the RoPE context length). The
 weights are loaded strictly, before anything is trained; a resumed run takes its checkpoint instead.
 
@@ -49,7 +49,7 @@ def init_folder(folder: str | Path) -> Path:
     model_type = folder_model_type(path)  # None: DiffTransformerConfig.load names what is wrong with the file
     if model_type not in (None, MODEL_TYPE):
         raise ValueError(f"init_from {folder} holds a {model_type!r} model, not ours; convert it first "
-                         f"(`difftransformer convert {folder} OUT --to ours`, or `difftransformer retrofit "
+                         f"(`difftransformer convert {folder} OUT --to difftransformer`, or `difftransformer retrofit "
                          f"{folder} OUT` to turn a Llama into DIFF) and start from OUT")
     if not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"init_from {folder} has no {WEIGHTS_NAME} next to its {CONFIG_NAME}")

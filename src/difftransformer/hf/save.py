@@ -1,7 +1,8 @@
-"""Writing converted weights as a transformers folder, through transformers' own classes.
+"""Saving converted weights as a transformers folder, through transformers' own classes.
 
-The converters in `difftransformer.convert` are pure state-dict functions and import nothing of
-transformers; this is where a converted (state dict, config dict) becomes a folder that
+It lives in `hf`, not beside the converters, because `hf` is the only part that may import
+transformers (docs/architecture.md, dependency rules): `difftransformer.convert` holds pure state-dict
+functions that run without it, and this module is where a converted (state dict, config dict) becomes a folder that
 `DiffLlamaForCausalLM.from_pretrained` / `LlamaForCausalLM.from_pretrained` load with no missing
 or unexpected keys: the class is built on the meta device, the weights are assigned, and its own
 `save_pretrained` writes config.json and model.safetensors. `save_transformers_tokenizer` writes the
