@@ -21,14 +21,8 @@ from difftransformer.data import (
     prepare_data,
 )
 from difftransformer.data.mixture import ICL_GROUPS, ICL_LABELS, generate_mixture
-from difftransformer.data.templates import (
-    CITIES,
-    ICL_SEPARATOR,
-    INSTRUCTION,
-    QA_INSTRUCTION,
-    SYNTHETIC_KINDS,
-    icl_prompt,
-)
+from difftransformer.data.needle import CITIES, INSTRUCTION
+from difftransformer.data.templates import ICL_SEPARATOR, QA_INSTRUCTION, SYNTHETIC_KINDS, icl_prompt
 from difftransformer.run_config import ConfigError, load_run_config
 from tests.helpers import write_corpus
 

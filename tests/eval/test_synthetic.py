@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 
 from difftransformer.data import PreparedData
-from difftransformer.eval.synthetic import (
-    CITIES,
-    HeldoutText,
-    cue_slack,
-    min_prompt_length,
-    needle_prompt,
-    template_ids,
-)
+from difftransformer.data.needle import CITIES, cue_slack, min_prompt_length, needle_prompt, template_ids
+from difftransformer.eval.task import EvalConfig
+from difftransformer.eval.tasks.needle import haystack_text
 
 NEEDLE_RE = r" The special magic (.+?) number is: (\d+)\."
 
@@ -24,7 +19,7 @@ NEEDLE_RE = r" The special magic (.+?) number is: (\d+)\."
 @pytest.fixture(scope="module")
 def corpus(data_dir):
     data = PreparedData.load(data_dir)
-    text, _ = HeldoutText.from_prepared(data_dir, "test")
+    text, _ = haystack_text(EvalConfig(data_dir=data_dir, split="test"), None, "needle")
     return data.tokenizer(), text, data
 
 
@@ -117,8 +112,8 @@ def test_text_haystack_is_a_window_of_the_test_split_only(corpus, data_dir):
         assert hay == [int(t) for t in test_free[s.source_offset:s.source_offset + len(hay)]]
         as_bytes = np.asarray(hay, dtype=train.dtype).tobytes()
         assert as_bytes not in np.asarray(train).tobytes()  # not text the model was trained on
-    with pytest.raises(ValueError, match="train split"):
-        HeldoutText.from_prepared(data_dir, "train")
+    with pytest.raises(ValueError, match="split='train' would evaluate on the text the model was trained on"):
+        haystack_text(EvalConfig(data_dir=data_dir, split="train"), None, "needle")
 
 
 def test_needles_only_haystack_is_made_of_other_needles(corpus):

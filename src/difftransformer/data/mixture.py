@@ -2,21 +2,19 @@
 the evaluations ask in.
 
 `generate_mixture(config, train_docs, tokenizer)` returns documents of four kinds, each made of the
-evaluations' own text pieces (data/templates.py, the one home of every format), and how many tokens
+evaluations' own text pieces (data/needle.py for needles, data/templates.py for the others), and how many tokens
 each kind took. `prepare_data` appends them to the train split after the tokenizer is trained on the
 corpus alone; val and test stay pure corpus, so validation loss and the evaluations' held-out
 haystacks do not change. Every document is a new document (the shard puts EOS before it), as every
 evaluation prompt starts with EOS.
 
 Kinds (`MixtureConfig` fractions):
-- needle: [instruction][corpus haystack with k needles at random token positions][question][answers].
-  k uniform in 1..max_needles, R queried cities uniform in 1..min(k, 2) (the needle task's default
-  grid asks 1 or 2). The haystack is a contiguous window of the train split's tokens, EOS removed (as
-  the evaluation takes held-out tokens), cut between any two tokens by the needles, as the evaluation
-  does. R = 1: QUESTION_ONE + " {number}." R > 1: QUESTION_MANY (cities shuffled), then for each
-  queried city its CUE + " {number}." — the completion every evaluation prompt ends in, answered.
+- needle: [instruction][corpus haystack with k needles at random token positions][question][answers],
+  k uniform in 1..max_needles (data/needle.needle_document, whose module doc states the layout). The
+  haystack is a contiguous window of the train split's tokens, EOS removed (as the evaluation takes
+  held-out tokens), cut between any two tokens by the needles, as the evaluation does.
 - needles_only: [instruction][needles only, each its own city and number][question][answers] (RULER
-  multi-key, the needle task's haystack "needles"); as many whole needles as fill the length.
+  multi-key, the needle task's haystack "needles"; data/needle.needles_only_document).
 - icl: demonstrations "Item: the {adjective} {noun}\\nKind: {label}" joined by "\\n==\\n" (the icl
   task's format and the `synthetic` set's prefixes), filling the length; the last one is the "query"
   with its answer. Each document draws 2 to 4 noun groups and gives each a label drawn at random
@@ -52,30 +50,22 @@ import numpy as np
 
 from .config import MIXTURE_KINDS, MixtureConfig
 from .corpus import Document
+from .needle import needle_document, needles_only_document
 from .templates import (
-    CUE,
     ICL_SEPARATOR,
-    INSTRUCTION,
-    NEEDLE_TAIL,
     SYNTHETIC_ADJECTIVES,
     SYNTHETIC_KINDS,
     SYNTHETIC_X_PREFIX,
     SYNTHETIC_Y_PREFIX,
-    draw_number,
     fact_prompt,
     held_out_text,
     icl_demo,
     insert_at_depth,
-    needle_sentence,
     person_fact,
-    pick_cities,
-    question_text,
 )
 from .tokenizer import Tokenizer
 
-DIGITS = 7  # the needle task's default (LWM's 7-digit numbers)
-MAX_QUERIES = 2  # R per document: the needle task's default grid asks 1 or 2 cities
-MAX_ATTEMPTS = 50  # draws per document before giving up with the reason
+MAX_ATTEMPTS = 50  # draws per qa document before giving up with the reason
 # Noun groups and labels of the icl documents: none is a noun or label of an evaluation's labelled set.
 ICL_GROUPS = (("apple", "pear", "plum"), ("car", "boat", "truck"), ("shirt", "coat", "scarf"),
               ("violin", "drum", "flute"), ("chair", "table", "bed"), ("bread", "cheese", "soup"),
@@ -140,76 +130,6 @@ class TrainText:
 
 
 # ------------------------------------------------------------------------------------------- documents
-
-
-def _answers(queried: Sequence[str], numbers: dict[str, str], rng: random.Random) -> str:
-    """The question and its answers: R = 1 QUESTION_ONE + " {number}.", R > 1 QUESTION_MANY then a cue per city."""
-    if len(queried) == 1:
-        return question_text(queried) + f" {numbers[queried[0]]}{NEEDLE_TAIL}"
-    shown = list(queried)
-    rng.shuffle(shown)
-    return question_text(shown) + "".join(CUE.format(city=c) + f" {numbers[c]}{NEEDLE_TAIL}" for c in queried)
-
-
-def needle_document(rng: random.Random, tok: Tokenizer, text: TrainText, length: int, max_needles: int) -> str:
-    """[instruction][train haystack with k needles][question][answers], about `length` tokens with its EOS."""
-    n = lambda s: len(tok.encode(s))  # noqa: E731
-    top = max_needles
-    for _ in range(MAX_ATTEMPTS):
-        k = rng.randint(1, top)
-        cities = pick_cities(rng, k)
-        taken: set[str] = set()
-        numbers = {c: draw_number(rng, DIGITS, taken) for c in cities}
-        queried = rng.sample(cities, rng.randint(1, min(k, MAX_QUERIES)))
-        tail = _answers(queried, numbers, rng)
-        sentences = [needle_sentence(c, numbers[c]) for c in cities]
-        budget = length - 1 - n(INSTRUCTION) - n(tail) - sum(n(s) for s in sentences)
-        if budget < 0:
-            if k == 1:
-                raise ValueError(f"data.mixture.length = {length} tokens cannot hold the instruction, one needle and "
-                                 f"its question (they take {length - budget}); raise data.mixture.length")
-            top = k - 1
-            continue
-        _, window = text.window(rng, budget)
-        cuts = sorted(rng.randint(0, budget) for _ in sentences)
-        pieces, prev = [INSTRUCTION], 0
-        for cut, sentence in zip(cuts, sentences):
-            pieces += [tok.decode(window[prev:cut].tolist()), sentence]
-            prev = cut
-        doc = "".join([*pieces, tok.decode(window[prev:].tolist()), tail])
-        if all(doc.count(x) == 1 + (c in queried) for c, x in numbers.items()):
-            return doc
-    raise ValueError(f"could not draw {DIGITS}-digit needle numbers that occur only where placed in {MAX_ATTEMPTS} "
-                     "tries; the train text is full of such numbers")
-
-
-def needles_only_document(rng: random.Random, tok: Tokenizer, length: int) -> str:
-    """[instruction][whole needles only][question][answers], about `length` tokens with its EOS."""
-    n = lambda s: len(tok.encode(s))  # noqa: E731
-    queried = pick_cities(rng, rng.randint(1, MAX_QUERIES))
-    taken: set[str] = set()
-    numbers = {c: draw_number(rng, DIGITS, taken) for c in queried}
-    tail = _answers(queried, numbers, rng)
-    sentences = [needle_sentence(c, numbers[c]) for c in queried]
-    left = length - 1 - n(INSTRUCTION) - n(tail) - sum(n(s) for s in sentences)
-    if left < 0:
-        raise ValueError(f"data.mixture.length = {length} tokens cannot hold a needles-only document's instruction, "
-                         f"needles and question (they take {length - left}); raise data.mixture.length")
-    used, misses = set(queried), 0
-    while left > 0 and misses < 8:
-        city = pick_cities(rng, 1, exclude=used)[0]
-        number = draw_number(rng, DIGITS, taken)
-        sentence = needle_sentence(city, number)
-        if n(sentence) <= left:
-            used.add(city)
-            sentences.append(sentence)
-            left -= n(sentence)
-            misses = 0
-        else:
-            taken.discard(number)
-            misses += 1
-    rng.shuffle(sentences)
-    return INSTRUCTION + "".join(sentences) + tail
 
 
 def icl_document(rng: random.Random, tok: Tokenizer, length: int) -> str:

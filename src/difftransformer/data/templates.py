@@ -1,15 +1,12 @@
-"""The text formats of the synthetic tasks, in one place: what evaluations ask and what training mixtures teach.
+"""The text formats of the synthetic in-context tasks: what evaluations ask and what training mixtures teach.
 
-The evaluations (eval/synthetic.py and eval/tasks/needle.py, eval/tasks/icl.py with eval/labelled.py,
-eval/tasks/hallucination.py) build their prompts from these pieces, and the training mixture
-(data/mixture.py) builds its documents from the same pieces, so a model trained on a mixture has seen
-the exact wording it is tested on. They live in `data` because `data` may import only the base
-modules: the mixture cannot import `eval`, while `eval` may import `data`. Each format is defined
-here once; the eval modules import (and re-export) these names, so their behaviour is unchanged.
+The evaluations (eval/tasks/icl.py with eval/labelled.py, eval/tasks/hallucination.py) build their
+prompts from these pieces, and the training mixture (data/mixture.py) builds its documents from the
+same pieces, so a model trained on a mixture has seen the exact wording it is tested on. They live in
+`data` because `data` may import only the base modules: the mixture cannot import `eval`, while
+`eval` may import `data`. Each format is defined here once. (The needle task's format, draws and
+samples have their own module, data/needle.py.)
 
-- Needles (eval/synthetic.py's module doc states the prompt layout): INSTRUCTION, the needle
-  sentence NEEDLE_HEAD + " {number}" + NEEDLE_TAIL, QUESTION_ONE / QUESTION_MANY (`question_text`),
-  the per-city CUE, the 454 CITIES, `pick_cities`, `draw_number`.
 - In-context learning (eval/tasks/icl.py): demonstrations `{x_prefix}{text}\\n{y_prefix}{label}`
   joined by ICL_SEPARATOR, the query without its label (`icl_demo`, `icl_query`, `icl_prompt`); the
   `synthetic` labelled set's nouns, kinds, adjectives and prefixes.
@@ -27,110 +24,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
-# ------------------------------------------------------------------------------------------- needles
-
-INSTRUCTION = ("There is a special magic number inside a lot of irrelevant text. Find it and memorize them. "
-               "I will quiz you about the magic number there.\n")
-NEEDLE_HEAD = " The special magic {city} number is:"  # + " {number}" + NEEDLE_TAIL
-NEEDLE_TAIL = "."
-QUESTION_ONE = "\nWhat is the special magic {city} number? The special magic {city} number is"
-QUESTION_MANY = "\nWhat are the special magic numbers for {cities}?"
-CUE = " The special magic {city} number is"
-
-CITIES: tuple[str, ...] = (
-    # Europe
-    "Amsterdam", "Athens", "Barcelona", "Belgrade", "Berlin", "Bern", "Bilbao", "Birmingham", "Bologna", "Bordeaux",
-    "Bratislava", "Bremen", "Brno", "Brussels", "Bucharest", "Budapest", "Cardiff", "Cologne", "Copenhagen", "Cork",
-    "Dortmund", "Dresden", "Dublin", "Dusseldorf", "Edinburgh", "Florence", "Frankfurt", "Gdansk", "Geneva", "Genoa",
-    "Glasgow", "Gothenburg", "Graz", "Hamburg", "Hanover", "Helsinki", "Innsbruck", "Istanbul", "Kyiv", "Krakow",
-    "Leeds", "Leipzig", "Lille", "Lisbon", "Liverpool", "Ljubljana", "London", "Lyon", "Madrid", "Malaga",
-    "Manchester", "Marseille", "Milan", "Minsk", "Monaco", "Moscow", "Munich", "Nantes", "Naples", "Nice",
-    "Nuremberg", "Oslo", "Palermo", "Paris", "Porto", "Prague", "Reykjavik", "Riga", "Rome", "Rotterdam",
-    "Salzburg", "Sarajevo", "Seville", "Sofia", "Stockholm", "Strasbourg", "Stuttgart", "Tallinn", "Tirana",
-    "Toulouse", "Turin", "Utrecht", "Valencia", "Venice", "Vienna", "Vilnius", "Warsaw", "Zagreb", "Zurich",
-    "Antwerp", "Bergen", "Aarhus", "Basel", "Lausanne", "Odessa", "Kharkiv", "Thessaloniki", "Valletta", "Nicosia",
-    "Skopje", "Podgorica", "Chisinau", "Belfast", "Bristol", "Sheffield", "Newcastle", "Nottingham", "Aberdeen",
-    "Grenoble", "Montpellier", "Rennes", "Bonn", "Mainz", "Ghent", "Bruges", "Eindhoven", "Groningen", "Tampere",
-    "Turku", "Uppsala", "Malmo", "Trondheim", "Stavanger", "Wroclaw", "Poznan", "Lodz", "Debrecen", "Cluj", "Varna",
-    "Plovdiv", "Split", "Dubrovnik", "Salamanca", "Granada", "Cordoba", "Zaragoza", "Pisa", "Verona", "Siena",
-    "Bari", "Catania", "Trieste",
-    # Asia
-    "Tokyo", "Osaka", "Kyoto", "Nagoya", "Sapporo", "Fukuoka", "Yokohama", "Kobe", "Hiroshima", "Sendai", "Seoul",
-    "Busan", "Incheon", "Daegu", "Beijing", "Shanghai", "Guangzhou", "Shenzhen", "Chengdu", "Wuhan", "Xian",
-    "Nanjing", "Hangzhou", "Tianjin", "Chongqing", "Harbin", "Kunming", "Qingdao", "Dalian", "Xiamen", "Taipei",
-    "Kaohsiung", "Hong Kong", "Macau", "Manila", "Cebu", "Hanoi", "Saigon", "Da Nang", "Bangkok", "Chiang Mai",
-    "Phuket", "Vientiane", "Phnom Penh", "Yangon", "Mandalay", "Kuala Lumpur", "Penang", "Singapore", "Jakarta",
-    "Surabaya", "Bandung", "Denpasar", "Medan", "Dhaka", "Chittagong", "Kathmandu", "Thimphu", "Colombo", "Kandy",
-    "Mumbai", "Delhi", "Kolkata", "Chennai", "Bangalore", "Hyderabad", "Pune", "Ahmedabad", "Jaipur", "Lucknow",
-    "Kochi", "Agra", "Varanasi", "Karachi", "Lahore", "Islamabad", "Peshawar", "Kabul", "Herat", "Tashkent",
-    "Samarkand", "Bukhara", "Almaty", "Astana", "Bishkek", "Dushanbe", "Ashgabat", "Tehran", "Isfahan", "Shiraz",
-    "Tabriz", "Baghdad", "Basra", "Mosul", "Erbil", "Damascus", "Aleppo", "Beirut", "Amman", "Jerusalem", "Haifa",
-    "Riyadh", "Jeddah", "Mecca", "Medina", "Doha", "Dubai", "Abu Dhabi", "Muscat", "Manama", "Sanaa", "Aden",
-    "Ankara", "Izmir", "Antalya", "Bursa", "Tbilisi", "Yerevan", "Baku", "Ulaanbaatar", "Lhasa", "Urumqi",
-    # Africa
-    "Cairo", "Alexandria", "Luxor", "Aswan", "Khartoum", "Addis Ababa", "Nairobi", "Mombasa", "Kampala", "Kigali",
-    "Dar es Salaam", "Zanzibar", "Lusaka", "Harare", "Maputo", "Gaborone", "Windhoek", "Johannesburg", "Pretoria",
-    "Durban", "Cape Town", "Lagos", "Abuja", "Kano", "Ibadan", "Accra", "Kumasi", "Dakar", "Bamako", "Niamey",
-    "Ouagadougou", "Abidjan", "Conakry", "Freetown", "Monrovia", "Lome", "Cotonou", "Douala", "Yaounde",
-    "Libreville", "Kinshasa", "Brazzaville", "Luanda", "Tunis", "Algiers", "Oran", "Tripoli", "Benghazi", "Rabat",
-    "Casablanca", "Marrakesh", "Fez", "Tangier", "Nouakchott", "Antananarivo", "Mogadishu", "Djibouti", "Asmara",
-    "Lilongwe", "Blantyre", "Bulawayo",
-    # Americas
-    "Chicago", "Houston", "Phoenix", "Philadelphia", "San Antonio", "San Diego", "Dallas", "Austin", "Seattle",
-    "Denver", "Boston", "Detroit", "Nashville", "Memphis", "Portland", "Baltimore", "Milwaukee", "Albuquerque",
-    "Tucson", "Fresno", "Sacramento", "Atlanta", "Miami", "Tampa", "Orlando", "Pittsburgh", "Cincinnati",
-    "Cleveland", "Minneapolis", "Omaha", "Honolulu", "Anchorage", "Las Vegas", "Los Angeles", "San Francisco",
-    "New Orleans", "Charlotte", "Raleigh", "Richmond", "Buffalo", "Boise", "Spokane", "Savannah", "Louisville",
-    "Indianapolis", "Columbus", "Oklahoma City", "Kansas City", "Salt Lake City", "Saint Louis", "Toronto",
-    "Montreal", "Vancouver", "Calgary", "Edmonton", "Ottawa", "Winnipeg", "Halifax", "Quebec City", "Regina",
-    "Saskatoon", "Victoria", "Mexico City", "Guadalajara", "Monterrey", "Puebla", "Tijuana", "Cancun", "Oaxaca",
-    "Merida", "Havana", "Kingston", "Santo Domingo", "San Juan", "Port-au-Prince", "Guatemala City", "San Salvador",
-    "Tegucigalpa", "Managua", "San Jose", "Panama City", "Bogota", "Medellin", "Cali", "Cartagena", "Caracas",
-    "Maracaibo", "Quito", "Guayaquil", "Lima", "Cusco", "Arequipa", "La Paz", "Santa Cruz", "Sucre", "Santiago",
-    "Valparaiso", "Buenos Aires", "Rosario", "Mendoza", "Montevideo", "Asuncion", "Sao Paulo", "Rio de Janeiro",
-    "Brasilia", "Recife", "Fortaleza", "Belo Horizonte", "Manaus", "Curitiba", "Belem", "Paramaribo", "Georgetown",
-    "Cayenne",
-    # Oceania
-    "Sydney", "Melbourne", "Brisbane", "Perth", "Adelaide", "Hobart", "Darwin", "Canberra", "Auckland", "Wellington",
-    "Christchurch", "Suva", "Apia", "Noumea", "Port Moresby",
-)
-
-
-def pick_cities(rng: random.Random, count: int, exclude: Sequence[str] = ()) -> list[str]:
-    """`count` distinct cities not in `exclude`, in random order."""
-    excluded = set(exclude)
-    pool = [c for c in CITIES if c not in excluded]
-    if count > len(pool):
-        raise ValueError(f"{count} distinct cities are needed but only {len(pool)} are left of the {len(CITIES)} in "
-                         f"difftransformer.eval.synthetic.CITIES; use fewer needles or a shorter needles-only haystack")
-    return rng.sample(pool, count)
-
-
-def draw_number(rng: random.Random, digits: int, taken: set[str]) -> str:
-    """A `digits`-digit number (no leading zero) not in `taken`; added to `taken`."""
-    space = 9 * 10 ** (digits - 1)
-    if len(taken) >= space:
-        raise ValueError(f"all {space} numbers of {digits} digits are taken; use more digits")
-    while True:
-        number = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-        if number not in taken:
-            taken.add(number)
-            return number
-
-
-def question_text(queried: Sequence[str]) -> str:
-    """The question after the haystack: R = 1 completion style, R > 1 the "What are ..." form."""
-    if len(queried) == 1:
-        return QUESTION_ONE.format(city=queried[0])
-    cities = ", ".join(queried[:-1]) + ", and " + queried[-1]
-    return QUESTION_MANY.format(cities=cities)
-
-
-def needle_sentence(city: str, number: str) -> str:
-    """One needle as text: NEEDLE_HEAD, " {number}", NEEDLE_TAIL (eval/synthetic.needle_tokens' pieces)."""
-    return NEEDLE_HEAD.format(city=city) + " " + number + NEEDLE_TAIL
-
 
 # ------------------------------------------------------------------------------- in-context learning
 

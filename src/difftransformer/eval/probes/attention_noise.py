@@ -1,6 +1,6 @@
 """`attention-noise`: how the answer-producing attention is spread over a retrieval prompt (paper Fig. 1, Table 3).
 
-Protocol (docs/evaluation.md, "`attention-noise`"): needle prompts from `eval/synthetic.py` (default:
+Protocol (docs/evaluation.md, "`attention-noise`"): needle prompts from `data/needle.py` (default:
 one needle in held-out text; the option `length`, else EvalConfig.seq_len, else the model's context
 long; the answer needle at depth 0/25/50/75/100%). Each prompt is cut into five segments: BOS, the
 context before the answer needle (the instruction included), the answer, the context after it,
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.data.needle import NeedleSample, check_needle_args
 from difftransformer.eval.heldout import window_length
 from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model
-from difftransformer.eval.synthetic import NeedleSample, check_needle_args
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 from difftransformer.eval.tasks.needle import DEPTHS, haystack_text, needle_samples
 

@@ -1,6 +1,6 @@
 """`needle`: multi-needle retrieval (paper §3.4, Table 2 / Fig. 5), scored greedily and by forced choice.
 
-Protocol (docs/evaluation.md, "`needle`"; prompts from `eval/synthetic.py`, whose module doc
+Protocol (docs/evaluation.md, "`needle`"; prompts from `data/needle.py`, whose module doc
 states the layout): N needles "The special magic {city} number is: {number}." in a haystack, R of
 the cities asked for after it; the first queried city's needle (the answer needle) at depth
 0/25/50/75/100% of the context, the others elsewhere; a grid of (N, R) pairs x depths x lengths,
@@ -53,9 +53,7 @@ from typing import Any
 
 import torch
 
-from difftransformer.eval.heldout import heldout_split, window_length
-from difftransformer.eval.lm import continuation_token_logprobs, until_eos
-from difftransformer.eval.synthetic import (
+from difftransformer.data.needle import (
     HeldoutText,
     NeedleSample,
     check_needle_args,
@@ -63,6 +61,8 @@ from difftransformer.eval.synthetic import (
     min_prompt_length,
     needle_prompt,
 )
+from difftransformer.eval.heldout import heldout_split, window_length
+from difftransformer.eval.lm import continuation_token_logprobs, until_eos
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 DEPTHS = (0, 25, 50, 75, 100)
