@@ -1,8 +1,10 @@
 """Paired initialisation: every tensor two arms share by name and shape starts equal."""
 
+import dataclasses
+
 import torch
 
-from difftransformer.experiments import paired_init
+from difftransformer.experiments import PairedInit, paired_init
 from difftransformer.model import DiffTransformerLM
 from tests.helpers import tiny
 
@@ -26,3 +28,8 @@ def test_paired_init_shares_every_common_parameter():
     assert torch.equal(model.lm_head.weight, d["embed_tokens.weight"])
     again = paired_init([diff, base], seed=7)
     assert all(torch.equal(again[0][k], d[k]) for k in d)
+    # a dataclass of three parallel lists; indexing, unpacking and dropping a used state act on `states`
+    assert isinstance(again, PairedInit) and dataclasses.is_dataclass(again) and not isinstance(again, list)
+    assert len(again) == 2 and [s is t for s, t in zip(again, again.states)] == [True, True]
+    again[0] = None
+    assert again.states[0] is None and again[1] is again.states[1] and len(again.shared) == len(again.own) == 2
