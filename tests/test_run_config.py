@@ -68,6 +68,8 @@ def test_seq_len_above_the_model_limit_names_both():
     with pytest.raises(ConfigError) as e:
         load_run_config(preset="tiny", overrides=["train.seq_len=1024"])
     assert "1024" in str(e.value) and "max_position_embeddings" in str(e.value) and "256" in str(e.value)
+    # one check, TrainConfig.check_model, which train() runs too: the same words on either path
+    assert "train.seq_len 1024 exceeds the model's max_position_embeddings 256" in str(e.value)
 
 
 def test_bad_values_are_config_errors():

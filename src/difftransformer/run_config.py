@@ -255,7 +255,10 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
     if init_from:  # the folder's own problems name the folder, not the run config
         built["model"] = _model_from_folder(built["train"].init_from, sections["model"], built["data"])
     _one_data_dir(sections, built["train"], built["data"])
-    check_seq_len(built["model"], built["train"])
+    try:
+        built["train"].check_model(built["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],
                      model_section=sections["model"], source=str(path) if path else None)
 
@@ -298,10 +301,3 @@ def _one_data_dir(sections: dict[str, dict[str, Any]], train: TrainConfig, data:
     if "data_dir" in sections["train"] and not data.data_dir:
         data.data_dir = sections["train"]["data_dir"]
     train.data_dir = data.resolved_dir()
-
-
-def check_seq_len(model: DiffTransformerConfig, train: TrainConfig) -> None:
-    if train.seq_len > model.max_position_embeddings:
-        raise ConfigError(f"train.seq_len ({train.seq_len}) is above the model's max_position_embeddings "
-                          f"({model.max_position_embeddings}); lower train.seq_len or raise "
-                          f"model.max_position_embeddings")

@@ -34,7 +34,7 @@ def test_train_config_rejects_unknown_keys_and_bad_values():
 
 def test_seq_len_above_max_positions_names_both(data_dir, tmp_path):
     cfg = make_cfg(data_dir, tmp_path, seq_len=300)
-    with pytest.raises(ValueError, match=r"seq_len 300 exceeds the model's max_position_embeddings 256"):
+    with pytest.raises(ValueError, match=r"train.seq_len 300 exceeds the model's max_position_embeddings 256; lower"):
         train(tiny(), cfg)
 
 

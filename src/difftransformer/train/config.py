@@ -119,6 +119,14 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be divisible by grad_accum_steps "
                              f"({self.grad_accum_steps}): every micro-batch has the same number of sequences")
 
+    def check_model(self, model_config: Any) -> None:
+        """The one check of this recipe against a model config: seq_len must fit its max_position_embeddings
+        (a ValueError naming both and the fix). train() and the run-config loader both call it."""
+        if self.seq_len > model_config.max_position_embeddings:
+            raise ValueError(f"train.seq_len {self.seq_len} exceeds the model's max_position_embeddings "
+                             f"{model_config.max_position_embeddings}; lower train.seq_len or raise "
+                             f"model.max_position_embeddings")
+
     # -- derived ------------------------------------------------------------------------------
     @property
     def tokens_per_step(self) -> int:

@@ -222,9 +222,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     if cfg.init_from is not None:
         check_init_config(cfg.init_from, model_config)  # before any folder is locked or written
         check_init_outside_run(cfg.init_from, RunDir(cfg.out_dir))
-    if cfg.seq_len > model_config.max_position_embeddings:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
-                         f"{model_config.max_position_embeddings}; lower seq_len or use a longer-context config")
+    cfg.check_model(model_config)
     env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
     model_config.backend_on(env.device)  # a backend that cannot run on this device fails before any write
     run = RunDir(cfg.out_dir)
