@@ -36,7 +36,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import host_ms  # noqa: E402
+from common import host_ms, machine  # noqa: E402
 
 # cuDNN last: a fault there is the likeliest to spoil the CUDA context for what follows.
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -225,8 +225,9 @@ def main(argv=None):
     head_dims = [int(x) for x in args.head_dims.split(",")]
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     began = time.monotonic()
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke test: timings mean nothing)"
-    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, "
+    cpu_name = f"CPU (smoke test: timings mean nothing), torch {torch.__version__}"
+    name = machine(torch.device("cuda")) if device == "cuda" else cpu_name
+    print(f"device {name}, triton {triton.__version__}, {args.dtype}, "
           f"{'causal' if causal else 'non-causal'}, {args.tokens} tokens, DIFF {h} heads / {h_kv} kv groups, "
           f"baseline {2 * h} / {2 * h_kv}, median call of {args.rep_ms} ms of calls")
 

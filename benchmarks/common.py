@@ -257,10 +257,12 @@ def kernel_times(fn: Callable[[], None], iters: int) -> dict[str, tuple[float, f
 
 
 def machine(device: torch.device = torch.device("cpu")) -> str:
-    """One line naming what the figures were measured on: the GPU's name on CUDA, else the CPU's model (as a
-    study records it, `experiments.provenance.hardware`) and the threads used."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    """One line naming what the figures were measured on, from the one description of the machine
+    (`experiments.provenance.hardware`, which studies record): on CUDA the GPU's name and the CUDA version,
+    else the CPU's model and the threads used; the torch version either way."""
     from difftransformer.experiments.provenance import hardware
 
-    return f"{hardware()['cpu']}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    hw = hardware(device)
+    if device.type == "cuda":
+        return f"{hw['gpu']}, torch {hw['torch']}, CUDA {hw['cuda']}"
+    return f"{hw['cpu']}, torch {hw['torch']}, {hw['torch_threads']} threads"

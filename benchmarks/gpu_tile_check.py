@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_gpu import median_ms  # noqa: E402  (do_bench's median on CUDA; one wall-clock call on CPU)
-from common import host_ms  # noqa: E402
+from common import host_ms, machine  # noqa: E402
 
 LIMIT = 3e-2  # the GPU test's limit
 # (B, h, h_kv, T, causal): the failing GPU test's shape (GQA, T not a multiple of any tile), the same
@@ -254,8 +254,8 @@ def main() -> None:
     dims = [16] if smoke else args.head_dims
     lam = 0.7
     t0 = time.perf_counter()
-    name = "CPU interpreter" if smoke else torch.cuda.get_device_name()
-    print(f"# Fused kernel, tile by tile, on {name} (torch {torch.__version__}); error = max|got-ref| / "
+    name = f"CPU interpreter (torch {torch.__version__})" if smoke else machine(torch.device("cuda"))
+    print(f"# Fused kernel, tile by tile, on {name}; error = max|got-ref| / "
           f"max(max|ref|, 1) against fp32 explicit maps; limit {LIMIT:.0e}; λ = {lam}\n")
 
     if not args.no_check:

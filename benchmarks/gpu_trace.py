@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_gpu import baseline  # noqa: E402
-from common import host_ms, kernel_times, wall_ms  # noqa: E402
+from common import host_ms, kernel_times, machine, wall_ms  # noqa: E402
 from gpu_tile_check import inputs, parse_shape  # noqa: E402
 
 SHAPES = "16,8,8,2048,64 4,8,8,4096,128 16,8,8,1024,64"
@@ -102,8 +102,8 @@ def main(argv=None) -> None:
         p.error("no CUDA GPU here; use --cpu-smoke-test with TRITON_INTERPRET=1 to check the script on CPU")
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     shapes = [(1, 2, 1, 24, 16)] if smoke else args.shapes
-    name = "CPU interpreter" if smoke else torch.cuda.get_device_name()
-    print(f"# Fused kernel and baseline, kernel by kernel, on {name} (torch {torch.__version__})")
+    name = f"CPU interpreter (torch {torch.__version__})" if smoke else machine(torch.device("cuda"))
+    print(f"# Fused kernel and baseline, kernel by kernel, on {name}")
     t0 = time.perf_counter()
     for shape in shapes:
         trace(shape, device, dtype, 1 if smoke else args.iters)

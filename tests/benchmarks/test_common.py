@@ -142,3 +142,14 @@ def test_machine_names_the_cpu_model_a_study_records():
     line = common.machine()
     assert line.startswith(f"{hardware()['cpu']}, torch {torch.__version__}, ")
     assert line.endswith(f", {torch.get_num_threads()} threads")
+
+
+def test_machine_on_cuda_reads_the_same_description(monkeypatch):
+    """The GPU line comes from `hardware(device)` too (one description of the machine), not a second query."""
+    from difftransformer.experiments import provenance
+
+    asked = []
+    fake = {"cpu": "c", "torch": "9.9", "torch_threads": 3, "gpu": "Some GPU", "cuda": "12.8"}
+    monkeypatch.setattr(provenance, "hardware", lambda device=None: asked.append(device) or fake)
+    assert common.machine(torch.device("cuda")) == "Some GPU, torch 9.9, CUDA 12.8"
+    assert common.machine() == "c, torch 9.9, 3 threads" and asked == [torch.device("cuda"), torch.device("cpu")]
