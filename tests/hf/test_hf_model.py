@@ -347,8 +347,8 @@ def test_generate_derives_lambda_once_per_layer(monkeypatch):
 
     lm, hf = pair("diff")
     calls = []
-    compute = MultiheadDiffAttention._compute_constants
-    monkeypatch.setattr(MultiheadDiffAttention, "_compute_constants",
+    compute = MultiheadDiffAttention.attention_constants
+    monkeypatch.setattr(MultiheadDiffAttention, "attention_constants",
                         lambda self, *a: calls.append(self.depth) or compute(self, *a))
     ids = ids_of(PROMPTS[1])
     hf.generate(ids, max_new_tokens=5, do_sample=False)

@@ -176,3 +176,50 @@ def test_a_slow_build_says_so_in_one_line(seconds, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert flash_cpu._state["module"] == "built"
     assert len(err) == (0 if seconds == 0 else 1) and all("compiling the fused CPU attention kernel" in e for e in err)
+
+
+def test_build_raises_one_line_naming_the_cause_and_the_fix_and_is_available_answers(monkeypatch):
+    """A failed build: `build()` raises one line with the cause and the way out, again on every call without a
+    second attempt; `is_available()` answers False without raising; `build_error()` keeps the whole text."""
+    from difftransformer.kernels import flash_cpu
+
+    attempts = []
+
+    def failing_build():
+        attempts.append(1)
+        raise OSError("no C++ compiler found\n[1/2] c++ -O3 flash_cpu.cpp\nexit status 1")
+
+    monkeypatch.setattr(flash_cpu, "_state", {})  # the real build's state stays as it is
+    monkeypatch.setattr(flash_cpu, "_build", failing_build)
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as raised:
+            flash_cpu.build()
+        message = str(raised.value)
+        assert "\n" not in message and "OSError: no C++ compiler found" in message
+        assert "backend='sdpa'" in message and "install a C++ compiler and ninja" in message
+    assert attempts == [1] and flash_cpu.is_available() is False and flash_cpu.loaded_module() is None
+    assert flash_cpu.build_error() == "OSError: no C++ compiler found\n[1/2] c++ -O3 flash_cpu.cpp\nexit status 1"
+
+
+def test_is_available_builds_once_and_build_is_then_a_no_op(monkeypatch):
+    from difftransformer.kernels import flash_cpu
+
+    builds = []
+    monkeypatch.setattr(flash_cpu, "_state", {})
+    monkeypatch.setattr(flash_cpu, "_build", lambda: builds.append(1) or flash_cpu._state.update(module="built"))
+    monkeypatch.setattr(flash_cpu, "_register_fakes", lambda: None)
+    assert flash_cpu.loaded_module() is None and builds == []  # answering "is it loaded" never builds
+    assert flash_cpu.is_available() and flash_cpu.is_available()
+    flash_cpu.build()
+    assert builds == [1] and flash_cpu.loaded_module() == "built" and flash_cpu.build_error() is None
+
+
+def test_a_disabled_kernel_is_not_built_and_says_why(monkeypatch):
+    from difftransformer.kernels import flash_cpu
+
+    monkeypatch.setattr(flash_cpu, "_state", {})
+    monkeypatch.setattr(flash_cpu, "_build", lambda: pytest.fail("built although disabled"))
+    monkeypatch.setenv("DIFFTRANSFORMER_DISABLE_CPU_KERNEL", "1")
+    with pytest.raises(RuntimeError, match=r"could not be built \(disabled by DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1\)"):
+        flash_cpu.build()
+    assert not flash_cpu.is_available()

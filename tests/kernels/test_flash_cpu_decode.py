@@ -3,8 +3,8 @@
 Checked against the independent float64 reference (tests/reference.py) with the tolerances of
 tests/kernels/test_flash_cpu.py: key lengths that do and do not fill the kernel's 128-key splits,
 bottom-right causal offsets, padding, MHA and GQA, DIFF and ordinary attention; the dispatch rule
-(decode only without gradients); the head norm fused into it; the DIFF layer's cached λ staying
-right after parameter changes; and greedy generation: cached = uncached = batched one by one.
+(decode only without gradients); the head norm fused into it; the DIFF layer's λ held by a KV cache
+staying right after parameter changes; and greedy generation: cached = uncached = batched one by one.
 """
 
 import pytest
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from difftransformer import DiffTransformerLM, differential_attention
 from difftransformer.attention import multihead_attention
 from difftransformer.attention.cache import KVCache
+from difftransformer.attention.decode import layer_constants
 from difftransformer.attention.layers import MultiheadDiffAttention
 from difftransformer.kernels import flash_cpu
 from tests.helpers import count_op_calls, padding_mask, random_inputs, rel_err, shape_id, tiny
@@ -288,13 +289,13 @@ def test_bf16_out_norm_rounds_before_the_norm_as_the_unfused_path():
     assert torch.equal(fused, F.rms_norm(plain.float(), (32,), w, 1e-5).to(torch.bfloat16))
 
 
-# ---------------------------------------------------------------- the DIFF layer's cached λ and head norm
+# ---------------------------------------------------------------- the DIFF layer's λ and head norm held by a KV cache
 
 
 def _layer_outputs(layer, x):
     with torch.no_grad():
-        cached = layer(x)
-    fresh = layer(x).detach()  # grad enabled: λ and the folded weight computed afresh
+        cached = layer(x, kv_cache=KVCache())  # λ and the folded weight derived for a new cache, and held
+    fresh = layer(x).detach()  # grad enabled, no cache: λ and the folded weight computed afresh
     return cached, fresh
 
 
@@ -304,14 +305,17 @@ def _in_place(fn, *args):
 
 
 def test_layer_cache_follows_parameter_changes():
+    """Each new KV cache derives λ and the head norm from the parameters as they are then, whatever changed
+    them in between (an optimizer step, load_state_dict, an in-place write, a new Parameter object)."""
     torch.manual_seed(0)
     layer = MultiheadDiffAttention(64, 3, 2, backend="cpp")
     x = torch.randn(2, 5, 64)
     cached, fresh = _layer_outputs(layer, x)
     assert rel_err(cached, fresh) <= 1e-5
-    lam_before = layer._forward_constants(x)[0]
+    cache = KVCache()
+    lam_before = layer_constants(layer, x, cache)[0]
     with torch.no_grad():
-        assert layer._forward_constants(x)[0] is layer._forward_constants(x)[0]  # reused while unchanged
+        assert layer_constants(layer, x, cache)[0] is layer_constants(layer, x, cache)[0]  # held while in use
     opt = torch.optim.SGD(layer.parameters(), lr=1.0)  # an optimizer step changes every vector in place
     layer(x).square().sum().backward()
     opt.step()
@@ -324,7 +328,7 @@ def test_layer_cache_follows_parameter_changes():
         cached, fresh = _layer_outputs(layer, x)
         assert rel_err(cached, fresh) <= 1e-5
         with torch.no_grad():
-            lam_now = layer._forward_constants(x)[0]
+            lam_now = layer_constants(layer, x, KVCache())[0]
         torch.testing.assert_close(lam_now, layer.lambda_full().detach())
         assert torch.equal(lam_now, lam_before) != moves_lambda
         lam_before = lam_now
@@ -365,27 +369,27 @@ def test_greedy_generation_cached_equals_uncached_across_both_kernel_paths(kind,
 def test_layer_cache_is_reused_only_where_it_is_safe():
     torch.manual_seed(2)
     layer = MultiheadDiffAttention(64, 1, 2, backend="cpp")
-    x = torch.randn(1, 2, 64)
+    x, cache = torch.randn(1, 2, 64), KVCache()
     with torch.no_grad():
-        assert layer._forward_constants(x)[0] is layer._forward_constants(x)[0]
-    assert layer._forward_constants(x)[0].requires_grad  # grad on, parameters want it: afresh, with a graph
+        assert layer_constants(layer, x, cache)[0] is layer_constants(layer, x, cache)[0]
+    assert layer_constants(layer, x, cache)[0].requires_grad  # grad on, parameters want it: afresh, with a graph
     with torch.inference_mode():
-        lam_inf = layer._forward_constants(x)[0]
+        lam_inf = layer_constants(layer, x, cache)[0]
     for p in layer.parameters():
         p.requires_grad_(False)
-    lam = layer._forward_constants(x)[0]  # grad on, nothing wants it: cached, but not the inference tensor
-    assert lam is not lam_inf and not lam.is_inference() and lam is layer._forward_constants(x)[0]
+    lam = layer_constants(layer, x, cache)[0]  # grad on, nothing wants it: held, but not the inference tensor
+    assert lam is not lam_inf and not lam.is_inference() and lam is layer_constants(layer, x, cache)[0]
     q = torch.randn(1, 4, 2, 16, requires_grad=True)
     k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 32)
-    differential_attention(q, k, v, lam, backend="cpp", out_norm=layer._forward_constants(x)[1]).sum().backward()
+    differential_attention(q, k, v, lam, backend="cpp", out_norm=layer_constants(layer, x, cache)[1]).sum().backward()
     assert q.grad is not None
 
 
 def _count_constants(monkeypatch) -> list[int]:
     """Depths of every derivation of (λ, folded norm weight), in order."""
     calls = []
-    compute = MultiheadDiffAttention._compute_constants
-    monkeypatch.setattr(MultiheadDiffAttention, "_compute_constants",
+    compute = MultiheadDiffAttention.attention_constants
+    monkeypatch.setattr(MultiheadDiffAttention, "attention_constants",
                         lambda self, *a: calls.append(self.depth) or compute(self, *a))
     return calls
 
@@ -427,16 +431,20 @@ def test_a_cache_held_without_grad_never_feeds_a_backward():
     assert all(p.grad is not None and p.grad.abs().sum() > 0
                for p in (layer.lambda_q1, layer.lambda_k2, layer.subln.weight))
     with torch.inference_mode():  # an inference-mode step does not take the no_grad pair (nor the reverse)
-        lam_inf = layer._forward_constants(torch.randn(1, 1, 64), cache)[0]
+        lam_inf = layer_constants(layer, torch.randn(1, 1, 64), cache)[0]
     assert lam_inf.is_inference()
     with torch.no_grad():
-        assert not layer._forward_constants(torch.randn(1, 1, 64), cache)[0].is_inference()
+        assert not layer_constants(layer, torch.randn(1, 1, 64), cache)[0].is_inference()
 
 
 def _under_function_mode(check):
     from torch.overrides import TorchFunctionMode
 
-    with TorchFunctionMode():
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
         return check()
 
 
@@ -462,13 +470,63 @@ def _under_jit_trace(check):
     return seen[0]
 
 
+def _decode_step_direct(monkeypatch) -> bool:
+    """Whether a plain decoding step (fp32 CPU, backend 'cpp', no grad) reaches the extension's plain function
+    rather than torch.ops' op: the op is wrapped here to count its calls."""
+    module = flash_cpu.loaded_module()
+    plain = module.flash_decode
+    ops = count_op_calls(monkeypatch, op="flash_decode")
+    monkeypatch.setattr(module, "flash_decode", plain)  # the plain function is not counted
+    q, k, v = random_inputs(1, 2, 2, 1, 9, 16, seed=3)
+    with torch.no_grad():
+        out = multihead_attention(q, k, k, backend="cpp")
+    assert rel_err(out, mha_reference(q, k, k)) <= 1e-5
+    return ops["op"] == 0
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("observe", [_under_function_mode, _under_dispatch_mode, _under_jit_trace])
 def test_the_decode_route_and_ops_observed_see_the_same_observers(observe):
-    """flash_cpu's decoding route inlines kernels.ops_observed's checks: under each observer both must say
-    the op has to be called (no direct module), and with none both let the direct call through."""
+    """Under each observer `ops_observed` says the op has to be called and the decoding route declines (the call
+    takes the general route, which calls the op); with none, both let the direct call through."""
+    from difftransformer.attention.decode import cpu_decode_ordinary
     from difftransformer.kernels import ops_observed
 
     assert flash_cpu.is_available()  # loads the extension
-    assert not ops_observed() and flash_cpu.direct_decode_module() is not None
-    assert observe(lambda: (ops_observed(), flash_cpu.direct_decode_module())) == (True, None)
+    q, k, v = random_inputs(1, 2, 2, 1, 9, 16, seed=3)
+
+    def check():
+        with torch.no_grad():
+            return ops_observed(), cpu_decode_ordinary(q, k, k, True, 0.25, "cpp")
+
+    observed, direct = check()
+    assert not observed and rel_err(direct, mha_reference(q, k, k, scale=0.25)) <= 1e-5
+    assert observe(check) == (True, None)
+
+
+def test_the_observer_hooks_are_used_on_this_torch():
+    """`ops_observed` reads private hooks of torch._C on the torch releases they were checked with; this fails
+    the day torch drops one or a newer release is installed: run this module's observer tests there, then raise
+    kernels.OBSERVER_HOOKS_CHECKED_UP_TO."""
+    from difftransformer import kernels
+
+    assert kernels.OBSERVER_HOOKS_USED, (torch.__version__, kernels.OBSERVER_HOOKS_CHECKED_UP_TO)
+
+
+def test_without_the_observer_hooks_every_call_goes_through_the_ops(monkeypatch):
+    """A torch newer than the hooks were checked with, or one without a hook, gets no hooks; then every call
+    counts as observed, and decoding steps reach the kernel through torch.ops, with the same result."""
+    from difftransformer import kernels
+
+    major, minor = kernels.OBSERVER_HOOKS_CHECKED_UP_TO
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor + 1}.0+cpu")
+    assert kernels._observer_hooks() is None
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor}.1+cpu")
+    assert kernels._observer_hooks() is not None
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    assert kernels._observer_hooks() is None
+    monkeypatch.undo()
+    assert _decode_step_direct(monkeypatch)
+    monkeypatch.setattr(kernels, "_is_tracing", None)  # as _observer_hooks() None leaves it
+    assert kernels.ops_observed() and not _decode_step_direct(monkeypatch)

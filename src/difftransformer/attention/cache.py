@@ -17,10 +17,9 @@ class KVCache:
     views of the filled part. When gradients flow into the new keys (a cache used in training), it
     concatenates instead, which autograd can differentiate.
 
-    `constants` holds, per layer, values a layer derives from its parameters (DIFF's λ and folded
-    head-norm weight) for the cache's lifetime: cached keys and values already assume the parameters
-    do not change while the cache is in use, so one derivation per generation is as exact as one per
-    token, and saves each layer its check of the parameters at every step.
+    `constants` is a slot per layer for the values a layer derives from its parameters (DIFF's λ and
+    folded head-norm weight), held for the cache's life by `attention.decode.layer_constants`, which
+    alone reads and writes it.
     """
 
     def __init__(self, capacity: int | None = None, chunk: int = 256) -> None:
@@ -32,7 +31,7 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}  # the filled part of each layer's keys (a view)
         self.values: dict[int, torch.Tensor] = {}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.constants: dict[int, tuple] = {}  # see the class doc
+        self.constants: dict[int, tuple] = {}  # attention/decode.py's slot (see the class doc)
 
     def length(self, layer: int = 0) -> int:
         return 0 if layer not in self.keys else self.keys[layer].shape[2]

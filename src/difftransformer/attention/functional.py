@@ -2,8 +2,9 @@
 
 Everything the layers compute goes through `differential_attention` (V1) or
 `multihead_attention` (ordinary attention, used by the baseline and by DIFF V2). Which implementation
-runs is decided in `backends.py` (eager, sdpa, cpp, triton, and the one 'auto' rule); this module
-holds the math, the masking rules and the eager and SDPA paths.
+runs is decided in `backends.py` (eager, sdpa, cpp, triton, and the one 'auto' rule); a decoding step
+on the CPU may go straight to the fused kernel's decode function, as `decode.py` decides; this module
+holds the math, the checks, the masking rules and the eager and SDPA paths.
 
 Precision: maps and the difference A1 - lam*A2 are computed in `compute_dtype` (fp32 for fp32 and
 half-precision inputs, float64 for float64), and the output is returned in q's dtype.
@@ -37,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.attention.backends import resolve_backend
-from difftransformer.kernels import flash_cpu
-from difftransformer.kernels.flash_cpu import DECODE_MAX_ROWS, diff_flash_attention_cpu, flash_attention_cpu
+from difftransformer.attention.decode import cpu_decode_diff, cpu_decode_ordinary
+from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu, flash_attention_cpu
 from difftransformer.norm import compute_dtype
 
 ScoreHook = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
@@ -96,8 +97,6 @@ def attended_key_counts(T: int, S: int, *, causal: bool = True, key_padding_mask
 
 
 def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
-    if key_padding_mask is None:
-        return
     if key_padding_mask.shape != (B, S):
         raise ValueError(
             f"key_padding_mask must have shape (batch, key_len) = ({B}, {S}), got "
@@ -107,12 +106,11 @@ def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
 def _check_operands(q, k, v, key_padding_mask) -> None:
     """q, k, v (and the key padding mask) on one device, and q, k, v floating point, or an error naming them.
 
-    Why: the backend is chosen from q alone, and the fused CPU kernel reads k's, v's and the mask's memory
-    as CPU data whatever device holds it (k on 'meta' gave finite garbage); integer tensors fail deep inside
-    a backend. Attribute compares only: this runs per layer per decoding step.
-    Mixed floating dtypes stay allowed (the backends compute in q's)."""
+    The backend is chosen from q alone, and the fused CPU kernel reads k's, v's and the mask's memory as
+    CPU data whatever device holds it; integer tensors would fail deep inside a backend. Mixed floating
+    dtypes stay allowed (the backends compute in q's)."""
     mask_elsewhere = key_padding_mask is not None and key_padding_mask.device != q.device
-    if mask_elsewhere or not q.device == k.device == v.device:
+    if mask_elsewhere or not ((q.is_cpu and k.is_cpu and v.is_cpu) or q.device == k.device == v.device):
         names, tensors = ("q, k, v", (q, k, v)) if not mask_elsewhere else (
             "q, k, v and key_padding_mask", (q, k, v, key_padding_mask))
         raise ValueError(f"{names} must be on one device; got {', '.join(str(t.device) for t in tensors)}; "
@@ -122,22 +120,7 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
                         f"convert them with .float() (or .to(torch.bfloat16), ...)")
 
 
-def _direct_cpu_decode(q, k, v, key_padding_mask, backend: str, plain: bool):
-    """The fused CPU kernel's module (`flash_cpu.direct_decode_module`) when this call may go straight to its
-    decode function once its shapes are checked and its rows are few (n_rep * T <= DECODE_MAX_ROWS), else
-    None. It may when: backend 'cpp' or 'auto' (which takes cpp for fp32 CPU tensors whenever the kernel is
-    built), fp32 q, k, v on the CPU, no key padding, no maps or score hook (plain), no gradient. The same
-    kernel and result as the general route (`_check_operands`, `resolve_backend`, `flash_attention_cpu`),
-    with attribute checks only: a decoding step makes this call once per layer and token, where the general
-    route's Python is a visible share of a small model's step (docs/benchmarks.md, "Decoding on CPU")."""
-    f32 = torch.float32
-    if (plain and key_padding_mask is None and (backend == "cpp" or backend == "auto") and q.is_cpu and k.is_cpu
-            and v.is_cpu and q.dtype is f32 and k.dtype is f32 and v.dtype is f32 and not torch.is_grad_enabled()):
-        return flash_cpu.direct_decode_module()
-    return None
-
-
-def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
+def _check_diff_shapes(q, k, v, lam) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {q.dim()}, {k.dim()}, {v.dim()} dims")
     B, two_h, T, d = q.shape
@@ -153,7 +136,12 @@ def _check_diff_shapes(q, k, v, lam) -> tuple[int, int, int]:
         raise ValueError(f"the {h} DIFF heads must split evenly over the {h_kv} kv groups")
     if torch.is_tensor(lam) and lam.dim() != 0:
         raise ValueError(f"lambda must be a scalar (one per layer); got shape {tuple(lam.shape)}")
-    return h, h_kv, T
+
+
+def _check_out_norm(out_norm, d: int) -> None:
+    if out_norm[0].shape != (2 * d,):
+        raise ValueError(f"out_norm's weight must have shape (2d,) = ({2 * d},), one entry per output "
+                         f"feature of a head; got {tuple(out_norm[0].shape)}")
 
 
 def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
@@ -170,33 +158,26 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     score_hook: see the module doc (runs the eager backend).
     out_norm: None, or (weight (2d,), eps): the output rows go through RMSNorm with this weight
     (DIFF's head norm, its constant folded into the weight), computed in `compute_dtype` of the
-    output as `RMSNorm` does. Given here rather than applied by the caller so that the cpp backend
-    can fuse it into its decode path (one op less per layer and token) and the triton backend into
-    its kernels (no passes over memory of its own in training).
+    output as `RMSNorm` does. Given here rather than applied by the caller so that the cpp and
+    triton backends can fuse it into their kernels.
     """
-    direct = _direct_cpu_decode(q, k, v, key_padding_mask, backend, not return_maps and score_hook is None)
-    if direct is None:
-        _check_operands(q, k, v, key_padding_mask)
-    h, h_kv, T = _check_diff_shapes(q, k, v, lam)
-    d = q.shape[-1]
+    _check_operands(q, k, v, key_padding_mask)
+    _check_diff_shapes(q, k, v, lam)
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
-    scale = d ** -0.5 if scale is None else scale
-    weight = None if out_norm is None else out_norm[0]
-    if weight is not None and weight.shape != (2 * d,):
-        raise ValueError(f"out_norm's weight must have shape (2d,) = ({2 * d},), one entry per output "
-                         f"feature of a head; got {tuple(weight.shape)}")
-    # the decode function takes λ and the norm weight as fp32 CPU tensors (λ 0-d, checked above; weight dense)
-    if (direct is not None and T * (h // h_kv) <= DECODE_MAX_ROWS and isinstance(lam, torch.Tensor)
-            and lam.dtype is torch.float32 and lam.is_cpu and (weight is None or (
-                weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()))):
-        return direct.diff_flash_decode(q, k, v, lam, bool(causal), float(scale), None, weight,
-                                        0.0 if weight is None else float(out_norm[1]))
+    if out_norm is not None:
+        _check_out_norm(out_norm, q.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    need_maps = return_maps or score_hook is not None
+    if not need_maps and key_padding_mask is None:  # a decoding step may go straight to the CPU kernel
+        out = cpu_decode_diff(q, k, v, lam, causal, scale, out_norm, backend)
+        if out is not None:
+            return out
     f = compute_dtype(q)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # skips as_tensor + to
         lam = torch.as_tensor(lam, device=q.device).to(f)
-    which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
-                            has_padding=key_padding_mask is not None, dtype=q.dtype)
+    which = resolve_backend(backend, q.device, need_maps=need_maps, has_padding=key_padding_mask is not None,
+                            dtype=q.dtype)
     if which == "eager":
         out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook)
         out = _apply_out_norm(out, out_norm)
@@ -311,10 +292,8 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
 
     Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook: see the
     module doc (maps = 1; runs the eager backend)."""
-    direct = _direct_cpu_decode(q, k, v, key_padding_mask, backend, not return_maps and score_hook is None)
-    if direct is None:
-        _check_operands(q, k, v, key_padding_mask)
-    qs, ks, vs = q.shape, k.shape, v.shape  # read once: this runs per layer per decoding step
+    _check_operands(q, k, v, key_padding_mask)
+    qs, ks, vs = q.shape, k.shape, v.shape
     if (len(qs) != 4 or len(ks) != 4 or vs[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
             or qs[1] % ks[1]):
         raise ValueError(f"expected q (B, H, T, d), k/v (B, H_kv, S, d): the same batch B and q/k dim d, "
@@ -324,10 +303,13 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
-    if direct is not None and vs[3] == d and T * (H // H_kv) <= DECODE_MAX_ROWS:
-        return direct.flash_decode(q, k, v, bool(causal), float(scale), None)
-    which = resolve_backend(backend, q.device, need_maps=return_maps or score_hook is not None,
-                            has_padding=key_padding_mask is not None, dtype=q.dtype, ordinary=True)
+    need_maps = return_maps or score_hook is not None
+    if not need_maps and key_padding_mask is None:  # a decoding step may go straight to the CPU kernel
+        out = cpu_decode_ordinary(q, k, v, causal, scale, backend)
+        if out is not None:
+            return out
+    which = resolve_backend(backend, q.device, need_maps=need_maps, has_padding=key_padding_mask is not None,
+                            dtype=q.dtype, ordinary=True)
     if which == "eager":
         n_rep = H // H_kv
         f = compute_dtype(q)

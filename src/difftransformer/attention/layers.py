@@ -26,6 +26,7 @@ from torch import nn
 
 from difftransformer.attention.backends import prepare_backend
 from difftransformer.attention.cache import KVCache
+from difftransformer.attention.decode import layer_constants
 from difftransformer.attention.functional import (
     AttentionMaps,
     ScoreHook,
@@ -167,7 +168,6 @@ class MultiheadDiffAttention(_SelfAttention):
         if self.head_norm_ramp:
             self.register_buffer("head_norm_mix", torch.zeros((), device=device, dtype=lambda_dtype))
         self._make_rotary(d, rope_theta, position_encoding)
-        self._inference_cache: tuple | None = None  # see _forward_constants
         self.reset_lambda_parameters()
 
     def reset_lambda_parameters(self) -> None:
@@ -201,62 +201,16 @@ class MultiheadDiffAttention(_SelfAttention):
         return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2,
                                       self.lambda_init)
 
-    def _forward_constants(self, x: torch.Tensor, kv_cache: KVCache | None = None
-                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
-        """λ (`lambda_full()`) and the head norm as `differential_attention(out_norm=...)` takes it,
-        (weight with (1 - lambda_init) folded in, eps), or None when the norm is not the plain V1 one
-        (no head norm, or the retrofit ramp: then `_head_norm_and_scale` runs after attention).
-
-        Why cached: decoding runs the layer once per token, and λ (two dot products, two exps) and
-        the folded weight cost more small ops than their arithmetic is worth. The cached pair is
-        reused only while no gradient is wanted (no_grad, inference_mode, or parameters that do not
-        require grad) and the same parameter objects hold the same
-        storage at the same version (`_version` counts every in-place write: optimizer steps,
-        load_state_dict, fill_, nn.init), so any change recomputes it; when gradients flow (training),
-        while torch.compile traces, or for parameters that are not plain tensors (FSDP's DTensors)
-        it is computed afresh every call, so autograd always sees the real graph. Writes through
-        `param.data` bypass the version counter (as they bypass autograd's own checks): change
-        parameters in place under torch.no_grad() instead, as the package does everywhere.
-
-        With a KV cache and gradients off, a pair cached as above is also held in `kv_cache.constants`
-        and reused without these checks for the rest of the cache's life (its keys and values already
-        assume unchanged parameters): a decoding step then costs one look-up here.
-        """
-        holding = kv_cache is not None and not torch.is_grad_enabled()
-        if holding:
-            held = kv_cache.constants.get(self.depth)
-            if held is not None and held[0] is x.dtype and held[1] == torch.is_inference_mode_enabled():
-                return held[2]
-        # Plain dict look-ups, not attribute access: this runs once per layer and token.
-        norm = self._modules.get("subln")
-        norm_weight = None if norm is None or self.head_norm_ramp else norm._parameters.get("weight")
-        fused = norm_weight is not None
-        f = compute_dtype(x)
-        if torch.compiler.is_compiling():
-            return self._compute_constants(fused, f)
-        ps = self._parameters
-        tensors = (ps["lambda_q1"], ps["lambda_k1"], ps["lambda_q2"], ps["lambda_k2"])
-        if fused:
-            tensors += (norm_weight,)
-        if (any(type(t) is not nn.Parameter for t in tensors)
-                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
-            return self._compute_constants(fused, f)
-        # ids identify the objects: the entry holds them, so no new object can reuse an id meanwhile.
-        # Inference mode is in the key: its tensors cannot be saved for a backward outside it.
-        key = (f, self.lambda_init, torch.is_inference_mode_enabled(), *map(id, tensors),
-               *[t._version for t in tensors], *[t.data_ptr() for t in tensors])
-        hit = self.__dict__.get("_inference_cache")  # absent in a layer unpickled from an older version
-        if hit is None or hit[0] != key:
-            hit = self._inference_cache = (key, tensors, self._compute_constants(fused, f))
-        if holding:
-            kv_cache.constants[self.depth] = (x.dtype, torch.is_inference_mode_enabled(), hit[2])
-        return hit[2]
-
-    def _compute_constants(self, fused: bool, f: torch.dtype):
+    def attention_constants(self, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
+        """λ (`lambda_full()`) and the head norm as `differential_attention(out_norm=...)` takes it: (the norm's
+        weight times (1 - lambda_init) in `compute_dtype(dtype)`, eps), or None where the norm is not the plain
+        V1 one (no head norm, or the head-norm ramp: `_head_norm_and_scale` then runs after attention).
+        Derived afresh at each call; `attention.decode.layer_constants` holds them for a KV cache's life."""
         lam = self.lambda_full()
-        if not fused:
+        if self.subln is None or self.head_norm_ramp:
             return lam, None
-        return lam, (self.subln.weight.to(f) * (1.0 - self.lambda_init), self.subln.eps)  # as RMSNorm folds it
+        folded = self.subln.weight.to(compute_dtype(dtype)) * (1.0 - self.lambda_init)  # as RMSNorm folds it
+        return lam, (folded, self.subln.eps)
 
     @torch.no_grad()
     def current_lambda(self) -> float:
@@ -276,7 +230,7 @@ class MultiheadDiffAttention(_SelfAttention):
         B, T, _ = x.shape
         d = self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
-        lam, out_norm = self._forward_constants(x, kv_cache)  # the head norm goes to the attention call (may fuse it)
+        lam, out_norm = layer_constants(self, x, kv_cache)  # the head norm goes to the attention call (may fuse it)
         res = differential_attention(q, k, v, lam, causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
                                      deterministic=self.deterministic, score_hook=self.score_hook,

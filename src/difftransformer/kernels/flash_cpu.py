@@ -19,8 +19,10 @@ the keys across threads, and a prefill or evaluation forward keeps each query bl
 (`decode_path_applies` and `infer_path_applies` state when).
 
 The extension is built with `torch.utils.cpp_extension.load` (needs a C++ compiler and ninja,
-both installed by `make venv`) into TORCH_EXTENSIONS_DIR and reused from there. If the build
-fails, `is_available()` is False, `build_error()` says why, and backend 'auto' uses SDPA.
+both installed by `make venv`) into TORCH_EXTENSIONS_DIR and reused from there, once per process:
+`build()` builds and loads it or raises; `is_available()` answers whether it runs here (building it
+on its first call, never raising); `build_error()` says why not; `loaded_module()` is the loaded
+module or None and never builds. Where it does not build, backend 'auto' uses SDPA.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from difftransformer.kernels import _dispatch_depth, _function_mode, _is_tracing, token_major_empty
+from difftransformer.kernels import ops_observed, token_major_empty
 
 _SOURCE = Path(__file__).parent / "csrc" / "flash_cpu.cpp"
 _lock = threading.Lock()
@@ -53,6 +55,7 @@ def _capability_flags() -> list[str]:
 
 
 def _build() -> None:
+    """Compile (or load the cached build of) the extension into `_state["module"]`; raises what the build raises."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # pip's ninja lives next to this interpreter, maybe not on PATH
@@ -60,7 +63,7 @@ def _build() -> None:
     flags = ["-O3", "-fopenmp", "-DNDEBUG", *_capability_flags()]
     # A Python module as well as a library of torch ops: the decode ops are also plain functions of it
     # (`_decode_op`); loading it registers the ops (TORCH_LIBRARY) as a library would.
-    # Loading a cached build takes well under a second; compiling takes 10-40 s: say so, once, when it is slow.
+    # A load that outlasts BUILD_NOTICE_AFTER_S is a compilation: say so, once.
     notice = threading.Timer(BUILD_NOTICE_AFTER_S, _build_notice)
     notice.daemon = True
     notice.start()
@@ -81,25 +84,52 @@ def _build_notice() -> None:
           "TORCH_EXTENSIONS_DIR; DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1 skips it)", file=sys.stderr, flush=True)
 
 
+def build() -> None:
+    """Build and load the extension, once per process (then it is cached on disk and loaded from there).
+
+    Raises RuntimeError, one line naming the cause and the fix, where it cannot be built here: no compiler
+    or ninja, a failed compilation, DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1, or a call while torch.compile
+    traces (no build can happen inside a trace). A failure is remembered: later calls raise it again
+    without retrying."""
+    if "ok" not in _state:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("the fused CPU kernel is not built yet and cannot be built while torch.compile "
+                               "traces; call difftransformer.kernels.flash_cpu.build() once before compiling")
+        with _lock:
+            if "ok" not in _state:
+                _state["ok"], _state["error"] = _try_build()
+    if not _state["ok"]:
+        why = str(build_error())
+        if "\n" in why:
+            why = why.split("\n", 1)[0] + " ... (all of it: flash_cpu.build_error())"
+        raise RuntimeError(f"the fused CPU kernel could not be built ({why}); use backend='sdpa', "
+                           "or install a C++ compiler and ninja (`make venv` does) and retry")
+
+
+def _try_build() -> tuple[bool, str | None]:
+    """(built, why not): the outcome of one attempt to build and load the extension."""
+    if os.environ.get("DIFFTRANSFORMER_DISABLE_CPU_KERNEL", "0") == "1":
+        return False, "disabled by DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1"
+    try:
+        _build()
+        _register_fakes()
+    except Exception as exc:  # no compiler, no ninja, a failed build: the caller falls back or says why
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, None
+
+
 def is_available() -> bool:
-    """True once the extension is built and loaded (the first call builds it: about 10 s on a 2-core
-    machine; then it is cached on disk)."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    if torch.compiler.is_compiling():  # never build inside a trace; the first eager call does
-        return False
-    with _lock:
-        if "ok" not in _state:
-            if os.environ.get("DIFFTRANSFORMER_DISABLE_CPU_KERNEL", "0") == "1":
-                _state["ok"], _state["error"] = False, "disabled by DIFFTRANSFORMER_DISABLE_CPU_KERNEL=1"
-            else:
-                try:
-                    _build()
-                    _register_fakes()
-                    _state["ok"], _state["error"] = True, None
-                except Exception as exc:  # no compiler, no ninja, a failed build: fall back
-                    _state["ok"], _state["error"] = False, f"{type(exc).__name__}: {exc}"
-        return bool(_state["ok"])
+    """Whether the extension runs here. The first call in a process builds it (`build()`) and the answer
+    is kept for the process; it never raises. Inside a torch.compile trace, before any build was tried,
+    it answers False without building (the first eager call builds)."""
+    if "ok" not in _state:
+        if torch.compiler.is_compiling():
+            return False
+        try:
+            build()
+        except RuntimeError:
+            pass
+    return bool(_state["ok"])
 
 
 def build_error() -> str | None:
@@ -107,14 +137,15 @@ def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+def loaded_module():
+    """The extension module once `build()` has loaded it in this process, else None; never builds. Its
+    functions are the ops' C++ functions without the dispatcher (see `_decode_op`)."""
+    return _state["module"] if _state.get("ok") is True else None
+
+
 def _require() -> None:
-    if is_available():
-        return
-    if "ok" not in _state:  # only possible while torch.compile traces
-        raise RuntimeError("the fused CPU kernel is not built yet and cannot be built while torch.compile "
-                           "traces; call difftransformer.kernels.flash_cpu.is_available() once before compiling")
-    raise RuntimeError(f"the fused CPU kernel could not be built ({build_error()}); use backend='sdpa', "
-                       "or install a C++ compiler and ninja (`make venv` does) and retry")
+    if _state.get("ok") is not True:
+        build()
 
 
 def _register_fakes() -> None:
@@ -195,32 +226,10 @@ def infer_path_applies(q: torch.Tensor, k: torch.Tensor, *inputs) -> bool:
 
 def _decode_op(name: str):
     """The decode op `name` ('flash_decode' or 'diff_flash_decode') as this call should reach it: the
-    extension module's plain function (pybind11, `direct_decode_module`), the same C++ function as
-    torch.ops' without the dispatcher, which boxes every argument into an IValue and the result back (inside
-    a model's decoding step that made the call slower than SDPA's; a step makes one per layer);
-    torch.ops' op when something must see the call: torch.compile, torch.jit.trace, a torch function or
-    dispatch mode. For callers past `_prepare`, which has built or refused the extension."""
-    module = direct_decode_module()
-    return getattr(torch.ops.difftransformer_cpu if module is None else module, name)
-
-
-def direct_decode_module():
-    """The extension module whose decode functions (`flash_decode`, `diff_flash_decode`) a caller that has
-    checked its call may run as plain functions now, or None: not loaded yet (this never builds it; the
-    first call of a public function does) or something must see op calls (`kernels.ops_observed`, its
-    checks inlined here).
-
-    For `difftransformer.attention.functional`'s decoding-step route, which checks what the functions
-    need (fp32 CPU q, k, v, n_rep * T <= DECODE_MAX_ROWS, no key padding, no gradient; λ a 0-d fp32
-    tensor, the norm weight None or a contiguous fp32 (2d,) tensor) and calls
-    flash_decode(q, k, v, causal, scale, None) or diff_flash_decode(q, k, v, lam, causal, scale, None,
-    norm_weight, norm_eps); the kernel checks shapes and dtypes again. Few Python calls on purpose: in a
-    decoding step each function the interpreter enters costs several times what it costs alone (the
-    model's matrix products have evicted it from the CPU's caches; docs/benchmarks.md)."""
-    if (_state.get("ok") is not True or torch.compiler.is_compiling() or _is_tracing() or _function_mode()
-            or _dispatch_depth()):
-        return None
-    return _state["module"]
+    extension module's plain function (pybind11), the same C++ function as torch.ops' without the
+    dispatcher, which boxes every argument into an IValue and the result back; torch.ops' op when
+    something must see the call (`kernels.ops_observed`). For callers past `_prepare`, which built the extension."""
+    return getattr(torch.ops.difftransformer_cpu if ops_observed() else _state["module"], name)
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
