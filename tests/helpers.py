@@ -6,10 +6,13 @@ training helpers build tiny configs and compare runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -181,6 +184,41 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def latest_dir(out_dir) -> Path:
     root = Path(out_dir) / "checkpoints"
     return root / (root / "latest").read_text().strip()
+
+
+# ---------------------------------------------------------------- errors
+@contextlib.contextmanager
+def raises_one_line(exception: type[BaseException], match: str):
+    """`pytest.raises(exception, match=match)` whose message must also be a single line (the house error style)."""
+    with pytest.raises(exception, match=match) as info:
+        yield info
+    assert "\n" not in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------- folder locks
+LOCK_HOLDER = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
+               "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
+
+
+def start_lock_holder(folder) -> subprocess.Popen:
+    """A second process that takes the lock of `folder` and keeps it until killed (the caller kills it)."""
+    proc = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "locked":
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the lock holder did not take the lock of {folder}")
+    return proc
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(folder):
+    """For the block, a second process holds the lock of `folder` (`start_lock_holder`); yields that process."""
+    proc = start_lock_holder(folder)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------- the command line

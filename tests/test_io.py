@@ -11,33 +11,20 @@ import time
 import pytest
 
 from difftransformer._io import FolderInUseError, folder_lock
-
-HOLD = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
-        "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
-
-
-def _holder(folder):
-    """A second process that takes the lock of `folder` and keeps it until killed."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
+from tests.helpers import lock_held_by_another_process, start_lock_holder
 
 
 def test_a_second_process_is_refused_at_once_and_told_who_holds_the_folder(tmp_path):
-    proc = _holder(tmp_path / "run")
-    try:
+    with lock_held_by_another_process(tmp_path / "run") as proc:
         t0 = time.monotonic()
         with pytest.raises(FolderInUseError, match=rf"run is in use by another process \(pid {proc.pid} on .*-c"):
             with folder_lock(tmp_path / "run"):
                 pass
         assert time.monotonic() - t0 < 2
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
-    proc = _holder(tmp_path / "run")
+    proc = start_lock_holder(tmp_path / "run")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert "pid" in (tmp_path / "run" / ".lock").read_text()  # the file still names the dead holder ...
@@ -51,7 +38,7 @@ def test_the_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
             pass
         with folder_lock(tmp_path / "x" / "."):  # the same folder spelled differently
             pass
-    proc = _holder(tmp_path / "x")  # released: another process can take it
+    proc = start_lock_holder(tmp_path / "x")  # released: another process can take it
     proc.kill()
     proc.wait()
 
@@ -63,21 +50,17 @@ def test_taking_a_lock_clears_what_a_killed_atomic_write_left_in_the_folders_it_
     from difftransformer._io import _new_tmp
 
     run = tmp_path / "run"
-    proc = _holder(run)  # the files appear while another process holds the lock: a refused taker touches none
-    for sub in ("", "checkpoints", "other"):
-        (run / sub).mkdir(parents=True, exist_ok=True)
-        _new_tmp(run / sub / "latest").write_text("half")  # named as a real atomic write names it
-    (run / "notes.tmp").write_text("mine")
-    (run / "checkpoints" / "step_00000004.tmp").mkdir()
-    (run / "metrics.jsonl.0123abcd.tmp").symlink_to(run / "notes.tmp")  # a link: never followed, left
-    try:
+    with lock_held_by_another_process(run):  # the files appear while another process holds the lock:
+        for sub in ("", "checkpoints", "other"):  # a refused taker touches none
+            (run / sub).mkdir(parents=True, exist_ok=True)
+            _new_tmp(run / sub / "latest").write_text("half")  # named as a real atomic write names it
+        (run / "notes.tmp").write_text("mine")
+        (run / "checkpoints" / "step_00000004.tmp").mkdir()
+        (run / "metrics.jsonl.0123abcd.tmp").symlink_to(run / "notes.tmp")  # a link: never followed, left
         with pytest.raises(FolderInUseError):
             with folder_lock(run, owns=("checkpoints",)):
                 pass
         assert len(list(run.glob("latest.*.tmp"))) == 1
-    finally:
-        proc.kill()
-        proc.wait()
     with folder_lock(run, owns=("checkpoints",)):
         left = sorted(str(p.relative_to(run)) for p in run.rglob("*.tmp"))
     assert left[:3] == ["checkpoints/step_00000004.tmp", "metrics.jsonl.0123abcd.tmp", "notes.tmp"]

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from difftransformer import DiffTransformerLM, KVCache, MultiheadAttention
-from difftransformer.convert import ConversionError, convert, ours_to_diffllama, ours_to_llama, ours_to_unilm
 from difftransformer.model import ATTENTION_KINDS, DiffTransformerConfig, build_attention, get_preset
 from tests.helpers import BACKENDS, check_forward_and_grads, padding_mask, rel_err, tiny
 from tests.reference import ssmax_layer_reference, ssmax_reference
@@ -235,17 +234,8 @@ def test_save_load_round_trip(tmp_path):
 # -------------------------------------------------------------------------------- converters and transformers
 
 
-@pytest.mark.parametrize("to", [ours_to_llama, ours_to_diffllama, ours_to_unilm], ids=["llama", "diffllama", "unilm"])
-def test_converters_refuse_the_ssmax_kind(to):
-    cfg = tiny("transformer_ssmax", vocab_size=64, hidden_size=32, num_hidden_layers=1)
-    state = DiffTransformerLM(cfg).state_dict()
-    with pytest.raises(ConversionError, match="'transformer_ssmax'") as e:
-        to(state, cfg)
-    assert "\n" not in str(e.value)
-    kept, again = convert(state, cfg.to_dict(), "ours", "ours")  # ours holds it, s included
-    assert again == cfg and any(k.endswith("ssmax_scale") for k in kept)
-    with pytest.raises(ConversionError, match="missing layers.0.self_attn.ssmax_scale"):
-        convert({k: v for k, v in state.items() if "ssmax" not in k}, cfg.to_dict(), "ours", "ours")
+# The converters' refusal of this kind: tests/model/test_gated_attention.py::
+# test_converters_refuse_the_kinds_only_our_format_holds[ssmax-*], beside the gated kind's.
 
 
 def test_the_transformers_wrapper_saves_loads_and_generates_it(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from difftransformer.cli import main
+from tests.helpers import lock_held_by_another_process
 
 
 @pytest.mark.parametrize("command, needles", [
@@ -160,12 +161,8 @@ def test_a_renamed_flag_names_its_new_name(command, new, capsys):
 def test_two_writers_into_one_folder_the_second_refuses_naming_the_first(workdir, tmp_path, capsys):
     import time
 
-    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
-            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
+    with lock_held_by_another_process(run) as proc:
         for argv in (["train", "--config", str(workdir / "tiny.toml"), "--out-dir", str(run)],
                      ["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(run)],
                      ["prepare", str(workdir / "corpus"), "--out-dir", str(run), "--vocab-size", "300"]):
@@ -175,6 +172,3 @@ def test_two_writers_into_one_folder_the_second_refuses_naming_the_first(workdir
             assert f"is in use by another process (pid {proc.pid}" in err and "Traceback" not in err, argv
             assert time.monotonic() - t0 < 30
         assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing of it was touched
-    finally:
-        proc.kill()
-        proc.wait()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from difftransformer.experiments import write_report
+from tests.helpers import lock_held_by_another_process
 
 
 def _synthetic(root: Path, finals: dict[str, list[float]], steps: int = 100) -> Path:
@@ -83,21 +84,12 @@ def test_a_hand_edited_manifest_is_one_error_naming_file_key_and_value(tmp_path,
 
 def test_the_report_holds_the_study_folders_lock(tmp_path):
     """A report written while `compare` (or another report) writes the folder is refused at once, not torn."""
-    import subprocess
-    import sys
-
     from difftransformer._io import FolderInUseError
 
     root = _synthetic(tmp_path, {"diff": [3.0], "transformer": [3.5]})
-    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
-            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
+    with lock_held_by_another_process(root) as proc:
         with pytest.raises(FolderInUseError, match=f"pid {proc.pid}"):
             write_report(root, samples=False)
-    finally:
-        proc.kill()
         proc.wait()
     assert not (root / "report.md").exists()
     assert write_report(root, samples=False).is_file()

@@ -27,7 +27,7 @@ from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.units import ResultFileError, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
-from tests.helpers import tiny
+from tests.helpers import lock_held_by_another_process, tiny
 
 SIZES = [{"name": "s32", "hidden_size": 32, "num_hidden_layers": 1, "diff_heads": 1},
          {"name": "s64", "hidden_size": 64, "num_hidden_layers": 2, "diff_heads": 2}]
@@ -320,9 +320,6 @@ def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(d
     """Study folders a and b write one results_dir: the manifest beside the result files keeps the arms of both
     whichever runs last, so the report of the result files lists every arm; while one study writes there,
     another is refused at once; temporaries that killed writes left among the result files are swept."""
-    import subprocess
-    import sys
-
     from difftransformer._io import FolderInUseError
 
     results = tmp_path / "shared"
@@ -336,16 +333,9 @@ def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(d
     assert json.loads((results / "compare.json").read_text())["arms"] == ["diff", "transformer", "diff_v2"]
     assert "| `diff_v2` |" in write_report(results, samples=False).read_text()
     assert not any(p.exists() for p in left)
-    hold = ("import sys, time\nfrom difftransformer._io import folder_lock\n"
-            "with folder_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", hold, str(results)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
+    with lock_held_by_another_process(results) as proc:
         with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*another compare.results_dir"):
             run_study(_study(data_dir, results), tmp_path / "c", report=False)
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 

@@ -5,7 +5,8 @@ The layer is checked against an explicit float64 computation written here (per-h
 causal softmax written out, RoPE from the formula, the gate applied by hand), with a fresh random
 gate matrix rather than its init; against known answers (W_g = 0 halves the baseline's attention
 output); through gradcheck, every backend, cached decoding and transformers; and the converters
-must refuse it rather than drop the gate.
+must refuse it rather than drop the gate (one test over it and `transformer_ssmax`, which no other format
+holds either).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.func import functional_call
 from difftransformer import DiffTransformerLM, KVCache, MultiheadAttention
 from difftransformer.convert import ConversionError, convert, ours_to_diffllama, ours_to_llama, ours_to_unilm
 from difftransformer.model import ATTENTION_KINDS, build_attention, get_preset
-from tests.helpers import BACKENDS, rel_err, tiny
+from tests.helpers import BACKENDS, raises_one_line, rel_err, tiny
 from tests.reference import rope_reference
 
 E, H = 32, 4  # d = 8
@@ -185,18 +186,21 @@ def test_cached_decoding_equals_the_full_forward_and_greedy_generate_matches():
 
 
 @pytest.mark.parametrize("to", [ours_to_llama, ours_to_diffllama, ours_to_unilm], ids=["llama", "diffllama", "unilm"])
-def test_converters_refuse_the_gated_kind(to):
-    cfg = tiny("transformer_gated", vocab_size=64, hidden_size=32, num_hidden_layers=1)
+@pytest.mark.parametrize("kind, own", [("transformer_gated", "head_gate.weight"), ("transformer_ssmax", "ssmax_scale")],
+                         ids=["gated", "ssmax"])
+def test_converters_refuse_the_kinds_only_our_format_holds(kind, own, to):
+    """A gated layer's gate matrix and an SSMax layer's s have no place in another format: each converter
+    refuses the kind by name in one line, called directly or through `convert`; our format keeps and needs them."""
+    cfg = tiny(kind, vocab_size=64, hidden_size=32, num_hidden_layers=1)
     state = DiffTransformerLM(cfg).state_dict()
-    with pytest.raises(ConversionError, match="'transformer_gated'") as e:
+    with raises_one_line(ConversionError, f"'{kind}'"):
         to(state, cfg)
-    assert "\n" not in str(e.value)
-    with pytest.raises(ConversionError, match="'transformer_gated'"):
+    with pytest.raises(ConversionError, match=f"'{kind}'"):
         convert(state, cfg.to_dict(), "ours", to.__name__.removeprefix("ours_to_"))
-    kept, again = convert(state, cfg.to_dict(), "ours", "ours")  # ours holds it, gate included
-    assert again == cfg and any(k.endswith("head_gate.weight") for k in kept)
-    with pytest.raises(ConversionError, match="missing layers.0.self_attn.head_gate.weight"):
-        convert({k: v for k, v in state.items() if "head_gate" not in k}, cfg.to_dict(), "ours", "ours")
+    kept, again = convert(state, cfg.to_dict(), "ours", "ours")  # ours holds it, that tensor included
+    assert again == cfg and any(k.endswith(own) for k in kept)
+    with pytest.raises(ConversionError, match=f"missing layers.0.self_attn.{own}"):
+        convert({k: v for k, v in state.items() if not k.endswith(own)}, cfg.to_dict(), "ours", "ours")
 
 
 def test_the_transformers_wrapper_saves_loads_and_generates_it(tmp_path):
