@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,16 @@ def tiny_run_config(workdir: Path, tmp_path: Path, **train) -> str:
     path.write_text(_toml({"model": {"preset": "tiny", "attention": "diff"}, "train": {**TINY_TRAIN, **train},
                            "data": data}))
     return str(path)
+
+
+def trained_model(workdir: Path, tmp_path: Path, **train) -> Path:
+    """The final folder of a tiny run trained with `tiny_run_config(workdir, tmp_path, **train)` into
+    tmp_path/run, copied to tmp_path/model (a model folder of its own, free to be damaged)."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", tiny_run_config(workdir, tmp_path, **train), "--out-dir", str(run)]) == 0
+    model = tmp_path / "model"
+    shutil.copytree(run / "final", model)
+    return model
 
 
 def last_error_line(capsys) -> str:

@@ -14,7 +14,7 @@ import torch
 from difftransformer.cli import main
 from difftransformer.model import filter_logits, sample_next_token
 from difftransformer.model.generation import scale_logits
-from tests.cli.conftest import last_error_line, tiny_run_config, train_argv
+from tests.cli.conftest import last_error_line, tiny_run_config, train_argv, trained_model
 from tests.helpers import cli_fails
 
 
@@ -103,11 +103,7 @@ def test_load_model_names_a_device_it_cannot_use(compared):
 
 
 def test_a_config_json_that_is_not_text_is_named(workdir, tmp_path, capsys):
-    run = tmp_path / "run"
-    config = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2)
-    assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
-    model = tmp_path / "model"
-    shutil.copytree(run / "final", model)
+    model = trained_model(workdir, tmp_path, max_steps=4, ckpt_interval=2)
     (model / "config.json").write_bytes(b"\xff\xfe{")
     capsys.readouterr()
     assert main(["generate", str(model), "the", "-n", "2"]) == 2

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from difftransformer.cli import main
-from tests.cli.conftest import TINY_TRAIN, _toml, last_error_line, tiny_run_config, train_argv
+from tests.cli.conftest import TINY_TRAIN, _toml, last_error_line, tiny_run_config, train_argv, trained_model
 from tests.helpers import cli_fails
 
 
@@ -281,11 +281,7 @@ def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
 def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir, tmp_path, capsys):
     """An unreadable --init-from folder: the message named config.json but put the run config's name
     in front, as if that file were at fault."""
-    run = tmp_path / "run"
-    config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
-    assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
-    model = tmp_path / "model"
-    shutil.copytree(run / "final", model)
+    model = trained_model(workdir, tmp_path, max_steps=2, eval_interval=2)
     (model / "config.json").write_bytes(b"\xff\xfe\x00")
     init = tmp_path / "init.toml"
     init.write_text(_toml({"train": {**TINY_TRAIN, "max_steps": 2}, "data": {"data_dir": str(tmp_path / "data")}}))
