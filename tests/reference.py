@@ -89,6 +89,19 @@ def maybe_rope(x: torch.Tensor, positions, theta: float, rope: bool) -> torch.Te
     return rope_reference(x, positions, theta) if rope else x.double()
 
 
+def project_heads(sd: dict, x: torch.Tensor, q_heads: int, k_heads: int, d: int, v_heads: int | None = None,
+                  v_dim: int | None = None):
+    """x through a layer's q/k/v projections (its state dict `sd`), split into heads, float64:
+    q (B, q_heads, T, d), k (B, k_heads, T, d), v (B, v_heads, T, v_dim) (v_heads, v_dim: k_heads, d unless given)."""
+    x = x.double()
+    B, T, _ = x.shape
+
+    def heads(name: str, n: int, width: int) -> torch.Tensor:
+        return (x @ sd[f"{name}.weight"].double().T).view(B, T, n, width).transpose(1, 2)
+
+    return heads("q_proj", q_heads, d), heads("k_proj", k_heads, d), heads("v_proj", v_heads or k_heads, v_dim or d)
+
+
 def diff_layer_reference(sd: dict, x: torch.Tensor, *, depth: int, num_heads: int, num_kv_heads: int,
                          rope_theta: float = 10000.0, key_padding_mask=None, positions=None,
                          lambda_init: float | None = None, head_norm: bool = True, rope: bool = True):
@@ -99,9 +112,7 @@ def diff_layer_reference(sd: dict, x: torch.Tensor, *, depth: int, num_heads: in
     h, h_kv = num_heads, num_kv_heads
     d = E // h // 2
     positions = list(range(T)) if positions is None else positions
-    q = (x @ sd["q_proj.weight"].T).view(B, T, 2 * h, d).transpose(1, 2)
-    k = (x @ sd["k_proj.weight"].T).view(B, T, 2 * h_kv, d).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].T).view(B, T, h_kv, 2 * d).transpose(1, 2)
+    q, k, v = project_heads(sd, x, 2 * h, 2 * h_kv, d, v_heads=h_kv, v_dim=2 * d)
     q, k = maybe_rope(q, positions, rope_theta, rope), maybe_rope(k, positions, rope_theta, rope)
     lam_init = lambda_init_reference(depth) if lambda_init is None else lambda_init
     lam = (torch.exp((sd["lambda_q1"] * sd["lambda_k1"]).sum())
@@ -137,9 +148,7 @@ def mha_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_hea
     x = x.double()
     B, T, E = x.shape
     d = E // num_heads
-    q = (x @ sd["q_proj.weight"].T).view(B, T, num_heads, d).transpose(1, 2)
-    k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    q, k, v = project_heads(sd, x, num_heads, num_kv_heads, d)
     pos = list(range(T))
     o = mha_reference(maybe_rope(q, pos, rope_theta, rope), maybe_rope(k, pos, rope_theta, rope), v)
     if head_norm:
@@ -156,9 +165,7 @@ def v2_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_head
     B, T, E = x.shape
     H, H_kv = num_heads, num_kv_heads
     d = sd["q_proj.weight"].shape[0] // (2 * H)
-    q = (x @ sd["q_proj.weight"].T).view(B, T, 2 * H, d).transpose(1, 2)
-    k = (x @ sd["k_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].T).view(B, T, H_kv, d).transpose(1, 2)
+    q, k, v = project_heads(sd, x, 2 * H, H_kv, d)
     pos = list(range(T))
     q, k = maybe_rope(q, pos, rope_theta, rope), maybe_rope(k, pos, rope_theta, rope)
     group = 2 * H // H_kv
@@ -212,9 +219,7 @@ def ssmax_layer_reference(sd: dict, x: torch.Tensor, *, num_heads: int, num_kv_h
     B, T, E = x.shape
     d = E // num_heads
     positions = list(range(T)) if positions is None else positions
-    q = (x @ sd["q_proj.weight"].T).view(B, T, num_heads, d).transpose(1, 2)
-    k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    q, k, v = project_heads(sd, x, num_heads, num_kv_heads, d)
     q, k = maybe_rope(q, positions, rope_theta, rope), maybe_rope(k, positions, rope_theta, rope)
     o = ssmax_reference(q, k, v, sd["ssmax_scale"], causal=True, key_padding_mask=key_padding_mask)
     return o.transpose(1, 2).reshape(B, T, E) @ sd["out_proj.weight"].T

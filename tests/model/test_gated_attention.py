@@ -1,12 +1,12 @@
 """`transformer_gated`: the baseline with a head-wise sigmoid gate on the attention output (Gated
 Attention, Qiu et al. 2025, position G1), and the presets that hold DIFF at >= 8 heads.
 
-The layer is checked against an explicit float64 computation written here (per-head loops, the
-causal softmax written out, RoPE from the formula, the gate applied by hand), with a fresh random
-gate matrix rather than its init; against known answers (W_g = 0 halves the baseline's attention
-output); through gradcheck, every backend, cached decoding and transformers; and the converters
-must refuse it rather than drop the gate (one test over it and `transformer_ssmax`, which no other format
-holds either).
+The layer is checked against an explicit float64 computation written here (the heads split by
+tests/reference.py, then per-head loops, the causal softmax written out, RoPE from the formula, the
+gate applied by hand), with a fresh random gate matrix rather than its init; against known answers
+(W_g = 0 halves the baseline's attention output); through gradcheck, every backend, cached decoding
+and transformers; and the converters must refuse it rather than drop the gate (one test over it and
+`transformer_ssmax`, which no other format holds either).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from difftransformer import DiffTransformerLM, KVCache, MultiheadAttention
 from difftransformer.convert import ConversionError, convert, ours_to_diffllama, ours_to_llama, ours_to_unilm
 from difftransformer.model import ATTENTION_KINDS, build_attention, get_preset
 from tests.helpers import BACKENDS, raises_one_line, rel_err, tiny
-from tests.reference import rope_reference
+from tests.reference import project_heads, rope_reference
 
 E, H = 32, 4  # d = 8
 
@@ -43,9 +43,7 @@ def explicit_gated_attention(sd: dict, x: torch.Tensor, num_heads: int, num_kv_h
     x = x.double()
     B, T, _ = x.shape
     d = E // num_heads
-    q = (x @ sd["q_proj.weight"].T).view(B, T, num_heads, d).transpose(1, 2)
-    k = (x @ sd["k_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].T).view(B, T, num_kv_heads, d).transpose(1, 2)
+    q, k, v = project_heads(sd, x, num_heads, num_kv_heads, d)
     pos = list(range(T))
     q, k = rope_reference(q, pos), rope_reference(k, pos)
     o = torch.zeros(B, num_heads, T, d, dtype=torch.float64)
