@@ -29,6 +29,7 @@ from difftransformer.hf import DiffTransformerForCausalLM, DiffTransformerHFConf
 from difftransformer.hf.compat import CACHE_KEY  # noqa: E402
 from difftransformer.model import ATTENTION_KINDS, DiffTransformerConfig, DiffTransformerLM  # noqa: E402
 from difftransformer.model.serialization import load_weights  # noqa: E402
+from tests.hf import loads_both_ways  # noqa: E402
 
 VOCAB = 128
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11], [3, 3, 90, 41]]
@@ -433,19 +434,13 @@ def test_peft_lora_trains_only_the_adapters():
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_folders_load_both_ways(tmp_path, tied):
     lm, _ = pair("diff", gqa=True, tie_word_embeddings=tied)
-    lm.save_pretrained(tmp_path / "ours")
-    assert type(AutoConfig.from_pretrained(tmp_path / "ours")) is DiffTransformerHFConfig
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", use_safetensors=True).eval()
-    assert type(hf) is DiffTransformerForCausalLM
-    assert (hf.lm_head.weight is hf.embed_tokens.weight) == tied
     ids = ids_of(PROMPTS[1])
+    hf, again = loads_both_ways(lm, tmp_path, ids)
+    assert type(AutoConfig.from_pretrained(tmp_path / "ours")) is DiffTransformerHFConfig
+    assert (hf.lm_head.weight is hf.embed_tokens.weight) == tied
+    assert (again.lm_head.weight is again.embed_tokens.weight) == tied
     with torch.no_grad():
         want = lm(ids).logits
-        assert torch.equal(hf(ids).logits, want)
-        hf.save_pretrained(tmp_path / "theirs")
-        again = AutoModelForCausalLM.from_pretrained(tmp_path / "theirs", use_safetensors=True).eval()
-        assert torch.equal(again(ids).logits, want)
-        assert (again.lm_head.weight is again.embed_tokens.weight) == tied
         # The weights transformers wrote are ours, key for key: our loader reads them strictly.
         native = DiffTransformerLM(DiffTransformerHFConfig.from_pretrained(tmp_path / "theirs").to_native()).eval()
         load_weights(native, tmp_path / "theirs" / "model.safetensors")

@@ -22,6 +22,7 @@ from difftransformer import DiffTransformerLM, KVCache, MultiheadAttention
 from difftransformer.convert import ConversionError, convert, ours_to_diffllama, ours_to_llama, ours_to_unilm
 from difftransformer.model import ATTENTION_KINDS, build_attention, get_preset
 from tests.helpers import BACKENDS, raises_one_line, rel_err, tiny
+from tests.hf import loads_both_ways
 from tests.reference import project_heads, rope_reference
 
 E, H = 32, 4  # d = 8
@@ -203,23 +204,12 @@ def test_converters_refuse_the_kinds_only_our_format_holds(kind, own, to):
 
 def test_the_transformers_wrapper_saves_loads_and_generates_it(tmp_path):
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
-    from difftransformer.hf import DiffTransformerForCausalLM
-
     torch.manual_seed(5)
     cfg = dataclasses.replace(tiny("transformer_gated", num_key_value_heads=2), initializer_range=0.1)
     lm = DiffTransformerLM(cfg).eval()
-    lm.save_pretrained(tmp_path / "ours")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", use_safetensors=True).eval()
-    assert type(hf) is DiffTransformerForCausalLM
     ids = torch.randint(0, 512, (1, 6))
+    _, again = loads_both_ways(lm, tmp_path, ids)
     with torch.no_grad():
-        want = lm(ids).logits
-        assert torch.equal(hf(ids).logits, want)
-        hf.save_pretrained(tmp_path / "theirs")
-        again = AutoModelForCausalLM.from_pretrained(tmp_path / "theirs", use_safetensors=True).eval()
-        assert torch.equal(again(ids).logits, want)
         assert torch.equal(again.generate(ids, max_new_tokens=5, do_sample=False),
                            lm.generate(ids, 5, temperature=0.0))
 
