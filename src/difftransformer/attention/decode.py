@@ -51,14 +51,14 @@ def _decode_kernel(q, k, v, backend: str, ordinary: bool):
     if not (q.dtype is _F32 and k.dtype is _F32 and v.dtype is _F32 and q.is_cpu and not torch.is_grad_enabled()
             and qs[2] * (qs[1] // k.shape[1]) <= DECODE_MAX_ROWS):
         return None
-    module = flash_cpu.loaded_module()
-    if module is None or ops_observed():
-        return None
     picks = _picks_cpp.get((backend, ordinary))
-    if picks is None:
+    module = None if picks is False else flash_cpu.loaded_module()
+    if module is None:
+        return None
+    if picks is None:  # asked only once the kernel is loaded: asking about 'auto' before would build it
         picks = resolve_backend(backend, _CPU, dtype=_F32, ordinary=ordinary) == "cpp"
         _picks_cpp[backend, ordinary] = picks
-    return module if picks else None
+    return module if picks and not ops_observed() else None
 
 
 def cpu_decode_diff(q, k, v, lam, causal: bool, scale: float, out_norm, backend: str):

@@ -121,17 +121,18 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
 
 
 def _check_diff_shapes(q, k, v, lam) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {q.dim()}, {k.dim()}, {v.dim()} dims")
-    B, two_h, T, d = q.shape
-    if two_h % 2 or k.shape[1] % 2:
+    qs, ks, vs = q.shape, k.shape, v.shape  # read once: this runs per layer per decoding step
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        raise ValueError(f"q, k, v must be 4-D (batch, heads, length, dim); got {len(qs)}, {len(ks)}, {len(vs)} dims")
+    B, two_h, T, d = qs
+    if two_h % 2 or ks[1] % 2:
         raise ValueError(f"q and k carry two components per head, so their head axes must be even; "
-                         f"got {two_h} and {k.shape[1]}")
-    h, h_kv = two_h // 2, k.shape[1] // 2
-    if k.shape[0] != B or k.shape[-1] != d:
-        raise ValueError(f"k must be (batch={B}, 2*h_kv, S, d={d}); got {tuple(k.shape)}")
-    if v.shape != (B, h_kv, k.shape[2], 2 * d):
-        raise ValueError(f"v must be (batch, h_kv, S, 2d) = {(B, h_kv, k.shape[2], 2 * d)}; got {tuple(v.shape)}")
+                         f"got {two_h} and {ks[1]}")
+    h, h_kv = two_h // 2, ks[1] // 2
+    if ks[0] != B or ks[3] != d:
+        raise ValueError(f"k must be (batch={B}, 2*h_kv, S, d={d}); got {tuple(ks)}")
+    if vs != (B, h_kv, ks[2], 2 * d):
+        raise ValueError(f"v must be (batch, h_kv, S, 2d) = {(B, h_kv, ks[2], 2 * d)}; got {tuple(vs)}")
     if h % h_kv:
         raise ValueError(f"the {h} DIFF heads must split evenly over the {h_kv} kv groups")
     if torch.is_tensor(lam) and lam.dim() != 0:
