@@ -1,4 +1,4 @@
-"""Differential attention: the math (functional), the backend rule, RoPE, KV cache and layers."""
+"""Differential attention: the math (functional), the backend rule, decoding's seam, RoPE, KV cache and layers."""
 
 from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.attention.cache import KVCache
