@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
-.PHONY: venv lint test test-interop-latest demo paper-cpu bench clean
+.PHONY: venv lint test test-slow test-interop-latest demo paper-cpu bench clean
 
 venv: $(STAMP) $(RT_FILE)
 
@@ -28,9 +28,14 @@ $(RT_FILE): | $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
 
-## make test: the linter, then the whole suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
+## make test: the linter, then the suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
+## The tests marked slow (the benchmark scripts' end-to-end smoke runs) are left to make test-slow.
 test: venv lint
-	TRITON_INTERPRET=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+## make test-slow: the tests marked slow (a few minutes); CI runs them after make test.
+test-slow: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 
 ## make test-interop-latest: tests/hf against the newest transformers and peft that pip resolves now, installed into
 ## the git-ignored .hf-latest/ in front of the venv's pinned ones (only dependencies the venv lacks are added there).

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_attention_gpu_benchmark_runs_every_layout_on_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_gpu.py"), "--cpu-smoke-test"],

@@ -21,6 +21,7 @@ def _run(*args, **env_overrides):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_decode_benchmark_prints_a_row_per_prompt_and_batch():
     run = _run("--prompts", "8", "16", "--batch", "1", "2", "--new-tokens", "3", "--repeats", "1")
     assert run.returncode == 0, run.stderr

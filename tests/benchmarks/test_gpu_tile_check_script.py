@@ -22,6 +22,7 @@ from tests.reference import diff_attention_reference  # noqa: E402
 pytestmark = pytest.mark.skipif(not diff_flash._INTERPRET, reason="the smoke test runs the interpreter")
 
 
+@pytest.mark.slow
 def test_smoke_run_checks_every_pass_and_finds_them_right():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
@@ -88,6 +89,7 @@ def test_reference_matches_the_float64_reference(causal):
     assert gtc.error(got["out"] + 0.1, got["out"]) == pytest.approx(0.1 / max(got["out"].abs().max().item(), 1.0))
 
 
+@pytest.mark.slow
 def test_no_check_times_only():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tile_check.py"), "--cpu-smoke-test",
@@ -97,6 +99,7 @@ def test_no_check_times_only():
     assert "## Time of each tile, B 1, h 2, h_kv 2, T 20, d 16" in run.stdout
 
 
+@pytest.mark.slow
 def test_ncu_driver_refuses_bad_tiles_and_a_missing_gpu_in_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     script = str(ROOT / "benchmarks" / "gpu_ncu_driver.py")

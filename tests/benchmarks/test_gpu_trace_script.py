@@ -19,6 +19,7 @@ def _run(*args, interpret="1"):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_smoke_run_traces_the_three_workloads():
     run = _run("--cpu-smoke-test")
     assert run.returncode == 0, run.stdout + run.stderr

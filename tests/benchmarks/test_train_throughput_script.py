@@ -26,6 +26,7 @@ def _table(stdout: str) -> dict[str, list[str]]:
             for cells in [[c.strip() for c in line.split("|")[1:-1]]] if cells[0] in ("Transformer", "DIFF")}
 
 
+@pytest.mark.slow
 def test_cpu_run_prints_both_arms_and_consistent_ratios():
     run = _run("--device", "cpu", *TINY, "--no-deterministic")
     assert run.returncode == 0, run.stderr
@@ -41,6 +42,7 @@ def test_cpu_run_prints_both_arms_and_consistent_ratios():
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values()), run.stdout  # peak, resident MiB
 
 
+@pytest.mark.slow
 def test_trace_lists_kernels_of_both_arms_with_their_differences():
     """--trace: one row per operator (CPU: operators stand in for kernels), the DIFF - T column the
     difference of the two printed times, rows ordered by its size; DIFF's own attention op is there."""
@@ -61,6 +63,7 @@ def test_trace_lists_kernels_of_both_arms_with_their_differences():
         assert any(r[0].startswith("difftransformer_cpu::diff") and float(r[1]) == 0 < float(r[2]) for r in rows)
 
 
+@pytest.mark.slow
 def test_config_takes_the_model_from_a_run_config_with_overrides():
     """--config FILE --set ...: the run config's model (here cpu-small cut to one layer and width 64), both
     arms at the parameter counts that config gives; mistakes in it are one-line errors naming the file."""
@@ -99,6 +102,7 @@ def test_a_backend_that_cannot_run_on_the_device_is_a_one_line_error():
     assert "--backend triton on cpu: backend 'triton' runs on CUDA" in run.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_triton_backend_gives_the_transformer_arm_its_auto_backend():
     """'triton' is DIFF-only: the Transformer arm runs 'auto' (here the C++ kernel, or SDPA if it does not
     build), DIFF the Triton kernel (through the interpreter on CPU)."""
