@@ -1,5 +1,7 @@
 """Run configs: TOML and YAML agree, --set overrides, head counts in the kind's units, errors that name the key."""
 
+from pathlib import Path
+
 import pytest
 
 from difftransformer.run_config import ConfigError, apply_overrides, load_run_config, parse_scalar
@@ -149,3 +151,20 @@ def test_set_reaches_nested_tables_and_checks_their_keys(tmp_path):
     (tmp_path / "bad.toml").write_text("[data.mixture]\nqa = 0.1\nicll = 0.2\n")
     with pytest.raises(ConfigError, match=r"bad.toml: unknown key 'icll' in \[data.mixture\] \(did you mean 'icl'\?\)"):
         load_run_config(tmp_path / "bad.toml")
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_loads_and_a_task_config_fits_its_task(path):
+    """A config in configs/ loads as `train` and `compare` read it; a synthetic task's model has an embedding for every
+    word of the task (its two specials included) and trains on its longest sequence, so nothing is cut or unknown."""
+    from difftransformer.data.ood.families import SPECIALS
+
+    cfg = load_run_config(path)
+    task = cfg.data.task
+    if task is not None:
+        assert cfg.model.vocab_size >= len(SPECIALS) + len(task.vocab()), path
+        assert cfg.train.seq_len >= task.max_length(), path
+        assert cfg.model.max_position_embeddings >= cfg.train.seq_len, path
