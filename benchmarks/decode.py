@@ -59,36 +59,46 @@ from common import DEVICES, MedianInterval, machine, resolve_device, sync  # noq
 
 BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
 DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
+DECODERS = ("dynamic", "static", "graph")
+DEFAULT_DECODERS = {"cpu": ("dynamic",), "cuda": ("graph", "dynamic")}
 KINDS = (("transformer", "T"), ("diff", "DIFF"))
 LLAMA = "Llama (HF)"
 
 
 class Arm:
-    """A model and how it generates greedily (prompt, n) -> n new tokens, timed phase by phase (`timed`)."""
+    """A model and how it generates greedily (prompt, n) -> n new tokens, timed phase by phase (`timed`).
 
-    def __init__(self, name: str, model: torch.nn.Module, generate: Callable[[torch.Tensor, int], object],
-                 device: torch.device):
-        self.name, self.generate, self.device = name, generate, device
-        self.forwards, self.split = 0, 0.0
-        model.register_forward_pre_hook(self._on_forward)
+    The phases split where the first new token is known: ours reports each token through generate's
+    `on_token` (a CUDA graph's replayed steps call no forward), transformers' Llama through its model's
+    second forward (the first single-token step begins)."""
 
-    def _on_forward(self, module, args) -> None:
-        self.forwards += 1
-        if self.forwards == 2:  # the first single-token step begins: the prompt and its token are done
+    def __init__(self, name: str, model: torch.nn.Module, generate: Callable[..., object], device: torch.device,
+                 streams: bool = True):
+        self.name, self.generate, self.device, self.streams = name, generate, device, streams
+        self.events, self.split, self.last = 0, 0.0, None
+        if not streams:
+            model.register_forward_pre_hook(self._on_event)
+
+    def _on_event(self, *args) -> None:
+        self.events += 1
+        if self.events == (1 if self.streams else 2):  # the prompt and its first token are done
             sync(self.device)
             self.split = time.perf_counter()
 
     def timed(self, prompt: torch.Tensor, n: int) -> tuple[float, float]:
-        """(prefill s, decode s) of one generate of n >= 2 new tokens: up to the model's second forward, and
-        from it to the end (n - 1 single-token steps)."""
-        self.forwards = 0
+        """(prefill s, decode s) of one generate of n >= 2 new tokens: up to the first token, and from it to the
+        end (n - 1 single-token steps)."""
+        self.events = 0
         sync(self.device)
         t0 = time.perf_counter()
-        self.generate(prompt, n)
+        if self.streams:
+            self.last = self.generate(prompt, n, on_token=self._on_event)
+        else:
+            self.last = self.generate(prompt, n)
         sync(self.device)
         t1 = time.perf_counter()
-        if self.forwards != n:  # one forward per new token, or the split above is not the prefill's end
-            raise RuntimeError(f"{self.name}: generate of {n} tokens ran {self.forwards} forward calls, not {n}")
+        if self.events != n:  # one token (or forward) per new token, or the split above is not the prefill's end
+            raise RuntimeError(f"{self.name}: generate of {n} tokens reported {self.events} steps, not {n}")
         return self.split - t0, t1 - self.split
 
 
@@ -105,14 +115,19 @@ def _resolved(cfg, device: torch.device, dtype: torch.dtype) -> str:
     return resolve_backend(cfg.attn_backend, device, dtype=dtype, ordinary=not cfg.kind.fused_kernel)
 
 
-def _ours(cfg, name: str, device: torch.device, dtype: torch.dtype) -> Arm:
+def _ours(cfg, name: str, device: torch.device, dtype: torch.dtype, decoder: str,
+          models: dict | None = None) -> Arm:
+    """An arm of our LM with `cfg`, decoding with `decoder`; arms of one config share its model (`models`)."""
     from difftransformer import DiffTransformerLM
 
-    torch.manual_seed(0)
-    model = DiffTransformerLM(cfg, device=device, dtype=dtype).eval()
+    models = {} if models is None else models
+    if id(cfg) not in models:
+        torch.manual_seed(0)
+        models[id(cfg)] = DiffTransformerLM(cfg, device=device, dtype=dtype).eval()
+    model = models[id(cfg)]
 
-    def generate(prompt, n):
-        return model.generate(prompt, n, temperature=0)
+    def generate(prompt, n, on_token=None):
+        return model.generate(prompt, n, temperature=0, decoder=decoder, on_token=on_token)
 
     return Arm(name, model, generate, device)
 
@@ -142,7 +157,7 @@ def _llama(preset: str, context: int, dtype: torch.dtype) -> Arm | None:
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
                               min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
 
-    return Arm(LLAMA, model, generate, torch.device("cpu"))
+    return Arm(LLAMA, model, generate, torch.device("cpu"), streams=False)
 
 
 def _med(xs: list[float]) -> float:
@@ -182,19 +197,36 @@ def _columns(names: list[str], backends: list[str]) -> list[tuple[str, Callable[
         cols += [("decode T cpp/sdpa", lambda pre, rate: _ratio(rate["T cpp"], rate["T sdpa"]))]
     if LLAMA in names:
         cols += [("decode ours/Llama", lambda pre, rate: _ratio(_ours_best(rate, backends), rate[LLAMA]))]
+    for k in ("T", "DIFF"):  # a decoder's speed-up over the growing cache, on each backend both decoders run
+        cols += [(f"decode {k} {v}/dynamic", lambda pre, rate, k=k, v=v: _ratio(
+            rate[f"{k} {v}"], rate[f"{k} {v.rsplit(' ', 1)[0]} dynamic"])) for v in backends
+            if not v.endswith(" dynamic") and f"{k} {v}" in names and f"{k} {v.rsplit(' ', 1)[0]} dynamic" in names]
     return cols
 
 
-# The targets (docs/benchmarks.md), each a column of the table and the side of a line it must be on.
+# The targets (docs/benchmarks.md), each a column of the table and the side of a line it must be on; a title
+# ending in '*' is every column it begins (the graph decoder's columns, one per backend).
 TARGETS = (("decode DIFF/T (best)", ">=", 0.95), ("decode T cpp/sdpa", ">=", 1.0),
-           ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0))
+           ("prefill DIFF/T (best)", "<=", 1.15), ("decode ours/Llama", ">=", 1.0),
+           ("decode DIFF/T * graph", ">=", 0.90), ("decode T * graph/dynamic", ">=", 5.0),
+           ("decode DIFF * graph/dynamic", ">=", 5.0))
+
+
+def _matching(title: str, present) -> list[str]:
+    """The columns among `present` a TARGETS title names."""
+    if "*" not in title:
+        return [title] if title in present else []
+    head, tail = title.split("*")
+    return [t for t in present if t.startswith(head) and t.endswith(tail) and len(t) > len(head) + len(tail)]
 
 
 def _summary(rows: list[tuple[str, dict]]) -> str:
     """Per target, the rows where it is met, not met and open (by the 95% intervals of the table)."""
     lines = ["", "Targets, by the 95% interval of each median per-round ratio ('open': the interval spans the "
              "line, or fewer than 6 repeats):"]
-    for title, side, line in TARGETS:
+    targets = [(t, side, line) for pattern, side, line in TARGETS for t in _matching(pattern, rows[0][1] if rows
+                                                                                     else {})]
+    for title, side, line in targets:
         if not rows or title not in rows[0][1]:
             continue
         groups: dict[str, list[str]] = {"met": [], "not met": [], "open": []}
@@ -212,13 +244,14 @@ def _header(cols) -> str:
 
 
 def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
-         device: torch.device) -> tuple[str, dict]:
+         device: torch.device, first_calls: list[str]) -> tuple[str, dict]:
     """One row of the table and its cells by title. Each round runs every arm's generate once, arm after
     arm (after one warm-up round), so each round gives every arm a prefill time and a decode rate measured
-    under the same load, and ratios are taken round by round."""
+    under the same load, and ratios are taken round by round. The warm-up round's decode time of each arm
+    that decodes from a CUDA graph (which it captures there) goes to `first_calls`."""
     prompt = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(T * 131 + B)).to(device)
-    for arm in arms:
-        arm.timed(prompt, new_tokens)
+    first = {arm.name: arm.timed(prompt, new_tokens)[1] for arm in arms}
+    _compare_tokens(f"{T}/{B}", arms, first_calls)
     pre: dict[str, list] = {a.name: [] for a in arms}
     rate: dict[str, list] = {a.name: [] for a in arms}
     for _ in range(repeats):
@@ -227,7 +260,27 @@ def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
             pre[arm.name].append(p)
             rate[arm.name].append(B * (new_tokens - 1) / d)
     cells = {title: cell(pre, rate) for title, cell in cols}
+    for name, seconds in first.items():
+        if name.endswith(" graph"):
+            steady = B * (new_tokens - 1) / _med(rate[name])
+            first_calls.append(f"{T}/{B} {name}: {seconds * 1e3:.0f} ms (steady {steady * 1e3:.0f} ms)")
     return "| " + " | ".join([str(T), str(B), *map(str, cells.values())]) + " |", cells
+
+
+def _compare_tokens(row: str, arms: list[Arm], notes: list[str]) -> None:
+    """Each arm decoding otherwise than 'dynamic' against the 'dynamic' arm of its model: the greedy tokens of
+    their warm-up calls, equal or where they first part (a near tie may flip under other rounding)."""
+    by_name = {a.name: a for a in arms}
+    for arm in arms:
+        base = by_name.get(arm.name.rsplit(" ", 1)[0] + " dynamic")
+        if base is None or base is arm:
+            continue
+        differs = (arm.last != base.last).any(dim=0).nonzero()
+        if len(differs) == 0:
+            notes.append(f"{row} {arm.name}: greedy tokens equal to dynamic")
+        else:
+            notes.append(f"{row} {arm.name}: greedy tokens part from dynamic at new token "
+                         f"{int(differs[0]) - int(row.split('/')[0]) + 1}")
 
 
 def _parse() -> tuple[argparse.Namespace, torch.device]:
@@ -239,6 +292,10 @@ def _parse() -> tuple[argparse.Namespace, torch.device]:
                    help="model size (default: gpu-small on CUDA, cpu-small on CPU)")
     p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_CHOICES,
                    help="attention backends each kind runs on (default: cpp sdpa on CPU, auto on CUDA)")
+    p.add_argument("--decoders", nargs="+", default=None, choices=DECODERS,
+                   help="how our models decode (generate's decoder=): 'dynamic' the growing KV cache, 'static' a "
+                        "fixed one, 'graph' that step replayed from a CUDA graph (default: dynamic on CPU, graph "
+                        "and dynamic on CUDA); with more than one, arms are named 'kind backend decoder'")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="dtype the models are built in")
     p.add_argument("--prompts", type=int, nargs="+", default=[64, 512, 2048, 4096], help="prompt lengths")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
@@ -262,6 +319,11 @@ def _parse() -> tuple[argparse.Namespace, torch.device]:
         p.error("--prompts, --batch and --repeats must be positive")
     args.preset = args.preset or ("gpu-small" if device.type == "cuda" else "cpu-small")
     args.backends = list(dict.fromkeys(args.backends or DEFAULT_BACKENDS[device.type]))
+    args.decoders = list(dict.fromkeys(args.decoders or DEFAULT_DECODERS[device.type]))
+    if "graph" in args.decoders and device.type != "cuda":
+        p.error("--decoders graph replays CUDA graphs and needs --device cuda")
+    args.variants = [(b if len(args.decoders) == 1 else f"{b} {d}", b, d) for b in args.backends
+                     for d in args.decoders]
     args.dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     context = max(args.prompts) + args.new_tokens + 1
     try:  # every arm's backend must run here: refuse before any model is built
@@ -286,25 +348,30 @@ def main() -> None:
         notes.append(f"cpp kernel unavailable: {flash_cpu.build_error()}")
     if "triton" in args.backends:
         notes.append("T has no triton arm (the fused Triton kernel is DIFF-only)")
-    arms = [_ours(c, n, device, args.dtype) for n, c in configs.items()]
+    models: dict = {}
+    arms = [_ours(c, f"{n.split()[0]} {label}", device, args.dtype, decoder, models) for n, c in configs.items()
+            for label, backend, decoder in args.variants if n.endswith(f" {backend}")]
     if device.type == "cuda":
         notes.append("Llama (HF) left out on CUDA")
     elif not args.no_llama and (llama := _llama(args.preset, max(args.prompts) + args.new_tokens + 1, args.dtype)):
         arms.append(llama)
-    cols = _columns([a.name for a in arms], args.backends)
+    cols = _columns([a.name for a in arms], [label for label, _, _ in args.variants])
     auto = [f"{n}={args.resolved[n]}" for n in configs if n.endswith(" auto")]
     notes = ([f"auto resolves to {', '.join(auto)}"] if auto else []) + notes
     print(f"# Greedy decoding, {args.preset}, {args.precision}, {args.new_tokens} new tokens, medians of "
           f"{args.repeats} rounds (ratios: median per-round ratio [95% interval]), on {device.type} "
           f"({machine(device)}){''.join('; ' + n for n in notes)}\n")
     print(_header(cols), flush=True)
-    rows = []
+    rows, first_calls = [], []
     for T in args.prompts:
         for B in args.batch:
-            line, cells = _row(T, B, arms, cols, args.repeats, args.new_tokens, device)
+            line, cells = _row(T, B, arms, cols, args.repeats, args.new_tokens, device, first_calls)
             print(line, flush=True)
             rows.append((f"{T}/{B}", cells))
     print(_summary(rows))
+    if first_calls:
+        print("\nWarm-up round (a graph arm captures its step there; greedy tokens against the dynamic arm):\n- "
+              + "\n- ".join(first_calls))
 
 
 if __name__ == "__main__":

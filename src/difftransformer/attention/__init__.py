@@ -1,7 +1,7 @@
 """Differential attention: the math (functional), the backend rule, decoding's seam, RoPE, KV cache and layers."""
 
 from difftransformer.attention.backends import BACKENDS, resolve_backend
-from difftransformer.attention.cache import KVCache
+from difftransformer.attention.cache import KVCache, StaticKVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
     ScoreHook,
@@ -15,6 +15,6 @@ from difftransformer.attention.rope import RotaryEmbedding
 
 __all__ = [
     "BACKENDS", "AttentionMaps", "KVCache", "MultiheadAttention", "MultiheadDiffAttention",
-    "MultiheadDiffAttentionV2", "RotaryEmbedding", "ScoreHook", "differential_attention", "lambda_init_fn",
-    "multihead_attention", "reparameterized_lambda", "resolve_backend",
+    "MultiheadDiffAttentionV2", "RotaryEmbedding", "ScoreHook", "StaticKVCache", "differential_attention",
+    "lambda_init_fn", "multihead_attention", "reparameterized_lambda", "resolve_backend",
 ]

@@ -254,11 +254,9 @@ def _sdpa(q, k, v, mask, causal: bool, scale: float, gqa: bool):
     elif causal and mask is None and T != S and T > 1:
         mask = _visibility(T, S, True, None, q.device)
     empty_rows = None
-    if mask is not None:
-        any_visible = mask.any(dim=-1, keepdim=True)
-        if not bool(any_visible.all()):
-            empty_rows = ~any_visible
-            mask = mask | empty_rows  # attend to something finite, then zero the row below
+    if mask is not None:  # rows without a visible key attend to every key, then are zeroed: no host read,
+        empty_rows = ~mask.any(dim=-1, keepdim=True)  # so a masked call can run inside a CUDA graph
+        mask = mask | empty_rows
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                          enable_gqa=gqa)
     if empty_rows is not None:

@@ -113,7 +113,8 @@ class _SelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2)
         if self.rotary is not None:
-            rotation = self.rotary.rotation(positions, compute_dtype(x), start=start)  # shared by q and k
+            bound = getattr(kv_cache, "position_bound", None)  # a StaticKVCache's capacity
+            rotation = self.rotary.rotation(positions, compute_dtype(x), start=start, bound=bound)  # q's and k's
             q, k = self.rotary.rotate(q, rotation), self.rotary.rotate(k, rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
         if kv_cache is not None:

@@ -40,17 +40,23 @@ class RotaryEmbedding(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, *,
-                 start: int | None = None) -> torch.Tensor:
+                 start: int | None = None, bound: int | None = None) -> torch.Tensor:
         """Unit complex numbers e^(i * pos * freq), (T, dim/2) or (B, 1, T, dim/2) for per-row positions.
 
         dtype is the real dtype of the rotation: `compute_dtype` of the tensors it will rotate.
         start: set when positions are exactly start .. start + T - 1 (a layer's default positions):
         the rotation is then a slice of a table shared by every layer with this dim and theta, built
         once with the same float64 arithmetic (so the same values), instead of ~10 ops per layer and
-        token while decoding. Per-row or other positions are computed directly."""
-        if start is not None and positions.dim() == 1 and not torch.compiler.is_compiling():
-            n = positions.shape[0]
-            return self._table(start + n, dtype, positions.device)[start:start + n]
+        token while decoding. bound: set when every position is known to lie in [0, bound) (a static KV
+        cache's capacity): the rotation is gathered from that table by the positions, without reading them
+        on the host (a CUDA-graph step). Otherwise it is computed directly."""
+        if not torch.compiler.is_compiling():
+            if start is not None and positions.dim() == 1:
+                n = positions.shape[0]
+                return self._table(start + n, dtype, positions.device)[start:start + n]
+            if bound is not None:
+                rotation = self._table(bound, dtype, positions.device)[positions]
+                return rotation[:, None] if rotation.dim() == 3 else rotation
         cos, sin = self.angles(positions, dtype)
         rotation = torch.complex(cos, sin)
         return rotation[:, None] if rotation.dim() == 3 else rotation

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 
 from difftransformer.attention import KVCache
 from difftransformer.model.inputs import check_input_ids
+from difftransformer.model.static_decode import capacity_for, check_decoder, decoder_for, graph_unsupported
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -87,14 +89,27 @@ def _check_arguments(input_ids: torch.Tensor, max_new_tokens, attention_mask: to
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> torch.Tensor:
+             use_cache: bool = True, decoder: str = "auto",
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Extend (B, T) prompts by up to max_new_tokens; returns (B, T + n).
 
     Batched prompts of different lengths are left-padded with attention_mask 0 on the padding;
     each row then gets its own positions, so its output equals generating it alone. Rows that
     produced eos_token_id keep emitting it until every row is done.
+
+    decoder: how the steps after the prompt run (`model.static_decode`). 'dynamic': a KV cache grown as
+    tokens come; 'static': a cache of fixed capacity, every step the same kernels on the same memory;
+    'graph': that step captured once in a CUDA graph and replayed (CUDA only), which removes the launch
+    overhead that bounds a small model's decoding on a GPU; 'auto': 'graph' on CUDA where a graph can run
+    (no score hook, no torch.compile trace, no 'triton' attention backend), else 'dynamic'. All give the
+    same tokens up to rounding (greedy tokens equal; tests compare them). use_cache=False recomputes the
+    whole sequence at each step (no cache, so 'dynamic').
+
+    on_token: called with each step's (B,) new tokens (on the model's device) as soon as they are sampled,
+    before the next step runs: for streaming output, or timing the first token.
     """
     max_new_tokens = _check_arguments(input_ids, max_new_tokens, attention_mask)
+    check_decoder(decoder)
     limit = model.config.max_position_embeddings
     if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
@@ -102,33 +117,86 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     was_training = model.training
     model.eval()
     try:
+        steps = _steps(model, input_ids, attention_mask, max_new_tokens, use_cache, decoder)
         B = input_ids.shape[0]
-        mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
-        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = KVCache(capacity=input_ids.shape[1] + max_new_tokens) if use_cache else None
-        out, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        step_ids, step_pos = input_ids, positions
-        for _ in range(max_new_tokens):
-            logits = model(step_ids, attention_mask=None if mask is None else mask.bool(), position_ids=step_pos,
-                           kv_cache=cache, logits_to_keep=1).logits[:, -1]
-            if out is input_ids and not bool(torch.isfinite(logits).all()):  # checked once, on the prompt
-                raise ValueError("the model produced non-finite logits (NaN or inf) for the prompt: its weights are "
-                                 "diverged or corrupt; generate from an earlier checkpoint")
+        tokens, done = [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        logits = steps.first() if max_new_tokens else None
+        if logits is not None and not bool(torch.isfinite(logits).all()):  # checked once, on the prompt
+            raise ValueError("the model produced non-finite logits (NaN or inf) for the prompt: its weights are "
+                             "diverged or corrupt; generate from an earlier checkpoint")
+        for i in range(max_new_tokens):
             nxt = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
-            out = torch.cat((out, nxt[:, None]), dim=1)
-            if mask is not None:
-                mask = torch.cat((mask, mask.new_ones(B, 1)), dim=1)
-                new_pos = positions[:, -1:] + 1
-                positions = torch.cat((positions, new_pos), dim=1)
-            if eos_token_id is not None and bool(done.all()):
+            tokens.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
+            if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
                 break
-            if use_cache:
-                step_ids, step_pos = nxt[:, None], None if mask is None else positions[:, -1:]
-            else:
-                step_ids, step_pos = out, positions
-        return out
+            logits = steps.next(nxt)
+        return torch.cat((input_ids, torch.stack(tokens, dim=1)), dim=1) if tokens else input_ids
     finally:
         model.train(was_training)
+
+
+def _steps(model, input_ids, attention_mask, max_new_tokens: int, use_cache: bool, decoder: str):
+    """The forward passes of one generate call: `_GrowingCache` or a `StaticDecoder`, as `decoder` asks."""
+    device = input_ids.device
+    if decoder in ("static", "graph") and not use_cache:
+        raise ValueError(f"decoder={decoder!r} decodes on a KV cache, and use_cache=False asks for none; "
+                         f"drop one of them")
+    if decoder == "graph":
+        why = graph_unsupported(model, device)
+        if why is not None:
+            raise ValueError(f"decoder='graph' cannot run here: {why}; use decoder='auto' or 'dynamic'")
+    if decoder == "auto":
+        decoder = "graph" if use_cache and graph_unsupported(model, device) is None else "dynamic"
+    if decoder == "dynamic":
+        return _GrowingCache(model, input_ids, attention_mask, max_new_tokens, use_cache)
+    total = input_ids.shape[1] + max_new_tokens
+    capacity = capacity_for(total, model.config.max_position_embeddings)
+    static = decoder_for(model, input_ids.shape[0], capacity, device, graph=decoder == "graph")
+    return _Static(static, input_ids, attention_mask)
+
+
+class _Static:
+    """A `StaticDecoder`'s prefill and steps, as `generate` calls them."""
+
+    def __init__(self, decoder, input_ids, attention_mask):
+        self.decoder, self.input_ids = decoder, input_ids
+        self.mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
+
+    def first(self) -> torch.Tensor:
+        return self.decoder.start(self.input_ids, self.mask)
+
+    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder.step(tokens)
+
+
+class _GrowingCache:
+    """Forward passes on a `KVCache` grown as tokens come (or, without a cache, on the whole sequence)."""
+
+    def __init__(self, model, input_ids, attention_mask, max_new_tokens: int, use_cache: bool):
+        self.model, self.seq = model, input_ids
+        self.mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
+        self.positions = None if self.mask is None else (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = KVCache(capacity=input_ids.shape[1] + max_new_tokens) if use_cache else None
+
+    def first(self) -> torch.Tensor:
+        return self._forward(self.seq, self.positions)
+
+    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+        B = tokens.shape[0]
+        if self.mask is not None:
+            self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=1)
+            self.positions = torch.cat((self.positions, self.positions[:, -1:] + 1), dim=1)
+        if self.cache is not None:
+            return self._forward(tokens[:, None], None if self.positions is None else self.positions[:, -1:])
+        self.seq = torch.cat((self.seq, tokens[:, None]), dim=1)
+        return self._forward(self.seq, self.positions)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        mask = None if self.mask is None else self.mask.bool()
+        return self.model(ids, attention_mask=mask, position_ids=positions, kv_cache=self.cache,
+                          logits_to_keep=1).logits[:, -1]

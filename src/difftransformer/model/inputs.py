@@ -19,9 +19,11 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty")
-    # The range check reads the ids on the host, which would break a torch.compile graph;
-    # compiled, the embedding's own bounds check has to do.
-    if vocab_size is not None and not torch.compiler.is_compiling():
+    # The range check reads the ids on the host, which would break a torch.compile graph or a CUDA graph's
+    # capture; there the embedding's own bounds check has to do (a captured decoding step feeds it the ids
+    # that the step before it sampled, which lie in the vocabulary by construction).
+    if vocab_size is not None and not torch.compiler.is_compiling() and not (
+            input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
         if lo < 0 or hi >= vocab_size:
             bad = hi if hi >= vocab_size else lo
