@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEVICES, MedianInterval, machine, resolve_device, sync  # noqa: E402
+from common import DEVICES, MedianInterval, kernel_times, machine, print_trace, resolve_device, sync  # noqa: E402
 
 BACKEND_CHOICES = ("auto", "cpp", "sdpa", "triton", "eager")
 DEFAULT_BACKENDS = {"cpu": ("cpp", "sdpa"), "cuda": ("auto",)}
@@ -267,6 +267,35 @@ def _row(T: int, B: int, arms: list[Arm], cols, repeats: int, new_tokens: int,
     return "| " + " | ".join([str(T), str(B), *map(str, cells.values())]) + " |", cells
 
 
+def _trace_steps(models: dict, configs: dict, T: int, B: int, steps: int, device: torch.device) -> None:
+    """The kernels of `steps` decoding steps of each kind on a static KV cache, run eagerly (the kernels a CUDA
+    graph replays), after a prompt of T tokens in a batch of B: the first config of each kind."""
+    from difftransformer.model.static_decode import StaticDecoder
+
+    fns, walls = [], []
+    for _, k in KINDS:
+        cfg = next(c for n, c in configs.items() if n.startswith(f"{k} "))
+        model = models[id(cfg)]
+        decoder = StaticDecoder(model, B, T + 2 * steps + 1, device, graph=False)  # prompt, one step, 2 x steps
+        tokens = torch.zeros(B, dtype=torch.long, device=device)
+        with torch.no_grad():
+            decoder.start(torch.randint(3, 512, (B, T), device=device), None)
+            decoder.step(tokens)
+
+        def step(decoder=decoder, tokens=tokens):
+            with torch.no_grad():
+                decoder.step(tokens)
+
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        walls.append((time.perf_counter() - t0) / steps)
+        fns.append(step)
+    print_trace([kernel_times(fn, steps) for fn in fns], tuple(walls))
+
+
 def _compare_tokens(row: str, arms: list[Arm], notes: list[str]) -> None:
     """Each arm decoding otherwise than 'dynamic' against the 'dynamic' arm of its model: the greedy tokens of
     their warm-up calls, equal or where they first part (a near tie may flip under other rounding)."""
@@ -303,6 +332,9 @@ def _parse() -> tuple[argparse.Namespace, torch.device]:
     p.add_argument("--repeats", type=int, default=7,
                    help="timed rounds, every arm once per round (medians; ratios get a 95%% interval from 6 "
                         "rounds on); one warm-up round first (default 7)")
+    p.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                   help="then profile STEPS eager static-cache decoding steps of each kind at the last prompt and "
+                        "batch (the kernels a CUDA graph replays) and print each kernel's ms per step")
     p.add_argument("--no-llama", action="store_true", help="leave out transformers' Llama (always out on CUDA)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for every arm (default: PyTorch's own choice; CPU work only)")
@@ -313,6 +345,9 @@ def _parse() -> tuple[argparse.Namespace, torch.device]:
         p.error(str(e))
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be positive; got {args.threads}")
+    if 2 * args.trace + 1 > args.new_tokens:
+        p.error(f"--trace {args.trace} profiles 2 x {args.trace} steps after one, which must fit in the context of "
+                f"--new-tokens {args.new_tokens}; raise --new-tokens or lower --trace")
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be at least 2 (one prefill, then decoding steps); got {args.new_tokens}")
     if min(args.prompts) < 1 or min(args.batch) < 1 or args.repeats < 1:
@@ -369,6 +404,8 @@ def main() -> None:
             print(line, flush=True)
             rows.append((f"{T}/{B}", cells))
     print(_summary(rows))
+    if args.trace:
+        _trace_steps(models, configs, args.prompts[-1], args.batch[-1], args.trace, device)
     if first_calls:
         print("\nWarm-up round (a graph arm captures its step there; greedy tokens against the dynamic arm):\n- "
               + "\n- ".join(first_calls))

@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     kernel_times,
     machine,
     peak_memory_mib,
+    print_trace,
     resolve_device,
 )
 
@@ -194,20 +195,6 @@ def main() -> None:
           f"peak + resident {(mem[1] + res[1]) / max(mem[0] + res[0], 1e-9):.3f}x")
     if args.trace:
         print_trace([kernel_times(step, args.trace) for step in steps], (t_base, t_diff))
-
-
-def print_trace(kernels: list[dict[str, tuple[float, float]]], step_s: tuple[float, float], rows: int = 30) -> None:
-    """Each kernel's ms per step in both arms (from `kernel_times`), the largest differences first."""
-    base, diff = kernels
-    busy = [sum(ms for ms, _ in k.values()) for k in kernels]
-    print(f"\n## Kernels per step: Transformer {busy[0]:.1f} ms busy of {step_s[0] * 1e3:.1f}, "
-          f"DIFF {busy[1]:.1f} ms of {step_s[1] * 1e3:.1f}\n")
-    print("| kernel | Transformer ms | DIFF ms | DIFF - T ms | launches T / DIFF |")
-    print("|---|---|---|---|---|")
-    names = sorted(set(base) | set(diff), key=lambda n: -abs(diff.get(n, (0, 0))[0] - base.get(n, (0, 0))[0]))
-    for name in names[:rows]:
-        (tb, nb), (td, nd) = base.get(name, (0.0, 0)), diff.get(name, (0.0, 0))
-        print(f"| {name[:100]} | {tb:.3f} | {td:.3f} | {td - tb:+.3f} | {nb:g} / {nd:g} |")
 
 
 if __name__ == "__main__":

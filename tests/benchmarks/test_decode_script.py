@@ -54,21 +54,24 @@ class _SleepyLM(torch.nn.Module):
         time.sleep(self.first if self.calls == 0 else self.step)
         self.calls += 1
 
-    def generate(self, prompt, n):
+    def generate(self, prompt, n, on_token=None):
         self.calls = 0
         for _ in range(n + self.extra):
             self(prompt)
+            if on_token is not None:  # as our generate reports each new token, right after its forward
+                on_token(None)
 
 
-def test_one_generate_call_is_split_at_the_second_forward():
+@pytest.mark.parametrize("streams", [True, False], ids=["at the first token", "at the second forward"])
+def test_one_generate_call_is_split_where_the_first_token_is_known(streams):
     decode = _decode_module()
     lm = _SleepyLM(first=0.2, step=0.1)
-    arm = decode.Arm("x", lm, lm.generate, torch.device("cpu"))
-    prefill, rest = arm.timed(torch.zeros(1, 3), 4)  # a split one forward late or early would be off by 0.1 s
+    arm = decode.Arm("x", lm, lm.generate, torch.device("cpu"), streams=streams)
+    prefill, rest = arm.timed(torch.zeros(1, 3), 4)  # a split one step late or early would be off by 0.1 s
     assert 0.2 <= prefill < 0.29 and 0.3 <= rest < 0.39, (prefill, rest)
     lm2 = _SleepyLM(first=0.0, step=0.0, extra=1)
-    with pytest.raises(RuntimeError, match="generate of 4 tokens ran 5 forward calls, not 4"):
-        decode.Arm("y", lm2, lm2.generate, torch.device("cpu")).timed(torch.zeros(1, 3), 4)
+    with pytest.raises(RuntimeError, match="generate of 4 tokens reported 5 steps, not 4"):
+        decode.Arm("y", lm2, lm2.generate, torch.device("cpu"), streams=streams).timed(torch.zeros(1, 3), 4)
 
 
 def test_decode_benchmark_refuses_too_few_new_tokens():

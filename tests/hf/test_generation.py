@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
 
 from difftransformer.hf import DiffTransformerForCausalLM, compat, modeling  # noqa: E402
-from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
+from difftransformer.model import DiffTransformerConfig, DiffTransformerLM, static_decode  # noqa: E402
 
 VOCAB = 64
 
@@ -108,6 +108,60 @@ def test_a_batch_where_every_row_stops_ends_early(lean_calls, monkeypatch):
     lean, theirs = both(hf, lean_calls, monkeypatch, input_ids=ids, max_new_tokens=10, eos_token_id=eos,
                         pad_token_id=0, do_sample=False)
     assert torch.equal(lean, theirs) and lean.shape == (1, 5 + 2)
+
+
+@pytest.fixture
+def static_steps(monkeypatch) -> list:
+    """The lean loop's forward passes on a static KV cache (what CUDA replays from a graph), run eagerly here;
+    one entry per decoder handed out."""
+    made = []
+
+    def on_cpu(model, input_ids, max_length):
+        capacity = static_decode.capacity_for(max_length, model.config.max_position_embeddings)
+        made.append(static_decode.decoder_for(model, input_ids.shape[0], capacity, input_ids.device, graph=False,
+                                              runner=model.native))
+        return made[-1]
+
+    monkeypatch.setattr(modeling, "graph_decoder_for", on_cpu)
+    return made
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_static_cache_steps_give_transformers_tokens(case, lean_calls, static_steps, monkeypatch):
+    hf = wrapper()
+    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
+    lean, theirs = both(hf, lean_calls, monkeypatch, seed=11, input_ids=ids, **CASES[case])
+    assert len(static_steps) == 1 and torch.equal(lean, theirs)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_the_static_cache_steps_stop_and_pad_at_eos_with_left_padding(sample, lean_calls, static_steps, monkeypatch):
+    hf = wrapper()
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0
+    eos = _eos_of(hf, ids, 2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0,
+                  do_sample=sample, min_new_tokens=2)
+    lean, theirs = both(hf, lean_calls, monkeypatch, seed=3, **kwargs)
+    assert static_steps and torch.equal(lean, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_wrapper_decodes_from_a_graph_with_the_eager_tokens(lean_calls, monkeypatch):
+    hf = wrapper().cuda()
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8)).cuda()
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0
+    made = []
+    real = modeling.graph_decoder_for
+    monkeypatch.setattr(modeling, "graph_decoder_for", lambda *a: made.append(real(*a)) or made[-1])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    graph = hf.generate(**kwargs)
+    assert made[0] is not None and made[0].graph and made[0]._graph is not None  # it captured and replayed
+    monkeypatch.setattr(modeling, "graph_decoder_for", lambda *a: None)
+    assert torch.equal(graph, hf.generate(**kwargs))
 
 
 class _Never(StoppingCriteria):

@@ -253,20 +253,27 @@ def _sdpa(q, k, v, mask, causal: bool, scale: float, gqa: bool):
         is_causal = True
     elif causal and mask is None and T != S and T > 1:
         mask = _visibility(T, S, True, None, q.device)
-    empty_rows = None
-    if mask is not None:  # rows without a visible key attend to every key, then are zeroed: no host read,
-        empty_rows = ~mask.any(dim=-1, keepdim=True)  # so a masked call can run inside a CUDA graph
-        mask = mask | empty_rows
+    mask, empty_rows = _with_empty_rows_open(mask)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                          enable_gqa=gqa)
-    if empty_rows is not None:
-        out = out.masked_fill(empty_rows, 0.0)
-    return out
+    return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
+
+
+def _with_empty_rows_open(mask):
+    """(mask with every key opened in rows that see none, those rows) for SDPA, whose output the caller then
+    zeroes in those rows; (None, None) without a mask. Computed without reading the mask on the host, so a
+    masked call can run inside a CUDA graph."""
+    if mask is None:
+        return None, None
+    empty_rows = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty_rows, empty_rows
 
 
 def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
     B, two_h, T, d = q.shape
     h, h_kv, S = two_h // 2, k.shape[1] // 2, k.shape[2]
+    if T == 1:
+        return _diff_sdpa_row(q, k, v, lam, key_padding_mask, scale, gqa=h != h_kv)
     # Component-major head order [c0 of every head, c1 of every head]: with GQA, query head
     # c*h + i then reads kv head (c*h + i) // n_rep = c*h_kv + i // n_rep, exactly its own group.
     qc = q.view(B, h, 2, T, d).transpose(1, 2)
@@ -283,6 +290,20 @@ def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
     if o.dtype == lam.dtype:
         return torch.addcmul(o[:, 0], o[:, 1], lam, value=-1.0)  # o1 - lam * o2 in one pass
     return (o[:, 0].to(lam.dtype) - lam * o[:, 1].to(lam.dtype)).to(q.dtype)
+
+
+def _diff_sdpa_row(q, k, v, lam, key_padding_mask, scale, gqa: bool):
+    """A decoding step (one query row, which sees every key that is not padding): one SDPA call per softmax map
+    on strided views of q and k (component c of every head and kv group) and on v itself. Reordering the heads
+    into one call, as longer queries do, would copy every cached key and value at every step."""
+    mask, empty_rows = _with_empty_rows_open(_visibility(1, k.shape[2], True, key_padding_mask, q.device))
+    o1, o2 = (F.scaled_dot_product_attention(q[:, c::2], k[:, c::2], v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+              for c in (0, 1))
+    if o1.dtype == lam.dtype:
+        out = torch.addcmul(o1, o2, lam, value=-1.0)
+    else:
+        out = torch.addcmul(o1.to(lam.dtype), o2.to(lam.dtype), lam, value=-1.0).to(q.dtype)
+    return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
 
 
 def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from difftransformer.hf.compat import CACHE_KEY
+from difftransformer.model.static_decode import StaticDecoder, capacity_for, decoder_for, graph_unsupported
 
 # The step inputs generate() passes a decoder-only model on token ids (anything else: transformers' loop).
 _PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", CACHE_KEY, "position_ids", "use_cache"})
@@ -65,8 +66,12 @@ def lean_sample_applies(model, generation_config, synced_gpus: bool, streamer, s
 
 
 def lean_sample(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
-                model_kwargs: dict) -> torch.Tensor:
-    """transformers' `_sample` loop for a call `lean_sample_applies` to; returns the (B, T + n) token ids."""
+                model_kwargs: dict, decoder: StaticDecoder | None = None) -> torch.Tensor:
+    """transformers' `_sample` loop for a call `lean_sample_applies` to; returns the (B, T + n) token ids.
+
+    decoder: None runs the forward passes as transformers does (its prefill, then one model call per step on
+    its cache); a `StaticDecoder` (from `graph_decoder_for`) runs them on a static KV cache, each step replayed
+    from a CUDA graph: the same logits up to rounding, chosen and stopped by the same code below."""
     eos = [c for c in stopping_criteria if type(c) is EosTokenCriteria]
     max_length = stopping_criteria.max_length
     pad = generation_config._pad_token_tensor
@@ -74,12 +79,11 @@ def lean_sample(model, input_ids: torch.Tensor, logits_processor, stopping_crite
         pad = pad.to(input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     do_sample, processors = generation_config.do_sample, len(logits_processor) > 0
-    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
-    with model._optimize_model_for_decode():
+    steps = (_transformers_steps(model, input_ids, generation_config, model_kwargs) if decoder is None
+             else _static_steps(decoder, input_ids, model_kwargs.get("attention_mask")))
+    try:
+        logits = next(steps)
         while True:
-            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-            logits = outputs.logits[:, -1]
-            del outputs
             if processors:  # a processor may write into its input: give it a copy, as transformers does
                 scores = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32, device=input_ids.device))
             else:
@@ -98,6 +102,36 @@ def lean_sample(model, input_ids: torch.Tensor, logits_processor, stopping_crite
                     unfinished = unfinished & ~criterion(input_ids, None)
                 if unfinished.max() == 0:
                     break
+            logits = steps.send(input_ids)
+    finally:
+        steps.close()
+    return input_ids
+
+
+def _transformers_steps(model, input_ids, generation_config, model_kwargs):
+    """The last position's logits of transformers' prefill, then of one step per `send(input_ids)`."""
+    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    with model._optimize_model_for_decode():
+        while True:
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+            logits = outputs.logits[:, -1]
+            del outputs
+            input_ids = yield logits
             model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
             outputs = model(**model_inputs, return_dict=True)
-    return input_ids
+
+
+def _static_steps(decoder: StaticDecoder, input_ids, attention_mask):
+    """The same logits from a `StaticDecoder`: its prefill of the prompt, then a step per `send(input_ids)`."""
+    input_ids = yield decoder.start(input_ids, attention_mask)
+    while True:
+        input_ids = yield decoder.step(input_ids[:, -1])
+
+
+def graph_decoder_for(model, input_ids: torch.Tensor, max_length: int) -> StaticDecoder | None:
+    """A CUDA-graph `StaticDecoder` for this call of the wrapper `model` (on the native model sharing its
+    modules), or None where a graph cannot run (not CUDA, a score hook, a trace: `graph_unsupported`)."""
+    if graph_unsupported(model, input_ids.device) is not None:
+        return None
+    capacity = capacity_for(max_length, model.config.max_position_embeddings)
+    return decoder_for(model, input_ids.shape[0], capacity, input_ids.device, graph=True, runner=model.native)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -189,8 +190,11 @@ def _tensors(entry: tuple) -> list[torch.Tensor]:
     return [lam] if norm is None else [lam, norm[0]]
 
 
-def decoder_for(model: nn.Module, batch: int, capacity: int, device: torch.device, graph: bool) -> StaticDecoder:
-    """A `StaticDecoder` for these sizes, reused from the model's two most recent ones when it matches."""
+def decoder_for(model: nn.Module, batch: int, capacity: int, device: torch.device, graph: bool,
+                runner: Callable[[], nn.Module] | None = None) -> StaticDecoder:
+    """A `StaticDecoder` for these sizes, reused from the model's two most recent ones when it matches.
+    runner: makes the module whose forward the decoder calls, when that is not `model` itself (the transformers
+    wrapper decodes on the native model sharing its modules); called only when a decoder is made."""
     key = (batch, capacity, device, graph, torch.is_inference_mode_enabled(), torch.is_autocast_enabled(device.type),
            tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()))
     held: OrderedDict = _DECODERS.setdefault(model, OrderedDict())
@@ -198,7 +202,7 @@ def decoder_for(model: nn.Module, batch: int, capacity: int, device: torch.devic
     if decoder is None:
         while len(held) >= _KEEP:
             held.popitem(last=False)
-        decoder = StaticDecoder(model, batch, capacity, device, graph)
+        decoder = StaticDecoder(model if runner is None else runner(), batch, capacity, device, graph)
     held[key] = decoder
     return decoder
 
