@@ -196,3 +196,17 @@ def test_cuda_graph_decoding_gives_the_eager_greedy_tokens(kind, dtype):
             assert torch.equal(graph, eager) and torch.equal(again, eager)
         else:  # bf16: the masked kernel rounds differently; a near tie may flip late, never the first tokens
             assert torch.equal(graph[:, :32], eager[:, :32]) and torch.equal(again, graph)
+
+
+def test_what_keeps_a_step_out_of_a_cuda_graph_is_named():
+    from difftransformer.attention.decode import graph_refusal
+
+    model = DiffTransformerLM(tiny("diff")).eval()
+    assert graph_refusal(model) is None
+    model.layers[1].self_attn.score_hook = lambda scores, visible: None
+    assert "score hook" in graph_refusal(model)
+    model.layers[1].self_attn.score_hook = None
+    with _Recorder():
+        assert "observing the calls" in graph_refusal(model)
+    model.layers[0].self_attn.backend = "triton"
+    assert "backend is 'triton', which takes no key mask" in graph_refusal(model)

@@ -1,4 +1,5 @@
-"""Decoding's seam: where a decoding step leaves the general route, and what a layer holds for a KV cache's life.
+"""Decoding's seam: where a decoding step leaves the general route, what a layer holds for a KV cache's life, and
+what keeps a step out of a CUDA graph (`graph_refusal`).
 
 A decoding step calls attention once per layer and token with one query row per head. Two things make
 that call differ from the general route of `functional.py`, and both live here, nowhere else:
@@ -110,3 +111,20 @@ def _holdable(layer: nn.Module) -> bool:
         return False
     grad = torch.is_grad_enabled()
     return all(type(p) is nn.Parameter and not (grad and p.requires_grad) for p in layer.parameters())
+
+
+def graph_refusal(model: nn.Module) -> str | None:
+    """Why the attention layers in `model` cannot run a static KV cache's decoding step inside a CUDA graph, or
+    None when they can: nothing may observe op calls (a replay runs none of them), no layer may have a score hook
+    (a replay would not call it), and no layer may pin the 'triton' backend (it takes no key mask, and the step
+    attends over the cache's whole buffer under one)."""
+    if ops_observed():
+        return "torch.compile, a jit trace or a torch function/dispatch mode is observing the calls"
+    for module in model.modules():
+        if getattr(module, "score_hook", None) is not None:
+            return "a layer has a score hook, which a replayed graph would not call"
+        if getattr(module, "backend", None) == "triton":
+            return ("a layer's attention backend is 'triton', which takes no key mask; a static cache's step "
+                    "needs one (use 'auto' or 'sdpa')")
+    return None
+

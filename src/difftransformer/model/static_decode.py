@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from difftransformer.attention import StaticKVCache
-from difftransformer.kernels import ops_observed
+from difftransformer.attention.decode import graph_refusal
 
 DECODERS = ("auto", "dynamic", "static", "graph")
 CAPACITY_BUCKET = 256  # a static cache's capacity is rounded up to this, so nearby lengths share a graph
@@ -58,17 +58,9 @@ def graph_unsupported(model: nn.Module, device: torch.device) -> str | None:
         return f"CUDA graphs need a CUDA device, and the input is on {device.type}"
     if torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is already being captured"
-    if ops_observed():
-        return "torch.compile, a jit trace or a torch function/dispatch mode is observing the calls"
-    for module in model.modules():
-        if getattr(module, "score_hook", None) is not None:
-            return "a layer has a score hook, which a replayed graph would not call"
-        if getattr(module, "backend", None) == "triton":
-            return ("a layer's attention backend is 'triton', which takes no key mask; a static cache's step "
-                    "needs one (use 'auto' or 'sdpa')")
     if any(type(p.data) is not torch.Tensor for p in model.parameters()):
         return "the parameters are not plain tensors (sharded?)"
-    return None
+    return graph_refusal(model)
 
 
 def capacity_for(total: int, limit: int) -> int:
