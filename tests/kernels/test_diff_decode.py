@@ -186,8 +186,8 @@ def test_no_keys_and_no_rows():
 @pytest.mark.parametrize("splits", [None, 1, 3, 64, 1000])
 def test_split_plan(S, rows, splits):
     """Whole blocks per split, no empty split, at most one split per block and MAX_SPLITS."""
-    n_split, per_split = split_plan(S, rows, 64, torch.device(DEVICE), splits)
-    block_n = diff_decode.block_n_for(64)
+    n_split, per_split = split_plan(S, rows, 64, torch.bfloat16, torch.device(DEVICE), splits)
+    block_n = diff_decode.tile_for(64, torch.bfloat16)[0]
     assert per_split % block_n == 0 and 1 <= n_split <= diff_decode.MAX_SPLITS
     assert (n_split - 1) * per_split < max(S, 1) <= n_split * per_split
     if splits is not None:

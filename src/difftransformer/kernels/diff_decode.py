@@ -33,8 +33,8 @@ step can be captured in a CUDA graph:
     kernel 2, grid (B * h): merges the n_split partials of a row (rescaling each by exp2(m_s - max m)),
         forms acc1 / l1 - lam * acc2 / l2, rounds, applies the optional norm and stores.
 Workspace: fp32 (B * h, n_split, 4d + 4), each row [acc1 (2d), acc2 (2d), m1, l1, m2, l2], scores in
-log2 units. n_split depends on host integers only (S, B * h, the device's SM count), so a captured graph
-stays valid for its shapes; every split gets at least one key block and none is empty.
+log2 units. n_split depends on host values only (S, B * h, d, the dtype, the device's SM count), so a
+captured graph stays valid for its shapes; every split gets at least one key block and none is empty.
 """
 
 import contextlib
@@ -50,6 +50,7 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # kernel 2 reads the splits' statistics as one vector of at most this many
 _INTERPRET_PROGRAMS = 8  # the interpreter's stand-in for "enough programs to fill the device"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROGRAMS_PER_SM = 10
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -61,15 +62,23 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def block_n_for(d: int) -> int:
-    """Keys per block: 32 in the interpreter (still several blocks at test sizes), else 64 up to d = 64, 32 above."""
+def tile_for(d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N keys per block, warps) of kernel 1. One warp per program (its reductions stay inside the warp;
+    parallelism comes from many programs, see `split_plan`) with 16-key blocks, or 32 for half-precision
+    inputs with 64 < d <= 128; above d = 128, one more warp per 128 columns. In the interpreter: 32 keys
+    (still several blocks at test sizes). None of these spills registers on sm_90 (ptxas -v)."""
     if _INTERPRET:
-        return 32
-    return 64 if d <= 64 else 32
+        return 32, 1
+    block_d = _pow2(d)
+    if block_d <= 64:
+        return 16, 1
+    if block_d == 128:
+        return (16 if dtype == torch.float32 else 32), 1
+    return 16, block_d // 128
 
 
 def _target_programs(device: torch.device) -> int:
-    """How many programs kernel 1 should have to fill the device: two per SM on CUDA."""
+    """How many programs kernel 1 should have to fill the device: _PROGRAMS_PER_SM per SM on CUDA."""
     if device.type != "cuda":
         return _INTERPRET_PROGRAMS
     return _cuda_programs(device.index if device.index is not None else torch.cuda.current_device())
@@ -77,17 +86,19 @@ def _target_programs(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_programs(index: int) -> int:
-    return 2 * torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_plan(S: int, rows: int, d: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
+def split_plan(S: int, rows: int, d: int, dtype: torch.dtype, device: torch.device,
+               splits: int | None = None) -> tuple[int, int]:
     """(n_split, keys_per_split) for `rows` = B * h query rows over S keys.
 
-    Without `splits`, n_split is enough splits for rows * n_split to reach `_target_programs` (two per SM),
-    at most one per key block and at most MAX_SPLITS. With `splits`, that many are wanted (capped the same
-    way). Either way keys_per_split is then a whole number of blocks and n_split = cdiv(S, keys_per_split),
-    so no split is empty: e.g. 3 splits over 4 blocks become 2 splits of 2 blocks."""
-    block_n = block_n_for(d)
+    Without `splits`, n_split is enough splits for rows * n_split to reach `_target_programs`
+    (_PROGRAMS_PER_SM per SM: one-warp programs need many to keep the memory system busy), at most one per
+    key block and at most MAX_SPLITS. With `splits`, that many are wanted (capped the same way). Either way
+    keys_per_split is then a whole number of blocks and n_split = cdiv(S, keys_per_split), so no split is
+    empty: e.g. 3 splits over 4 blocks become 2 splits of 2 blocks."""
+    block_n = tile_for(d, dtype)[0]
     n_blocks = max(1, _cdiv(S, block_n))
     wanted = _cdiv(_target_programs(device), max(rows, 1)) if splits is None else splits
     wanted = max(1, min(wanted, n_blocks, MAX_SPLITS))
@@ -308,7 +319,8 @@ def diff_decode_attention(q, k, v, lam, *, key_padding_mask=None, scale=None, ou
     rows = B * h
     if rows == 0:
         return out
-    n_split, keys_per_split = split_plan(S, rows, d, q.device, splits)
+    n_split, keys_per_split = split_plan(S, rows, d, q.dtype, q.device, splits)
+    block_n, warps = tile_for(d, q.dtype)
     ws = torch.empty(rows * n_split * (4 * d + 4), device=q.device, dtype=torch.float32)
     scale = float(d ** -0.5 if scale is None else scale)
     block_d, block_dv = max(16, _pow2(d)), max(16, _pow2(2 * d))
@@ -321,8 +333,8 @@ def diff_decode_attention(q, k, v, lam, *, key_padding_mask=None, scale=None, ou
         _decode_split_kernel[(rows, n_split)](
             q, k, v, mask, ws, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), sm_b, sm_s, h, h // h_kv, S, keys_per_split, scale * _LOG2E,
-            HEAD_D=d, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n_for(d),
-            HAS_MASK=key_padding_mask is not None, num_warps=4)
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,
+            HAS_MASK=key_padding_mask is not None, num_warps=warps)
         _decode_merge_kernel[(rows,)](
             ws, lam, out, weight, out.stride(0), out.stride(1), h, n_split, eps,
             HEAD_D=d, BLOCK_DV=block_dv, BLOCK_SPLIT=max(2, _pow2(n_split)), NORM=out_norm is not None,
@@ -330,4 +342,4 @@ def diff_decode_attention(q, k, v, lam, *, key_padding_mask=None, scale=None, ou
     return out
 
 
-__all__ = ["MAX_SPLITS", "block_n_for", "diff_decode_attention", "split_plan"]
+__all__ = ["MAX_SPLITS", "diff_decode_attention", "split_plan", "tile_for"]
