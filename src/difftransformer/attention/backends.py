@@ -3,9 +3,11 @@
     eager   explicit maps in the compute dtype; the only backend that can return them
     sdpa    torch.nn.functional.scaled_dot_product_attention (FlashAttention/cuDNN/efficient on CUDA)
     cpp     the fused C++ CPU kernel (differential and ordinary attention), fp32 compute
-    triton  the fused Triton kernel for DIFFERENTIAL attention (CUDA, or the Triton interpreter)
-    auto    triton on CUDA for fp16/bf16 differential attention without key padding, when Triton runs;
-            cpp on CPU for fp32 and half-precision inputs, when it builds; else sdpa
+    triton  the fused Triton kernels for DIFFERENTIAL attention (CUDA, or the Triton interpreter): one for
+            whole sequences (no key padding), one for a decoding step (`decode_row`: one query row, no
+            gradient; key padding allowed, as a static KV cache's step needs)
+    auto    triton on CUDA for fp16/bf16 differential attention without key padding (or a decoding step),
+            when Triton runs; cpp on CPU for fp32 and half-precision inputs, when it builds; else sdpa
 
 Ordinary attention (the matched baseline, DIFF V2's paired heads) has no Triton kernel here: on
 CUDA the fastest ordinary attention is PyTorch's own FlashAttention behind SDPA, so asking for
@@ -33,12 +35,13 @@ def check_backend_name(backend: str) -> None:
 
 
 def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = False, has_padding: bool = False,
-                    dtype: torch.dtype | None = None, ordinary: bool = False) -> str:
+                    dtype: torch.dtype | None = None, ordinary: bool = False, decode_row: bool = False) -> str:
     """The concrete backend for one attention call ('auto' resolved, impossible requests refused).
 
     device/dtype: of the inputs (dtype None: not known yet); ordinary: the call is
     `multihead_attention` (the baseline's, or DIFF V2's paired heads), not `differential_attention`;
-    need_maps: the caller wants the attention maps, or a score hook that reads the explicit logits.
+    need_maps: the caller wants the attention maps, or a score hook that reads the explicit logits;
+    decode_row: a differential call with one query row and no gradient, whose Triton kernel takes key padding.
     """
     check_backend_name(backend)
     if need_maps:
@@ -47,9 +50,9 @@ def resolve_backend(backend: str, device: torch.device, *, need_maps: bool = Fal
                              f"not {backend!r}; use backend 'eager' or 'auto'")
         return "eager"
     if backend == "auto":
-        return _auto(device, has_padding, dtype, ordinary)
+        return _auto(device, has_padding and not decode_row, dtype, ordinary)
     if backend == "triton":
-        _check_triton(has_padding, dtype, ordinary, device)
+        _check_triton(has_padding and not decode_row, dtype, ordinary, device)
     if backend == "cpp":
         _check_cpp(device, dtype)
     return backend
@@ -77,8 +80,8 @@ def _check_triton(has_padding: bool, dtype: torch.dtype | None, ordinary: bool, 
                          "(the Transformer baseline, DIFF V2) has no Triton kernel here. Use 'auto' or 'sdpa' "
                          "(PyTorch's FlashAttention on CUDA), or 'cpp' on CPU")
     if has_padding:
-        raise ValueError("the 'triton' backend supports causal/non-causal masks only, not key padding; "
-                         "use backend='sdpa' (or 'auto') for padded batches")
+        raise ValueError("the 'triton' backend supports causal/non-causal masks only, not key padding (except in a "
+                         "one-row decoding call without gradients); use backend='sdpa' (or 'auto') for padded batches")
     if dtype is not None and dtype not in _FUSED_DTYPES:
         raise ValueError(f"the 'triton' kernel computes in fp32 at most and would round {dtype} inputs; "
                          f"use backend 'sdpa' or 'eager' (or 'auto', which picks sdpa for {dtype})")

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from difftransformer.attention.backends import resolve_backend
 from difftransformer.attention.decode import cpu_decode_diff, cpu_decode_ordinary
+from difftransformer.kernels import ops_observed
 from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu, flash_attention_cpu
 from difftransformer.norm import compute_dtype
 
@@ -177,8 +178,9 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     f = compute_dtype(q)
     if not (isinstance(lam, torch.Tensor) and lam.dtype == f and lam.device == q.device):  # skips as_tensor + to
         lam = torch.as_tensor(lam, device=q.device).to(f)
+    decode_row = q.shape[2] == 1 and not need_maps and _no_gradient(q, k, v, lam, out_norm) and not ops_observed()
     which = resolve_backend(backend, q.device, need_maps=need_maps, has_padding=key_padding_mask is not None,
-                            dtype=q.dtype)
+                            dtype=q.dtype, decode_row=decode_row)
     if which == "eager":
         out, maps = _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook)
         out = _apply_out_norm(out, out_norm)
@@ -188,10 +190,22 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     if which == "cpp":
         return diff_flash_attention_cpu(q, k, v, lam, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                                         out_norm=out_norm)
+    if decode_row:  # one query row sees every key but padding, causal or not: the decoding kernel
+        from difftransformer.kernels.diff_decode import diff_decode_attention
+
+        return diff_decode_attention(q, k, v, lam, key_padding_mask=key_padding_mask, scale=scale, out_norm=out_norm)
     from difftransformer.kernels.diff_flash import diff_flash_attention
 
     return diff_flash_attention(q, k, v, lam, causal=causal, scale=scale, deterministic=deterministic,
                                 out_norm=out_norm)
+
+
+def _no_gradient(q, k, v, lam, out_norm) -> bool:
+    """Whether no gradient can flow from this call (the decoding kernel has no backward)."""
+    if not torch.is_grad_enabled():
+        return True
+    return not (q.requires_grad or k.requires_grad or v.requires_grad or lam.requires_grad
+                or (out_norm is not None and out_norm[0].requires_grad))
 
 
 def _apply_out_norm(out: torch.Tensor, out_norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
