@@ -75,18 +75,31 @@ CASES = {
 }
 
 
+STEPS = ["transformers_steps", "static_cache_steps"]
+
+
+def _steps(request, which: str) -> None:
+    """Run the lean loop's forward passes as transformers does, or on a static KV cache (`static_steps`)."""
+    if which == "static_cache_steps":
+        request.getfixturevalue("static_steps")
+
+
+@pytest.mark.parametrize("which", STEPS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_lean_loop_gives_transformers_tokens(case, lean_calls, monkeypatch):
+def test_lean_loop_gives_transformers_tokens(case, which, lean_calls, monkeypatch, request):
+    _steps(request, which)
     hf = wrapper()
     ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
     lean, theirs = both(hf, lean_calls, monkeypatch, seed=11, input_ids=ids, **CASES[case])
     assert lean.shape == theirs.shape and torch.equal(lean, theirs)
 
 
+@pytest.mark.parametrize("which", STEPS)
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
-def test_eos_stops_rows_and_pads_them_as_transformers_does(sample, lean_calls, monkeypatch):
+def test_eos_stops_rows_and_pads_them_as_transformers_does(sample, which, lean_calls, monkeypatch, request):
     """An EOS that row 0 emits early: that row is padded with the pad id afterwards while the others go on,
     with left-padded prompts (attention mask) and a processor that needs the EOS (min_new_tokens)."""
+    _steps(request, which)
     hf = wrapper()
     ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8))
     mask = torch.ones_like(ids)
@@ -111,7 +124,7 @@ def test_a_batch_where_every_row_stops_ends_early(lean_calls, monkeypatch):
 
 
 @pytest.fixture
-def static_steps(monkeypatch) -> list:
+def static_steps(monkeypatch):
     """The lean loop's forward passes on a static KV cache (what CUDA replays from a graph), run eagerly here;
     one entry per decoder handed out."""
     made = []
@@ -123,28 +136,8 @@ def static_steps(monkeypatch) -> list:
         return made[-1]
 
     monkeypatch.setattr(modeling, "graph_decoder_for", on_cpu)
-    return made
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_static_cache_steps_give_transformers_tokens(case, lean_calls, static_steps, monkeypatch):
-    hf = wrapper()
-    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(5))
-    lean, theirs = both(hf, lean_calls, monkeypatch, seed=11, input_ids=ids, **CASES[case])
-    assert len(static_steps) == 1 and torch.equal(lean, theirs)
-
-
-@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
-def test_the_static_cache_steps_stop_and_pad_at_eos_with_left_padding(sample, lean_calls, static_steps, monkeypatch):
-    hf = wrapper()
-    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(8))
-    mask = torch.ones_like(ids)
-    mask[2, :3] = 0
-    eos = _eos_of(hf, ids, 2)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0,
-                  do_sample=sample, min_new_tokens=2)
-    lean, theirs = both(hf, lean_calls, monkeypatch, seed=3, **kwargs)
-    assert static_steps and torch.equal(lean, theirs)
+    yield made
+    assert made, "the lean loop never asked for a static-cache decoder"
 
 
 @pytest.mark.gpu
