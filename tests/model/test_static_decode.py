@@ -176,6 +176,18 @@ def test_decoders_are_reused_per_size_and_rebuilt_for_new_parameters():
     release_decoders(model)
 
 
+def test_a_models_held_decoders_do_not_keep_it_alive():
+    import gc
+    import weakref
+
+    model = DiffTransformerLM(tiny("diff")).eval()
+    model.generate(torch.randint(0, 512, (1, 5)), 3, decoder="static")
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

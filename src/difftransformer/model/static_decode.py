@@ -71,10 +71,14 @@ def capacity_for(total: int, limit: int) -> int:
 class StaticDecoder:
     """Prefill and single-token steps on a `StaticKVCache` of `capacity` for `batch` rows (see the module doc)."""
 
-    def __init__(self, model: nn.Module, batch: int, capacity: int, device: torch.device, graph: bool) -> None:
+    def __init__(self, model: nn.Module, batch: int, capacity: int, device: torch.device, graph: bool,
+                 weak: bool = False) -> None:
+        """weak: hold `model` by a weak reference (the model's own cache of decoders, `decoder_for`, must not keep
+        the model alive)."""
         if graph and device.type != "cuda":
             raise ValueError(f"a CUDA-graph decoder needs a CUDA device, got {device}; use graph=False")
-        self.model, self.graph, self.capacity = model, graph, capacity
+        self._model = weakref.ref(model) if weak else (lambda: model)
+        self.graph, self.capacity = graph, capacity
         self.cache = StaticKVCache(capacity)
         long = dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(batch, 1, **long)
@@ -84,6 +88,10 @@ class StaticDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None  # the captured step's output
         self._warm = False
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Write the (B, T) prompt into the cache; returns its last position's (B, V) logits."""
@@ -194,7 +202,8 @@ def decoder_for(model: nn.Module, batch: int, capacity: int, device: torch.devic
     if decoder is None:
         while len(held) >= _KEEP:
             held.popitem(last=False)
-        decoder = StaticDecoder(model if runner is None else runner(), batch, capacity, device, graph)
+        decoder = (StaticDecoder(model, batch, capacity, device, graph, weak=True) if runner is None
+                   else StaticDecoder(runner(), batch, capacity, device, graph))
     held[key] = decoder
     return decoder
 
