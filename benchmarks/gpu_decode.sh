@@ -7,7 +7,9 @@
 #      kinds decoding from a CUDA graph and on the growing cache, interleaved round by round (tokens/s, the
 #      graph/dynamic speed-up per kind, DIFF/T per decoder, the warm-up round's capture cost and token check),
 #      then the kernels of 20 static-cache steps of each kind at 2048 x 8 (what the graph replays);
-#   3. the same check in fp32 at one row, where rounding cannot flip a greedy token.
+#   3. the same check in fp32 at one row, where rounding cannot flip a greedy token;
+#   4. benchmarks/decode_attention_gpu.py: one masked decoding step's attention, T on SDPA, DIFF on its SDPA route
+#      and on the Triton decoding kernel, each replayed from CUDA graphs.
 # Logs go to $OUT (the device tool's folder) or runs/gpu.
 #
 #     bash benchmarks/gpu_decode.sh
@@ -27,3 +29,4 @@ timeout 270 $PY benchmarks/decode.py --device cuda --preset gpu-small --precisio
     --batch 1 8 --new-tokens 128 --repeats 6 --trace 20 2>&1 | tee "$OUT/decode_graph.md"
 timeout 80 $PY benchmarks/decode.py --device cuda --preset gpu-small --precision fp32 --prompts 512 --batch 8 \
     --new-tokens 64 --repeats 2 2>&1 | tee "$OUT/decode_graph_fp32.md"
+timeout 60 $PY benchmarks/decode_attention_gpu.py --repeats 9 2>&1 | tee "$OUT/decode_attention_gpu.md"
