@@ -57,3 +57,20 @@ def test_a_table_built_in_inference_mode_serves_training():
     out = rope.rotate(x, rope.rotation(torch.arange(4), start=0))
     out.square().sum().backward()  # an inference tensor saved for backward would raise here
     assert x.grad is not None
+
+
+def test_compiled_rope_is_real_arithmetic_and_matches_the_formula():
+    """Under torch.compile the rotation is (cos, sin) pairs: Inductor fuses the rotation into one kernel instead
+    of copying into and out of complex layout around an eager multiply, and the values are the formula's."""
+    from torch._inductor.utils import run_and_get_code
+
+    rope = RotaryEmbedding(16, theta=500.0)
+    x = torch.randn(2, 5, 3, 16).transpose(1, 2)  # (B, H, T, d) as a layer's projection view
+    for pos in (torch.arange(3, 8), torch.stack([torch.arange(5), torch.arange(2, 7)])):  # (T,), per row (B, T)
+        compiled = torch.compile(lambda x, pos: rope(x, pos), fullgraph=True, dynamic=False)
+        out, codes = run_and_get_code(compiled, x, pos)
+        assert not any("complex" in code for code in codes)
+        want = (rope_reference(x, pos.tolist(), 500.0) if pos.dim() == 1 else
+                torch.stack([rope_reference(x[b], pos[b].tolist(), 500.0) for b in range(2)]))
+        assert rel_err(out, want) <= 1e-6
+        torch._dynamo.reset()

@@ -49,7 +49,11 @@ class RotaryEmbedding(nn.Module):
         once with the same float64 arithmetic (so the same values), instead of ~10 ops per layer and
         token while decoding. bound: set when every position is known to lie in [0, bound) (a static KV
         cache's capacity): the rotation is gathered from that table by the positions, without reading them
-        on the host (a CUDA-graph step). Otherwise it is computed directly."""
+        on the host (a CUDA-graph step). Otherwise it is computed directly.
+
+        Under torch.compile it is (cos, sin) pairs instead, a real (..., dim/2, 2) tensor: Inductor generates
+        no kernels for complex tensors, so a complex rotation there ran as copies into and out of complex
+        layout around an eager multiply (four copies per layer); `rotate` takes either form."""
         if not torch.compiler.is_compiling():
             if start is not None and positions.dim() == 1:
                 n = positions.shape[0]
@@ -58,6 +62,9 @@ class RotaryEmbedding(nn.Module):
                 rotation = self._table(bound, dtype, positions.device)[positions]
                 return rotation[:, None] if rotation.dim() == 3 else rotation
         cos, sin = self.angles(positions, dtype)
+        if torch.compiler.is_compiling():
+            pairs = torch.stack((cos, sin), dim=-1)
+            return pairs[:, None] if pairs.dim() == 4 else pairs
         rotation = torch.complex(cos, sin)
         return rotation[:, None] if rotation.dim() == 3 else rotation
 
@@ -75,8 +82,13 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         """Apply a `rotation()` table to x (..., T, dim); computed in `compute_dtype(x)`, returned in x's dtype."""
         # Pair (x[2i], x[2i+1]) is the complex number x[2i] + i x[2i+1]; rotating it is one complex
-        # multiply (x0 cos - x1 sin, x0 sin + x1 cos), far faster than strided real arithmetic.
+        # multiply (x0 cos - x1 sin, x0 sin + x1 cos), far faster in eager mode than strided real arithmetic.
+        # Real (cos, sin) pairs (under torch.compile) get that arithmetic written out, which Inductor fuses.
         xf = x.to(compute_dtype(x))
+        if not rotation.is_complex():
+            x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)
+            cos, sin = rotation.unbind(-1)
+            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
         if not torch.compiler.is_compiling() and not _pairs_adjacent(xf):
             xf = xf.contiguous()  # view_as_complex needs pairs adjacent in memory
         z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
