@@ -53,7 +53,7 @@ from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import graph_decoder_for, lean_sample, lean_sample_applies, sample_arguments
 from difftransformer.model import DiffTransformerLM
-from difftransformer.model.inputs import check_input_ids, keep_last_positions
+from difftransformer.model.inputs import check_input_ids, keep_last_positions, positions_from_mask
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
@@ -409,7 +409,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         self._check_length(past + T)
         mask = _key_mask(attention_mask, B, past + T)  # None without padding: the default positions, fast paths
         if position_ids is None and mask is not None:
-            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            position_ids = positions_from_mask(mask)[:, -T:]
         if output_attentions:
             with self._maps_backend():
                 x, hidden, maps = self._blocks(x, mask, position_ids, cache, True, output_hidden_states)

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from difftransformer.attention import KVCache
-from difftransformer.model.inputs import check_input_ids
+from difftransformer.model.inputs import check_input_ids, positions_from_mask
 from difftransformer.model.static_decode import capacity_for, check_decoder, decoder_for, graph_unsupported
 
 
@@ -101,7 +101,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     tokens come; 'static': a cache of fixed capacity, every step the same kernels on the same memory;
     'graph': that step captured once in a CUDA graph and replayed (CUDA only), which removes the launch
     overhead that bounds a small model's decoding on a GPU; 'auto': 'graph' on CUDA where a graph can run
-    (no score hook, no torch.compile trace, no 'triton' attention backend), else 'dynamic'. All give the
+    (no score hook, no torch.compile trace: `static_decode.graph_unsupported`), else 'dynamic'. All give the
     same tokens up to rounding (greedy tokens equal; tests compare them). use_cache=False recomputes the
     whole sequence at each step (no cache, so 'dynamic').
 
@@ -180,7 +180,7 @@ class _GrowingCache:
     def __init__(self, model, input_ids, attention_mask, max_new_tokens: int, use_cache: bool):
         self.model, self.seq = model, input_ids
         self.mask = None if attention_mask is None else attention_mask.to(input_ids.device, torch.long)
-        self.positions = None if self.mask is None else (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.positions = None if self.mask is None else positions_from_mask(self.mask)
         self.cache = KVCache(capacity=input_ids.shape[1] + max_new_tokens) if use_cache else None
 
     def first(self) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""What a causal LM's forward takes: token ids checked once, and which positions get logits.
+"""What a causal LM's forward takes: token ids checked once, positions from a padding mask, and which positions
+get logits.
 
 Shared by the native model (`modeling`), its `generate` (`generation`) and the transformers wrapper
 (`difftransformer.hf`), so each states the same rule in the same words.
@@ -39,3 +40,10 @@ def keep_last_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0 (0 keeps every position), got {logits_to_keep}")
     return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position, counting only the tokens its row keeps: (B, S) 1/True for real tokens, 0 for left
+    padding, in; (B, S) int64 out, 0 at the padding. So a left-padded row gets the positions it would have alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+

@@ -39,6 +39,7 @@ from torch import nn
 
 from difftransformer.attention import StaticKVCache
 from difftransformer.attention.decode import graph_refusal
+from difftransformer.model.inputs import positions_from_mask
 
 DECODERS = ("auto", "dynamic", "static", "graph")
 CAPACITY_BUCKET = 256  # a static cache's capacity is rounded up to this, so nearby lengths share a graph
@@ -99,7 +100,7 @@ class StaticDecoder:
         self.cache.reset()
         held, self.cache.constants = self.cache.constants, {}
         mask = None if attention_mask is None else attention_mask.bool()
-        positions = None if mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = None if mask is None else positions_from_mask(attention_mask)
         logits = self.model(input_ids, attention_mask=mask, position_ids=positions, kv_cache=self.cache,
                             logits_to_keep=1).logits[:, -1]
         self.cache.advance(T)
