@@ -88,9 +88,9 @@ def capture_layer_outputs(model: nn.Module, fn: Callable[[int, torch.Tensor], No
             h.remove()
 
 
-# Live (maps, T, T) float32 tensors of one layer on the eager path: scores, their softmax, the hook's
-# working copy and the map it returns, and the allocator's slack (the measured peak per window on CPU
-# varies by machine, from 5.3 to 7.06 maps' worth; 8 leaves headroom for both).
+# (maps, T, T) float32 tensors per window on the eager path: scores, their softmax, the hook's working copy
+# and the map it returns (4.1 maps' worth of tensors live at once), and the allocator's slack (the process's
+# RSS peaked at 5.3 to 7.7 maps' worth on different machines; 8 leaves headroom for both).
 _EAGER_COPIES = 8
 
 
