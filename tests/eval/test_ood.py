@@ -155,6 +155,35 @@ def test_attention_planted_on_the_target_measures_target_mass_one(attention):
         assert all(h >= 0 for h in layer["a1_entropy"]) and all(abs(x) < 1e-3 for x in layer["a1_max_logit"])
 
 
+
+@pytest.mark.parametrize("attention", ["transformer", "diff", "diff_v2"])
+def test_largest_logits_are_per_head_and_per_map(attention):
+    """Planted logits: 5 at key 0 for every head's first map, 9 for its second (DIFF V1: map axis 0 and 1; DIFF V2:
+    its query heads 2i and 2i + 1; ordinary attention: one map, so even heads 5 and odd heads 9)."""
+    family = FlipFlop(min_instructions=8, max_instructions=12)
+    episodes = eval_set(family, TRAIN, 4)
+    cfg = get_preset("tiny").config(attention)
+    torch.manual_seed(0)
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size})).eval()
+
+    def hook(scores, visible):
+        planted = torch.zeros_like(scores)
+        if scores.shape[2] == 2:
+            planted[:, :, 0, :, 0], planted[:, :, 1, :, 0] = 5.0, 9.0
+        else:
+            planted[:, 0::2, 0, :, 0], planted[:, 1::2, 0, :, 0] = 5.0, 9.0
+        return planted
+
+    for block in model.layers:
+        block.self_attn.score_hook = hook
+    for layer in mechanism(model, episodes, "cpu")["layers"]:
+        heads = len(layer["a1_mass"]["target"])
+        if attention == "transformer":
+            want = [5.0 if h % 2 == 0 else 9.0 for h in range(heads)]
+            assert layer["a1_max_logit"] == layer["a2_max_logit"] == want
+        else:
+            assert layer["a1_max_logit"] == [5.0] * heads and layer["a2_max_logit"] == [9.0] * heads
+
 def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path):
     family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
     data = prepare_task(family, tmp_path / "data")

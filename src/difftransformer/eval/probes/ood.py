@@ -191,7 +191,7 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
                         "a2": a2[b, :, t].double()}
                 record = {f"{name}_mass": position_masses(r, part, b, t) for name, r in rows.items()}
                 record["a1_entropy"], record["a2_entropy"] = entropy(rows["a1"]), entropy(rows["a2"])
-                logit = top[i][b, :, :, t].double()  # (heads of the scores, maps)
+                logit = _logits_per_map(top[i], maps.a1.shape[1])[b, :, :, t].double()  # (heads, maps)
                 record["a1_max_logit"] = logit[:, 0]
                 record["a2_max_logit"] = logit[:, -1]
                 for key, value in record.items():
@@ -207,6 +207,16 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
                               else mean)
         per_layer.append(entry)
     return {"answer_positions": count, "layers": per_layer}
+
+
+def _logits_per_map(top: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, heads, maps, T) from the largest logits (B, H_s, M, T) of a layer's score hook. DIFF V1 scores its
+    two maps as M = 2; DIFF V2 scores them as 2 * heads ordinary heads (2i: A1, 2i + 1: A2 of head i), paired
+    here; ordinary attention has one map per head (M = 1, H_s = heads)."""
+    B, Hs, M, T = top.shape
+    if M == 1 and Hs == 2 * heads:
+        return top.reshape(B, heads, 2, T)
+    return top
 
 
 def summary_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[str, float]:
