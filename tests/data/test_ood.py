@@ -21,7 +21,7 @@ from difftransformer.data.ood import (
     partition_bits,
 )
 from difftransformer.data.ood.episodes import BOS, FILLER, ITEM, PAD, QUERY
-from difftransformer.data.ood.sampler import TaskSampler, TaskValSet, eval_set
+from difftransformer.data.ood.sampler import TaskSampler, TaskValSet, _condition_key, eval_set
 
 ALL = [MQAR(), MQAR(key_len=2, value_len=2, min_pairs=4, max_pairs=6, queries=3), FlipFlop(), Induction(),
        MaxRetrieval()]
@@ -124,6 +124,16 @@ def test_train_and_test_never_share_a_sequence(family):
     seen = {tuple(t.inputs[b, :t.lengths[b]]) for t in train for b in range(len(t))}
     assert not any(tuple(test.inputs[b, :test.lengths[b]]) in seen for b in range(len(test)))
 
+
+
+def test_equal_conditions_give_the_same_test_set():
+    family = FlipFlop()
+    a, b = eval_set(family, Condition(length=2), 20), eval_set(family, Condition(length=2.0), 20)
+    assert Condition(length=2) == Condition(length=2.0)
+    assert np.array_equal(a.inputs, b.inputs) and np.array_equal(a.targets, b.targets)
+    # the float keys, as evaluations have always passed them, keep their streams (fixed test sets stay fixed)
+    assert [_condition_key(c) for c in (TRAIN, Condition(length=16.0), Condition(density=4.0))] == [
+        2376973367, 3352202834, 1500978572]
 
 def test_partition_bit_depends_on_every_token():
     e = MQAR().generate(np.random.default_rng(0), 256)

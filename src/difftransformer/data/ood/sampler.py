@@ -36,7 +36,8 @@ def draw(family: Family, rng: np.random.Generator, n: int, condition: Condition,
 
 
 def _condition_key(condition: Condition) -> int:
-    text = json.dumps([condition.length, condition.density])
+    """The test stream of a condition: equal conditions (2 == 2.0) share it, factors keyed as floats."""
+    text = json.dumps([float(condition.length), float(condition.density)])
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
 
 
