@@ -44,6 +44,17 @@ def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
     assert (tmp_path / PLOT_FILE).stat().st_size > 1000
 
 
+
+def test_means_over_different_seeds_say_how_many():
+    """An arm with fewer seeds: its mean is over other seeds than the paired difference, and the text says so."""
+    ctx = _ctx({"diff": {0: (1.0, 0.50), 1: (1.0, 0.90), 2: (1.0, 0.70)},
+                "transformer": {0: (1.0, 0.45), 1: (1.0, 0.86)}})
+    text = "\n".join(ood_section(ctx))
+    assert "at `length4x-density1x` `diff` 70.0% (3 seeds), `transformer` 65.5% (2 seeds)" in text
+    assert "Arms have different seeds so far (`diff` 3, `transformer` 2)" in text
+    row = next(r for r in text.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
+    assert "| 2 | +0.045 [" in row  # paired over seeds 0 and 1 only
+
 def test_runs_below_the_in_distribution_bar_are_named():
     ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},
                 "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.5)}})

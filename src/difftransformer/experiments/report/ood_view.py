@@ -122,7 +122,10 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
         return []
 
     def accs(condition: str) -> str:
-        return ", ".join(f"{code_span(a)} {_mean(_values(cells[a], condition, _accuracy)):.1%}" for a in arms)
+        values = {a: _values(cells[a], condition, _accuracy) for a in arms}
+        uneven = len({len(v) for v in values.values()}) > 1  # means over different seeds: say how many
+        return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({len(v)} seeds)" if uneven else "")
+                         for a, v in values.items())
 
     parts = [f"In short: in distribution {accs('length1x-density1x')}"]
     for c in farthest:
@@ -159,7 +162,12 @@ def _table(title: str, arms, cells, conditions, read) -> Lines:
             for a in arms]
     if all(cell == "–" for row in rows for cell in row[1:]):
         return []
-    return [f"### {title}", ""] + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
+    counts = {a: max(len(_values(cells[a], c, read)) for c in conditions) for a in arms}
+    note = []
+    if len(set(counts.values())) > 1:
+        note = ["Arms have different seeds so far (" + ", ".join(f"{code_span(a)} {n}" for a, n in counts.items())
+                + "): each mean is over its own seeds; the paired differences use the seeds both arms have.", ""]
+    return [f"### {title}", ""] + note + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
 
 
 def _differences(ctx, ref: str, arms, cells, conditions, read, what: str) -> Lines:
