@@ -188,6 +188,24 @@ def test_conditions_scale_length_and_density():
         Condition(length=0)
 
 
+
+def _answer_distances(e):
+    """Tokens from each answer position back to the nearest token of its target item."""
+    return np.array([t - np.flatnonzero(e.support[b, :t] == e.answer_item[b, t]).max()
+                     for b, t in zip(*np.nonzero(e.answer_mask))])
+
+
+@pytest.mark.parametrize("family", [Induction(), MaxRetrieval(), FlipFlop()], ids=["induction", "maxret", "flipflop"])
+def test_longer_contexts_move_targets_away_except_in_flipflop(family):
+    """Families with filler keep their items, so 4x the length puts the target ~4x farther back; flipflop scales its
+    instructions at the same odds, so the write-to-read distance stays (the module doc says so)."""
+    near = _answer_distances(eval_set(family, TRAIN, 300)).mean()
+    far = _answer_distances(eval_set(family, Condition(length=4.0), 300)).mean()
+    if isinstance(family, FlipFlop):
+        assert far < 1.5 * near
+    else:
+        assert far > 3 * near
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_max_length_bounds_every_sequence(name):
     family = FAMILIES[name]()

@@ -5,7 +5,9 @@ returns `n` sequences as `Episodes` (episodes.py). Token ids: 0 is EOS (every se
 it, as every document of the corpus pipeline does), 1 is PAD, the family's own tokens follow
 (`vocab()` names them, for the tokenizer). A `Condition` moves a test set out of distribution:
 
-    length   context length x factor, the number of items unchanged (more filler between them)
+    length   context length x factor, the number of items unchanged (more filler between them); flipflop,
+             which has no filler, takes factor x as many instructions at the same odds instead, so its
+             write-to-read distances hardly grow: its length test is one of positions, not of distance
     density  items x factor at the training context length (more distractors, less filler)
 
 Families (docs/evaluation.md, "`ood`"):

@@ -5,7 +5,8 @@ names the family and its settings). For each test condition, a fixed seeded test
 sequences never trained on) is scored:
 
 - Conditions: the training distribution scaled in context `lengths` (factors; the number of items
-  unchanged, so the filler grows) and in distractor `densities` (more items at the training length).
+  unchanged, so the filler grows; flipflop has no filler and scales its instructions, so there the
+  write-to-read distance hardly grows) and in distractor `densities` (more items at the training length).
   A condition whose sequences exceed the model's position limit is skipped and listed as such.
 - Accuracy: teacher-forced greedy prediction at every answer position; a query (one key's value, one
   read, one induction successor, the max) is right when all its answer tokens are. Error counts with

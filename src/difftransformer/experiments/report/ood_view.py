@@ -76,9 +76,10 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     conditions = list(dict.fromkeys(c for a in arms for s in cells[a].values() for c in s))
     L = ["## Out-of-distribution retrieval", "",
          "Accuracy per query (a query is right when every answer token is) on fixed test sets never trained on, "
-         "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler) and "
-         "at denser distractors (more items at the training length); mean [95% interval] over seeds. Protocol: "
-         "docs/evaluation.md, `ood`.", ""]
+         "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler; "
+         "flip-flop: more instructions at the same ignore odds, so the distance from a write to its read hardly "
+         "grows) and at denser distractors (more items at the training length); mean [95% interval] over seeds. "
+         "Protocol: docs/evaluation.md, `ood`.", ""]
     L += _bar(ctx, arms, cells)
     L += _summary(ctx, arms, cells, conditions)
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
