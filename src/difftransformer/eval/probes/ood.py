@@ -10,8 +10,11 @@ sequences never trained on) is scored:
   A condition whose sequences exceed the model's position limit is skipped and listed as such.
 - Accuracy: teacher-forced greedy prediction at every answer position; a query (one key's value, one
   read, one induction successor, the max) is right when all its answer tokens are. Error counts with
-  95% Wilson intervals per condition; `min_queries` queries per condition (10,000 by default: an error
-  rate of 1e-3 is then 10 +- 3 errors, resolved from 0).
+  95% Wilson intervals per condition; about `min_queries` queries per condition (10,000 by default: an error
+  rate of 1e-3 is then 10 +- 3 errors, resolved from 0; the sequence count comes from a pilot's mean, so
+  the count may fall short of it by a few percent). The Wilson interval takes queries as independent; the
+  queries of one sequence share its positions, so their errors cluster and the interval is too narrow
+  where a sequence holds many queries (long flip-flop sequences): compare arms over seeds, not by it.
 - Mechanism (attention=True), on the first `attention_sequences` sequences of each condition, at every
   answer position, per layer and head: attention mass on the target (the positions of the item the
   answer is read from, before the query), on distractors (every other item), on filler, and on the rest
@@ -83,7 +86,7 @@ class OODOptions:
         "help": "context-length factors over the training distribution (items unchanged)"})
     densities: tuple[float, ...] = field(default=(1.0, 2.0, 3.0, 4.0), metadata={
         "help": "distractor-density factors: items x factor at the training length"})
-    min_queries: int = field(default=10_000, metadata={"help": "queries scored per condition (at least)"})
+    min_queries: int = field(default=10_000, metadata={"help": "queries scored per condition (about)"})
     attention: bool = field(default=True, metadata={"help": "measure the attention maps (mechanism)"})
     attention_sequences: int = field(default=64, metadata={"help": "sequences per condition whose maps are measured"})
     adaptive_temperature: bool = field(default=True, metadata={
