@@ -53,7 +53,16 @@ def test_means_over_different_seeds_say_how_many():
     assert "at `length4x-density1x` `diff` 70.0% (3 seeds), `transformer` 65.5% (2 seeds)" in text
     assert "Arms have different seeds so far (`diff` 3, `transformer` 2)" in text
     row = next(r for r in text.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
-    assert "| 2 | +0.045 [" in row  # paired over seeds 0 and 1 only
+    assert "| 2 | +0.0450 [" in row  # paired over seeds 0 and 1 only
+
+
+def test_differences_of_one_error_in_ten_thousand_are_printed():
+    ctx = _ctx({"diff": {0: (1.0, 0.9999), 1: (1.0, 0.9998), 2: (1.0, 0.9999)},
+                "transformer": {0: (1.0, 0.9990), 1: (1.0, 0.9991), 2: (1.0, 0.9989)}})
+    row = next(r for r in "\n".join(ood_section(ctx)).splitlines()
+               if r.startswith("| `transformer` | `length4x-density1x` |"))
+    # diffs 9, 7 and 10 e-4: 8.67e-4 +- t(0.975, 2) 4.303 * sd 1.53e-4 / sqrt(3)
+    assert "+0.0009 [+0.0005, +0.0012]" in row and "`diff` higher" in row
 
 def test_runs_below_the_in_distribution_bar_are_named():
     ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},

@@ -140,7 +140,7 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
             if cmp.diffs:
                 said = {"better": "lower than", "worse": "higher than"}.get(cmp.outcome, "not separable from")
                 text += (f" At {code_span(c)}, DIFF's accuracy is {said} the Transformer's (paired Δ "
-                         f"{fmt_ci(list(cmp.diffs), 3, signed=True)} over {cmp.n} seeds).")
+                         f"{fmt_ci(list(cmp.diffs), 4, signed=True)} over {cmp.n} seeds).")
     elif len(ctx.seeds) == 1:
         text += " One seed per arm: these are observations, not verdicts."
     return [text, ""]
@@ -181,7 +181,7 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str) -> Lin
                 continue
             reading = {"better": f"{code_span(ref)} lower", "worse": f"{code_span(ref)} higher",
                        "inconclusive": "cannot separate"}.get(cmp.outcome, cmp.outcome)
-            rows.append([code_span(other), code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 3, signed=True),
+            rows.append([code_span(other), code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
                          fmt_p(cmp.p), reading])
     if not rows:
         return []
