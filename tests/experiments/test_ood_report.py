@@ -64,6 +64,28 @@ def test_differences_of_one_error_in_ten_thousand_are_printed():
     # diffs 9, 7 and 10 e-4: 8.67e-4 +- t(0.975, 2) 4.303 * sd 1.53e-4 / sqrt(3)
     assert "+0.0009 [+0.0005, +0.0012]" in row and "`diff` higher" in row
 
+
+def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_with_each_other():
+    def run(arm, seed, acc, adaptive):
+        cells = [{"condition": "length1x-density1x", "length": 1.0, "density": 1.0, "accuracy": 1.0,
+                  "adaptive": {"accuracy": 1.0}},
+                 {"condition": "length4x-density1x", "length": 4.0, "density": 1.0, "accuracy": acc,
+                  "adaptive": {"accuracy": adaptive}}]
+        return Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}})
+
+    values = {"diff": (0.80, 0.70), "transformer": (0.60, 0.90), "diff_nope": (0.50, 0.50),
+              "transformer_nope": (0.40, 0.40)}
+    runs = {(a, s): run(a, s, acc + 0.01 * s * s, ad + 0.01 * s) for a, (acc, ad) in values.items() for s in (0, 1, 2)}
+    text = "\n".join(ood_section(SimpleNamespace(arms=list(values), seeds=[0, 1, 2], runs=runs)))
+    control = text[text.index("DIFF as trained against each arm with adaptive temperature"):]
+    # diff as trained (0.80 + 0.01 s^2) against the transformer with adaptive temperature (0.90 + 0.01 s)
+    row = next(r for r in control.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
+    # diffs -0.10, -0.10, -0.08: -0.0933 +- 4.303 * 0.01155 / sqrt(3)
+    assert "-0.0933 [-0.1220, -0.0646]" in row and "`diff` lower" in row
+    nope = text[text.index("### `diff_nope` − each arm"):]
+    row = next(r for r in nope.splitlines() if r.startswith("| `transformer_nope` | `length4x-density1x` |"))
+    assert "| 3 | +0.1000 [+0.1000, +0.1000] |" in row
+
 def test_runs_below_the_in_distribution_bar_are_named():
     ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},
                 "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.5)}})

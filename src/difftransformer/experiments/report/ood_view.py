@@ -3,9 +3,11 @@
 For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy per test condition
 (context length and distractor density factors) per arm, mean [95% t-interval over seeds]; the paired
 differences DIFF − each other arm per condition, with the verdict their interval supports; the same
-for adaptive temperature at inference; the attention mass each arm's answers put on the target and
-on distractors + filler; and whether every arm passed the in-distribution bar (>= 99%), without which
-a difference out of distribution is not attributable to attention.
+for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
+the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); the
+attention mass each arm's answers put on the target and on distractors + filler; and whether every arm
+passed the in-distribution bar (>= 99%), without which a difference out of distribution is not
+attributable to attention.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from difftransformer.experiments.stats import compare_paired
 TASK = "ood"
 IN_DISTRIBUTION_BAR = 0.99
 PLOT_FILE = "ood.png"
+NOPE_PAIR = ("diff_nope", "transformer_nope")  # the position-encoding question: compared with each other too
 
 
 def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
@@ -91,6 +94,12 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         if any(_values(cells[ref], c, _adaptive) for c in conditions):
             L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
                               "(both arms)")
+            L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy: DIFF as trained against "
+                              "each arm with adaptive temperature at inference (the dispersion fix without "
+                              "subtraction as a control)", read_other=_adaptive)
+    if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
+        L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
+                          "accuracy, both without position encoding")
     L += _table("Attention mass on the target (answer rows, the retrieving head: the one putting the most on the "
                 "target; A1 − λA2 for DIFF, the softmax map otherwise)", arms, cells, conditions,
                 _mass("diff", "target"))
@@ -171,12 +180,14 @@ def _table(title: str, arms, cells, conditions, read) -> Lines:
     return [f"### {title}", ""] + note + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
 
 
-def _differences(ctx, ref: str, arms, cells, conditions, read, what: str) -> Lines:
+def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None) -> Lines:
+    """ref − each other arm per condition, paired by seed: `read` of ref against `read_other` (default `read`)
+    of the other arm."""
     rows = []
     for other in (a for a in arms if a != ref):
         for c in conditions:
-            cmp = compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read), arm=ref,
-                                 baseline=other, metric=f"ood {c}")
+            cmp = compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
+                                 arm=ref, baseline=other, metric=f"ood {c}")
             if not cmp.diffs:
                 continue
             reading = {"better": f"{code_span(ref)} lower", "worse": f"{code_span(ref)} higher",
