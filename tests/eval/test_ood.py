@@ -15,6 +15,7 @@ from difftransformer.data.prepare import prepare_task
 from difftransformer.eval import EvalConfig, get_task, run_task
 from difftransformer.eval.probes.ood import (
     ADAPTIVE_POLY,
+    MASSES,
     OODOptions,
     adaptive_beta,
     adaptive_temperature_hook,
@@ -154,6 +155,39 @@ def test_attention_planted_on_the_target_measures_target_mass_one(attention):
         assert layer["diff_mass"]["target"] == pytest.approx([want] * len(layer["diff_mass"]["target"]), abs=1e-5)
         assert all(h >= 0 for h in layer["a1_entropy"]) and all(abs(x) < 1e-3 for x in layer["a1_max_logit"])
 
+
+
+def test_the_signed_map_keeps_its_positive_and_negative_parts_apart():
+    """DIFF with A1 planted on the target and A2 on the leading EOS (key 0, "other"): A1 - λA2 is +1 on the
+    target and -λ on key 0; the signed masses say target 1, other -λ; the parts say positive target 1 and
+    negative other -λ, nothing else."""
+    family = FlipFlop(min_instructions=8, max_instructions=12)
+    episodes = eval_set(family, TRAIN, 5)
+    cfg = get_preset("tiny").config("diff")
+    torch.manual_seed(0)
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size})).eval()
+    _planted(model, episodes)
+    answer_rows = torch.from_numpy(episodes.answer_mask)
+    for block in model.layers:
+        on_target = block.self_attn.score_hook
+
+        def hook(scores, visible, on_target=on_target):
+            planted = on_target(scores, visible).clone()
+            on_eos = torch.full_like(scores[:, :, 1], -1e4)
+            on_eos[..., 0] = 0.0
+            planted[:, :, 1] = torch.where(answer_rows[:, None, :scores.shape[-2], None], on_eos, scores[:, :, 1])
+            return planted
+
+        block.self_attn.score_hook = hook
+    for layer, block in zip(mechanism(model, episodes, "cpu")["layers"], model.layers):
+        lam = block.self_attn.lambda_full().item()
+        heads = len(layer["diff_mass"]["target"])
+        want = {"diff": {"target": 1.0, "other": -lam}, "diff_positive": {"target": 1.0},
+                "diff_negative": {"other": -lam}}
+        for which, nonzero in want.items():
+            for part in MASSES:
+                assert layer[f"{which}_mass"][part] == pytest.approx([nonzero.get(part, 0.0)] * heads, abs=1e-5), \
+                    (which, part)
 
 
 @pytest.mark.parametrize("attention", ["transformer", "diff", "diff_v2"])

@@ -20,8 +20,12 @@ sequences never trained on) is scored:
   answer is read from, before the query), on distractors (every other item), on filler, and on the rest
   (the leading EOS, the query part); the entropy of the non-negative maps; the largest pre-softmax
   logit. For DIFF V1 and V2 the masses are measured on A1 - λA2 and on A1 and A2 apart ("diff", "a1",
-  "a2"); for ordinary attention "diff" and "a1" are the one softmax map. Summaries: the mean over layers
-  and heads, and the retrieving head (the one whose map puts the most on the target).
+  "a2"), and on the positive and negative parts of A1 - λA2 apart ("diff_positive", "diff_negative": the
+  signed masses net one against the other); for ordinary attention "diff" and "a1" are the one softmax
+  map. Summaries: the mean over layers and heads, and the retrieving head (the one whose map puts the
+  most on the target). Flip-flop's target is the last write: the earlier reads after it echo the same
+  bit, and attention on them counts as "other" (the query part), so its target mass is a lower bound
+  on the mass on tokens that carry the answer.
 - adaptive_temperature=True: each condition is scored a second time with adaptive temperature at
   inference (Veličković et al. 2024, "softmax is not enough"), a dispersion fix without any subtraction
   and without training: every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's
@@ -170,7 +174,10 @@ def entropy(rows: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
     """Per layer and head, averaged over every answer position of `episodes`: masses on "diff", "a1",
-    "a2" (MASSES each), entropy of a1 and a2, and the largest logit of each map."""
+    "a2" (MASSES each), entropy of a1 and a2, and the largest logit of each map. The signed map's masses
+    net positive weights against negative ones, so its positive and negative parts are kept apart too
+    ("diff_positive", "diff_negative"; the negative part is 0 for a softmax map): a negative weight
+    still adds its value, with the opposite sign, to the output."""
     layers = len(model.layers)
     sums: dict[tuple[int, str], torch.Tensor] = {}
     count = 0
@@ -191,8 +198,9 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
             count += 1
             for i, maps in enumerate(out.attentions):
                 a2 = maps.a2 if maps.a2 is not None else maps.a1
-                rows = {"diff": maps.diff[b, :, t].double(), "a1": maps.a1[b, :, t].double(),
-                        "a2": a2[b, :, t].double()}
+                signed = maps.diff[b, :, t].double()
+                rows = {"diff": signed, "diff_positive": signed.clamp(min=0), "diff_negative": signed.clamp(max=0),
+                        "a1": maps.a1[b, :, t].double(), "a2": a2[b, :, t].double()}
                 record = {f"{name}_mass": position_masses(r, part, b, t) for name, r in rows.items()}
                 record["a1_entropy"], record["a2_entropy"] = entropy(rows["a1"]), entropy(rows["a2"])
                 logit = _logits_per_map(top[i], maps.a1.shape[1])[b, :, :, t].double()  # (heads, maps)
