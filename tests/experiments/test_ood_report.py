@@ -8,12 +8,37 @@ import pytest
 from difftransformer.experiments.report.ood_view import PLOT_FILE, ood_section
 from difftransformer.experiments.report.runs import Run
 
+MASSES = ("target", "distractor", "filler", "other")
+
+
+def _layers(heads):
+    """ood's per-layer masses of a softmax model: heads[layer][head] = (target, distractor, filler, other);
+    "diff" and "a1" are the one map."""
+    layers = []
+    for per_head in heads:
+        masses = {m: [h[j] for h in per_head] for j, m in enumerate(MASSES)}
+        layers.append({"diff_mass": masses, "a1_mass": masses, "a2_mass": masses})
+    return layers
+
+
+def _diff_layers(positive, negative, measured_apart=True):
+    """A DIFF model's layers: positive and negative parts per layer and head; the signed map is their sum."""
+    layers = []
+    for pos, neg in zip(positive, negative):
+        parts = [{m: [h[j] for h in heads] for j, m in enumerate(MASSES)} for heads in (pos, neg)]
+        signed = {m: [p + n for p, n in zip(parts[0][m], parts[1][m])] for m in MASSES}
+        layer = {"diff_mass": signed, "a1_mass": parts[0], "a2_mass": parts[0]}
+        if measured_apart:
+            layer["diff_positive_mass"], layer["diff_negative_mass"] = parts
+        layers.append(layer)
+    return layers
+
 
 def _cell(condition, length, density, accuracy, target):
+    rest = (1 - target) / 3
     return {"condition": condition, "length": length, "density": density, "accuracy": accuracy,
             "adaptive": {"accuracy": accuracy},
-            "attention": {"top_head": {"diff": {"layer": 1, "head": 0, "target": target, "distractor": 0.1,
-                                                "filler": 0.2, "other": 0.0}}}}
+            "attention": {"layers": _layers([[(rest, rest, rest, target), (target, rest, rest, rest)]])}}
 
 
 def _ctx(values):
@@ -85,6 +110,43 @@ def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_w
     nope = text[text.index("### `diff_nope` − each arm"):]
     row = next(r for r in nope.splitlines() if r.startswith("| `transformer_nope` | `length4x-density1x` |"))
     assert "| 3 | +0.1000 [+0.1000, +0.1000] |" in row
+
+def _mechanism_table(text, title):
+    part = text[text.index(f"**{title}"):]
+    return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in part.split("\n\n")[1 if part.split("\n\n")[1].startswith("|") else 2].splitlines()[2:]}
+
+
+def test_the_retrieving_head_is_chosen_once_at_the_training_distribution_and_read_as_shares():
+    """The head is the one with the largest share of its positive weight on the target at 1x, and every
+    condition reads that head: at 4x another head holds up better (0.6 against 0.3), and the table must not
+    switch to it. DIFF's rows sum to 1 - λ (0.5 here): shares divide by the positive weight; its negative
+    weight is a share too. A DIFF model without the parts measured apart has no entry."""
+    def run(arm, layers_1x, layers_4x):
+        cells = [{"condition": "length1x-density1x", "length": 1.0, "density": 1.0, "accuracy": 1.0,
+                  "attention": {"layers": layers_1x}},
+                 {"condition": "length4x-density1x", "length": 4.0, "density": 1.0, "accuracy": 0.9,
+                  "attention": {"layers": layers_4x}}]
+        return Run(arm, 0, None, evals={"ood": {"details": {"cells": cells}}})
+
+    t_1x = _layers([[(0.5, 0.2, 0.2, 0.1), (0.9, 0.05, 0.05, 0.0)]])
+    t_4x = _layers([[(0.6, 0.2, 0.1, 0.1), (0.3, 0.4, 0.3, 0.0)]])
+    zero = (0.0, 0.0, 0.0, 0.0)
+    d_1x = _diff_layers([[(0.4, 0.05, 0.05, 0.0), (0.1, 0.1, 0.1, 0.2)]], [[(0.0, -0.1, 0.0, 0.0), zero]])
+    d_4x = _diff_layers([[(0.2, 0.1, 0.1, 0.1), (0.4, 0.0, 0.0, 0.1)]], [[(0.0, -0.2, 0.0, 0.0), zero]])
+    old = _diff_layers([[(0.4, 0.05, 0.05, 0.0)]], [[(0.0, -0.1, 0.0, 0.0)]], measured_apart=False)
+    runs = {("transformer", 0): run("transformer", t_1x, t_4x), ("diff", 0): run("diff", d_1x, d_4x),
+            ("diff_v2", 0): run("diff_v2", old, old)}
+    text = "\n".join(ood_section(SimpleNamespace(arms=["diff", "transformer", "diff_v2"], seeds=[0], runs=runs)))
+    target = _mechanism_table(text, "Share on the target")
+    assert target["`transformer`"] == ["0.900", "0.300"]  # head 1 at 1x, still head 1 at 4x
+    assert target["`diff`"] == ["0.800", "0.400"]  # head 0: 0.4 of 0.5 positive weight; at 4x 0.2 of 0.5
+    assert target["`diff_v2`"] == ["–", "–"]
+    noise = _mechanism_table(text, "Share on distractors + filler")
+    assert noise["`transformer`"] == ["0.100", "0.700"] and noise["`diff`"] == ["0.200", "0.400"]
+    negative = _mechanism_table(text, "Negative weight")
+    assert negative["`diff`"] == ["0.200", "0.400"] and negative["`transformer`"] == ["0.000", "0.000"]
+
 
 def test_runs_below_the_in_distribution_bar_are_named():
     ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},

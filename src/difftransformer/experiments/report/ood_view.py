@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer._io import atomic_path
+from difftransformer.eval.probes.ood import MASSES
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, table
 from difftransformer.experiments.stats import compare_paired
 
 TASK = "ood"
 IN_DISTRIBUTION_BAR = 0.99
 PLOT_FILE = "ood.png"
+TRAIN_CONDITION = "length1x-density1x"
 NOPE_PAIR = ("diff_nope", "transformer_nope")  # the position-encoding question: compared with each other too
 
 
@@ -33,8 +35,53 @@ def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
         run = ctx.runs.get((arm, seed))
         result = run.evals.get(TASK) if run else None
         if result:
-            out[seed] = {c["condition"]: c for c in (result.get("details") or {}).get("cells", [])}
+            by_condition = {c["condition"]: c for c in (result.get("details") or {}).get("cells", [])}
+            head = _retrieving_head(by_condition.get(TRAIN_CONDITION))
+            out[seed] = {name: {**c, "retrieving": _head_weights(c, head)} for name, c in by_condition.items()}
     return out
+
+
+def _weights(layer: dict[str, Any], h: int) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(positive, negative) parts of head h's A1 − λA2 masses (MASSES each) in one layer of an ood cell, or
+    None where they were not measured apart. A softmax map ("diff" is "a1") has no negative part."""
+    if "diff_positive_mass" in layer:
+        return ({m: layer["diff_positive_mass"][m][h] for m in MASSES},
+                {m: layer["diff_negative_mass"][m][h] for m in MASSES})
+    if layer.get("a1_mass") == layer.get("diff_mass"):
+        return {m: layer["diff_mass"][m][h] for m in MASSES}, dict.fromkeys(MASSES, 0.0)
+    return None
+
+
+def _retrieving_head(cell: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The (layer, head) whose positive attention weight puts the largest share on the target at the
+    training distribution: the head that retrieves, chosen once per model so that every condition reads
+    the same head (choosing per condition would pick whichever head holds up best out of distribution).
+    The share, not the mass: A1 − λA2's rows sum to about 1 − λ, so raw masses would favour small λ."""
+    layers = ((cell or {}).get("attention") or {}).get("layers") or []
+    best, best_share = None, -1.0
+    for i, layer in enumerate(layers):
+        for h in range(len(layer["diff_mass"]["target"])):
+            parts = _weights(layer, h)
+            total = sum(parts[0].values()) if parts else 0.0
+            if total > 0 and parts[0]["target"] / total > best_share:
+                best, best_share = (i, h), parts[0]["target"] / total
+    return best
+
+
+def _head_weights(cell: dict[str, Any], head: tuple[int, int] | None) -> dict[str, Any] | None:
+    """The retrieving head's shares in one condition: of its positive weight, the share on the target and
+    on distractors + filler (the "noise"), and its negative weight as a share of the positive one."""
+    layers = (cell.get("attention") or {}).get("layers") or []
+    if head is None or head[0] >= len(layers):
+        return None
+    parts = _weights(layers[head[0]], head[1])
+    total = sum(parts[0].values()) if parts else 0.0
+    if total <= 0:
+        return None
+    positive, negative = parts
+    return {"layer": head[0], "head": head[1], "target": positive["target"] / total,
+            "noise": (positive["distractor"] + positive["filler"]) / total,
+            "negative": -sum(negative.values()) / total}
 
 
 def _values(cells: dict[int, dict[str, dict[str, Any]]], condition: str, read) -> dict[int, float]:
@@ -55,14 +102,10 @@ def _adaptive(cell):
     return (cell.get("adaptive") or {}).get("accuracy")
 
 
-def _mass(which: str, part: str):
-    """Reads the retrieving head's mass (the head whose map puts the most on the target) on the target, or on
-    distractors + filler."""
+def _share(part: str):
+    """Reads the retrieving head's share `part` ("target", "noise", "negative"; `_head_weights`)."""
     def read(cell):
-        head = ((cell.get("attention") or {}).get("top_head") or {}).get(which)
-        if not head:
-            return None
-        return head["target"] if part == "target" else head["distractor"] + head["filler"]
+        return (cell.get("retrieving") or {}).get(part)
     return read
 
 
@@ -100,14 +143,30 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
-    L += _table("Attention mass on the target (answer rows, the retrieving head: the one putting the most on the "
-                "target; A1 − λA2 for DIFF, the softmax map otherwise)", arms, cells, conditions,
-                _mass("diff", "target"))
-    L += _table("The retrieving head's mass on distractors + filler (the \"attention noise\")", arms, cells,
-                conditions, _mass("diff", "noise"))
+    L += _mechanism(arms, cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
         L += [f"![accuracy and target mass against the length factor]({PLOT_FILE})", ""]
     return L
+
+
+def _mechanism(arms, cells, conditions) -> Lines:
+    """Where the retrieving head's attention goes, per condition: its share on the target, on the noise, and
+    its negative weight (A1 − λA2 only)."""
+    L = ["### Where the retrieving head attends", "",
+         "Answer rows of the first sequences of each condition (`attention_sequences`). The retrieving head is "
+         "chosen once per model, at `length1x-density1x`: the head (any layer) whose positive attention weight "
+         "puts the largest share on the target. Shares are of that head's positive weight (A1 − λA2 for DIFF, "
+         "whose rows sum to about 1 − λ; the softmax map otherwise), so arms compare whatever their λ. A DIFF "
+         "model measured before the positive and negative parts were kept apart has no entry here.", ""]
+    parts = [("target", "Share on the target"), ("noise", "Share on distractors + filler (the \"attention noise\")"),
+             ("negative", "Negative weight, as a share of the positive weight (what the subtraction removes)")]
+    shown = 0
+    for part, title in parts:
+        values = [v for a in arms for c in conditions for v in _values(cells[a], c, _share(part)).values()]
+        if any(values):
+            L += [f"**{title}**", ""] + _table(title, arms, cells, conditions, _share(part))[2:]
+            shown += 1
+    return L if shown else []
 
 
 def _bar(ctx, arms, cells) -> Lines:
@@ -210,7 +269,8 @@ def _plot(arms, cells, conditions, path: Path) -> bool:
         return False
     x = [float(c[len("length"):c.index("x-")]) for c in lengths]
     fig = Figure(figsize=(10, 3.6))
-    for n, (read, label) in enumerate(((_accuracy, "accuracy"), (_mass("diff", "target"), "mass on target"))):
+    panels = ((_accuracy, "accuracy"), (_share("target"), "retrieving head: share on target"))
+    for n, (read, label) in enumerate(panels):
         ax = fig.add_subplot(1, 2, n + 1)
         for arm in arms:
             ys = [_mean(_values(cells[arm], c, read)) for c in lengths]
