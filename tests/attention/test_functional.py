@@ -116,6 +116,21 @@ def test_fully_masked_query_rows_are_zero(backend):
     assert rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_queries_than_keys_leave_the_first_rows_empty(backend):
+    """Causal masks align bottom-right: with 6 queries on 4 keys queries 0 and 1 see no key, without any
+    padding (the eager path decides from the shapes alone whether such rows can exist)."""
+    q, k, v = random_inputs(2, 2, 2, 6, 4, 8, seed=5)
+    out = differential_attention(q, k, v, torch.tensor(0.5), backend=backend)
+    assert torch.isfinite(out).all() and out[:, :, :2].abs().max() == 0
+    assert rel_err(out, diff_attention_reference(q, k, v, 0.5)) <= 1e-5
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g) for n in (6, 4, 4))
+    plain = multihead_attention(q, k, v, backend=backend)
+    assert torch.isfinite(plain).all() and plain[:, :, :2].abs().max() == 0
+    assert rel_err(plain, mha_reference(q, k, v)) <= 1e-5
+
+
 @settings(max_examples=25, deadline=None)
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), n_rep=st.sampled_from([1, 2, 4]), T=st.integers(1, 40),
        extra=st.integers(0, 20), d=st.sampled_from([4, 8, 16]), lam=st.floats(-2, 2), causal=st.booleans(),

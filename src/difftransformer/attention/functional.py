@@ -80,6 +80,12 @@ def _visibility(T: int, S: int, causal: bool, key_padding_mask, device) -> torch
     return mask
 
 
+def _may_have_empty_rows(T: int, S: int, key_padding_mask) -> bool:
+    """Whether a query may see no key: only with key padding or more queries than keys (bottom-right causal
+    alignment lets query 0 see keys 0 .. S - T). Decided from shapes alone, so no host sync."""
+    return key_padding_mask is not None or S < T
+
+
 def attended_key_counts(T: int, S: int, *, causal: bool = True, key_padding_mask=None,
                         device=None) -> torch.Tensor:
     """n: how many keys each of T queries reads among S keys, by the masking rule of every backend (query t
@@ -217,11 +223,14 @@ def _apply_out_norm(out: torch.Tensor, out_norm: tuple[torch.Tensor, float] | No
     return F.rms_norm(out.to(f), (out.shape[-1],), weight.to(f), eps).to(out.dtype)
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last axis in scores' dtype; rows with no visible key become zeros instead of NaN."""
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, empty_rows: bool = True) -> torch.Tensor:
+    """Softmax over the last axis in scores' dtype; rows with no visible key become zeros instead of NaN.
+    empty_rows=False promises that every row sees a key (`_may_have_empty_rows`), which skips their repair."""
     if mask is None:
         return torch.softmax(scores, dim=-1)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if not empty_rows:
+        return torch.softmax(scores, dim=-1)
     any_visible = mask.any(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1)
     return probs * any_visible
@@ -252,7 +261,7 @@ def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook=None):
     mask = _visibility(T, S, causal, key_padding_mask, q.device)
     mask = None if mask is None else mask[:, :, None]
     scores = _apply_score_hook(score_hook, scores, mask)
-    probs = _masked_softmax(scores, mask)
+    probs = _masked_softmax(scores, mask, _may_have_empty_rows(T, S, key_padding_mask))
     a1, a2 = probs[:, :, 0], probs[:, :, 1]
     diff = a1 - lam * a2
     out = torch.matmul(diff, vc).to(q.dtype)
@@ -352,7 +361,7 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         if score_hook is not None:
             hooked = _apply_score_hook(score_hook, scores[:, :, None], None if mask is None else mask[:, :, None])
             scores = hooked[:, :, 0]
-        probs = _masked_softmax(scores, mask)
+        probs = _masked_softmax(scores, mask, _may_have_empty_rows(T, S, key_padding_mask))
         out = torch.matmul(probs, v.to(f).repeat_interleave(n_rep, 1)).to(q.dtype)
         return (out, probs) if return_maps else out
     if which == "cpp" and v.shape[-1] == d:  # the C++ kernel's ordinary path has v's dim = q's dim

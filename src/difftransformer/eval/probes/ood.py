@@ -80,7 +80,7 @@ def adaptive_temperature_hook(scores: torch.Tensor, visible: torch.Tensor | None
     masked = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
     logp = torch.log_softmax(masked, dim=-1)
     p = logp.exp()
-    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1, keepdim=True)
+    entropy = -(p * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)  # 0 log 0 = 0
     return scores * adaptive_beta(entropy)
 
 
@@ -168,7 +168,7 @@ def position_masses(rows: torch.Tensor, episodes: Episodes, b: int, t: int) -> t
 
 def entropy(rows: torch.Tensor) -> torch.Tensor:
     p = rows.clamp(min=0)
-    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+    return -(p * p.log().nan_to_num(neginf=0.0)).sum(-1)  # 0 log 0 = 0
 
 
 @torch.no_grad()
@@ -207,8 +207,7 @@ def mechanism(model, episodes: Episodes, device) -> dict[str, Any]:
                 record["a1_max_logit"] = logit[:, 0]
                 record["a2_max_logit"] = logit[:, -1]
                 for key, value in record.items():
-                    sums.setdefault((i, key), torch.zeros_like(value))
-                    sums[(i, key)] += value
+                    sums[(i, key)] = value + sums[(i, key)] if (i, key) in sums else value
     per_layer = []
     for i in range(layers):
         entry = {}
