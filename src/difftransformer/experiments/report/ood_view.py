@@ -81,7 +81,7 @@ def _head_weights(cell: dict[str, Any], head: tuple[int, int] | None) -> dict[st
     positive, negative = parts
     return {"layer": head[0], "head": head[1], "target": positive["target"] / total,
             "noise": (positive["distractor"] + positive["filler"]) / total,
-            "negative": -sum(negative.values()) / total}
+            "negative": (0.0 - sum(negative.values())) / total}
 
 
 def _values(cells: dict[int, dict[str, dict[str, Any]]], condition: str, read) -> dict[int, float]:
