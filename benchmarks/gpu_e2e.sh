@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's end-to-end measurements on one CUDA GPU. Three steps, chosen by name (at least one):
+# The end-to-end measurements on one CUDA GPU. Three steps, chosen by name (at least one):
 #   throughput  benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset
 #               gpu-small), full bf16 training steps interleaved step by step: tokens/s and peak memory
 #               ratios, then 3 profiled steps per arm (the kernels whose time differs most between the
