@@ -242,7 +242,9 @@ def summary_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[st
 def top_head_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[str, Any]:
     """The masses of the one head (any layer) whose `which` map puts the most on the target: the head that
     retrieves. Most heads of a small model do other work (previous-token heads, ...), so the average over
-    heads says little about the retrieving one; this is the headline curve."""
+    heads says little about the retrieving one. Chosen per condition and per map on raw masses: a quick
+    look for one model (`OOD.plot`). A study's report chooses one head per model at the training
+    distribution and reads it as shares at every condition (experiments/report/ood_view.py)."""
     best = max(((i, h) for i, layer in enumerate(layers) for h in range(len(layer[f"{which}_mass"]["target"]))),
                key=lambda ih: layers[ih[0]][f"{which}_mass"]["target"][ih[1]])
     i, h = best

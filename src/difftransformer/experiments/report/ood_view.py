@@ -4,8 +4,9 @@ For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy 
 (context length and distractor density factors) per arm, mean [95% t-interval over seeds]; the paired
 differences DIFF − each other arm per condition, with the verdict their interval supports; the same
 for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
-the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); the
-attention mass each arm's answers put on the target and on distractors + filler; and whether every arm
+the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); where
+each model's retrieving head attends (chosen once at the training distribution, read as shares of its
+positive weight on the target, on distractors + filler, and its negative weight); and whether every arm
 passed the in-distribution bar (>= 99%), without which a difference out of distribution is not
 attributable to attention.
 """
