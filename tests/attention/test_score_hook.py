@@ -7,6 +7,7 @@ import torch
 
 from difftransformer.attention import differential_attention, multihead_attention
 from difftransformer.eval.probes import attention_layers, capture_layer_outputs, inspect_attention
+from difftransformer.eval.probes.hooks import rescale_queries
 from difftransformer.model import DiffTransformerLM
 from tests.helpers import random_inputs, tiny
 
@@ -97,3 +98,54 @@ def test_hooks_nest_the_earlier_one_first():
     with inspect_attention(model, lambda i: (lambda s, vis: seen.append(float(s.max())) if i == 0 else None)):
         model(ids)
     assert seen == [7.0] and layer.score_hook is not None
+
+
+def _expanded_keys64(k: torch.Tensor, query_heads: int, maps: int) -> torch.Tensor:
+    """Keys (B, query_heads, S, d) in float64, query head j's own, GQA expanded by hand."""
+    B, KH, S, d = k.shape
+    groups, per = KH // maps, query_heads // KH
+    return k.double().view(B, groups, maps, S, d).repeat_interleave(per, dim=1).reshape(B, query_heads, S, d)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "cpp"])
+@pytest.mark.parametrize("ordinary", [False, True])
+def test_query_hook_sees_the_expanded_keys_and_its_queries_replace_q_on_any_backend(backend, ordinary):
+    seed = int(torch.randint(0, 2**31, (1,)))
+    q, k, v = random_inputs(2, 4, 2, 6, 9, 8, seed=seed)  # 4 DIFF heads on 2 kv groups (ordinary: 8 on 4)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :2] = False
+    scale_rows = torch.rand(2, q.shape[1], 6, 1, generator=torch.Generator().manual_seed(seed)) + 0.5
+    seen = {}
+
+    def hook(queries, keys, scale, visible):
+        seen.update(q=queries, k=keys, scale=scale, visible=visible)
+        return queries * scale_rows
+
+    if ordinary:
+        v = v.reshape(2, 4, 9, 8)  # ordinary attention: v of q's dim, one per kv head
+        attend = lambda qq, **kw: multihead_attention(qq, k, v, key_padding_mask=mask, backend=backend, **kw)  # noqa: E731
+    else:
+        attend = lambda qq, **kw: differential_attention(qq, k, v, 0.4, key_padding_mask=mask, backend=backend, **kw)  # noqa: E731
+    got = attend(q, query_hook=hook)
+    assert torch.equal(seen["q"], q) and seen["scale"] == 8 ** -0.5
+    torch.testing.assert_close(seen["k"].double(), _expanded_keys64(k, q.shape[1], 1 if ordinary else 2))
+    vis = seen["visible"].expand(2, q.shape[1], 6, 9)
+    assert vis[0, 0].sum(-1).tolist() == [4, 5, 6, 7, 8, 9] and vis[1, 0].sum(-1).tolist() == [2, 3, 4, 5, 6, 7]
+    torch.testing.assert_close(got, attend(q * scale_rows), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="query hook must return queries of shape"):
+        attend(q, query_hook=lambda queries, keys, scale, visible: queries[..., :4])
+
+
+def test_rescale_queries_keeps_the_backend_and_removes_the_hook_also_when_the_forward_raises():
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny("diff", attn_backend="sdpa"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    ref = model(ids).logits
+    with rescale_queries(model, lambda q, k, scale, visible: q):  # the identity: same logits, same backend
+        assert all(layer.backend == "sdpa" for layer in attention_layers(model))
+        torch.testing.assert_close(model(ids).logits, ref)
+        with pytest.raises(ValueError, match="already has a query hook"), rescale_queries(model, lambda *a: a[0]):
+            pass
+    with pytest.raises(RuntimeError), rescale_queries(model, lambda q, k, scale, visible: q):
+        raise RuntimeError("a probe failing half-way")
+    assert all(layer.query_hook is None for layer in attention_layers(model))

@@ -13,15 +13,17 @@ from difftransformer.data.ood import MQAR, TRAIN, Condition, FlipFlop
 from difftransformer.data.ood.sampler import eval_set
 from difftransformer.data.prepare import prepare_task
 from difftransformer.eval import EvalConfig, get_task, run_task
+from difftransformer.eval.probes.hooks import inspect_attention, rescale_queries
 from difftransformer.eval.probes.ood import (
     ADAPTIVE_POLY,
     MASSES,
     OODOptions,
     adaptive_beta,
-    adaptive_temperature_hook,
+    adaptive_temperature_queries,
     conditions,
     mechanism,
     query_accuracy,
+    row_entropy,
     score,
     wilson_interval,
 )
@@ -103,19 +105,74 @@ def test_adaptive_beta_is_the_authors_fit_above_half_a_nat():
     assert adaptive_beta(torch.tensor([2.0])).item() > 1  # a dispersed map is sharpened
 
 
+def _entropy64(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """-sum p log p over the visible keys of every row, in float64, from explicit logits."""
+    logits = logits.double()
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True).nan_to_num(nan=0.0)  # no key: 0
+
+
+def test_row_entropy_matches_explicit_maps_over_blocks_of_rows():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q, k = torch.randn(2, 3, 37, 8, generator=g) * 2, torch.randn(2, 3, 41, 8, generator=g) * 2
+    visible = torch.ones(2, 1, 37, 41, dtype=torch.bool).tril(41 - 37)
+    visible[1, ..., :6] = False  # padded keys: the first 2 rows of sequence 1 (keys 0..4, 0..5) see none
+    want = _entropy64(torch.einsum("bhtd,bhsd->bhts", q.double(), k.double()) * 0.3, visible)
+    for block in (1, 5 * 2 * 3 * 41 * 4, 1 << 22):  # one row per block, 5 rows, every row at once
+        got = row_entropy(q, k, 0.3, visible, block_bytes=block)
+        assert got.shape == (2, 3, 37, 1) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(row_entropy(q, k, 0.3, visible)[1, :, :2], torch.zeros(3, 2, 1))
+    uniform = row_entropy(torch.zeros(1, 1, 1, 4), torch.randn(1, 1, 8, 4), 1.0, None)
+    assert uniform.item() == pytest.approx(math.log(8), abs=1e-6)  # a uniform row over 8 keys: log 8
+
+
 def test_adaptive_temperature_sharpens_dispersed_rows_and_keeps_sharp_ones():
-    scores = torch.tensor([[[[[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]]]],  # near uniform over 8: H ~ 2.07
-                           [[[[20.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]]]])  # one-hot: H ~ 0
-    out = adaptive_temperature_hook(scores, None)
-    beta = np.maximum(1.0, np.polyval(ADAPTIVE_POLY, float(-(torch.softmax(scores[0, 0, 0, 0], -1)
-                                                             * torch.log_softmax(scores[0, 0, 0, 0], -1)).sum())))
-    assert torch.allclose(out[0], scores[0] * beta) and beta > 1
-    assert torch.equal(out[1], scores[1])
-    visible = torch.ones_like(scores, dtype=torch.bool)
+    k = torch.eye(8)[None, None]  # key j = e_j: the logits of a query are its coordinates
+    q = torch.stack([torch.arange(8.0) / 10, torch.tensor([20.0] + [0.0] * 7)])[None, None].reshape(1, 1, 2, 8)
+    out = adaptive_temperature_queries(q, k, 1.0, None)
+    h = _entropy64(q.double(), None)[0, 0, 0, 0].item()  # near uniform over 8: H ~ 2.07
+    beta = max(1.0, float(np.polyval(ADAPTIVE_POLY, h)))
+    assert beta > 1 and torch.allclose(out[0, 0, 0], q[0, 0, 0] * beta)
+    assert torch.equal(out[0, 0, 1], q[0, 0, 1])  # one-hot: H ~ 0, beta = 1
+    visible = torch.ones(1, 1, 2, 8, dtype=torch.bool)
     visible[..., 4:] = False  # hidden keys do not count in the entropy
-    masked = adaptive_temperature_hook(scores, visible)
-    h = -(torch.softmax(scores[0, 0, 0, 0, :4], -1) * torch.log_softmax(scores[0, 0, 0, 0, :4], -1)).sum()
-    assert torch.allclose(masked[0], scores[0] * adaptive_beta(h))
+    masked = adaptive_temperature_queries(q, k, 1.0, visible)
+    assert torch.allclose(masked[0, 0, 0], q[0, 0, 0] * adaptive_beta(_entropy64(q[..., :4], None)[0, 0, 0]).float())
+
+
+def _reference_adaptive_scores(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """Adaptive temperature by its definition, as a score hook on explicit float64 logits: each row times β(H)."""
+    return scores * adaptive_beta(_entropy64(scores, visible)).to(scores.dtype)
+
+
+@pytest.mark.parametrize("attention", ["transformer", "diff", "diff_v2", "transformer_ssmax", "transformer_gated"])
+def test_adaptive_temperature_on_the_fast_backend_equals_its_definition_on_explicit_maps(attention):
+    """The query hook on the model's own backend (the fused CPU kernel) gives the logits of the definition
+    (every map's logits times β of its entropy) computed on explicit float64 maps, GQA included."""
+    cfg = get_preset("tiny").config(attention)
+    heads = 4 if attention == "diff" else 8  # two kv groups of two query heads (DIFF: of two DIFF heads)
+    cfg = type(cfg)(**{**cfg.to_dict(), "num_attention_heads": heads, "num_key_value_heads": heads // 2})
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
+    model = DiffTransformerLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.modules():  # large logits, so that some rows are sharp (β = 1) and some dispersed
+            if isinstance(layer, nn.Linear) and layer.out_features != cfg.vocab_size:
+                layer.weight.mul_(3.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 48))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with rescale_queries(model, adaptive_temperature_queries):
+            fast = model(ids).logits
+        reference = DiffTransformerLM(cfg).double().eval()
+        reference.load_state_dict(model.state_dict())
+        with inspect_attention(reference, lambda _: _reference_adaptive_scores):
+            want = reference(ids).logits
+    assert all(layer.query_hook is None for layer in (b.self_attn for b in model.layers))
+    assert (fast - plain).abs().max() > 1e-3  # it changed something
+    torch.testing.assert_close(fast.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def _planted(model, episodes):

@@ -4,6 +4,7 @@ from difftransformer.attention.backends import BACKENDS, resolve_backend
 from difftransformer.attention.cache import KVCache, StaticKVCache
 from difftransformer.attention.functional import (
     AttentionMaps,
+    QueryHook,
     ScoreHook,
     differential_attention,
     lambda_init_fn,
@@ -15,6 +16,6 @@ from difftransformer.attention.rope import RotaryEmbedding
 
 __all__ = [
     "BACKENDS", "AttentionMaps", "KVCache", "MultiheadAttention", "MultiheadDiffAttention",
-    "MultiheadDiffAttentionV2", "RotaryEmbedding", "ScoreHook", "StaticKVCache", "differential_attention",
+    "MultiheadDiffAttentionV2", "QueryHook", "RotaryEmbedding", "ScoreHook", "StaticKVCache", "differential_attention",
     "lambda_init_fn", "multihead_attention", "reparameterized_lambda", "resolve_backend",
 ]

@@ -116,11 +116,12 @@ def _holdable(layer: nn.Module) -> bool:
 def graph_refusal(model: nn.Module) -> str | None:
     """Why the attention layers in `model` cannot run a static KV cache's decoding step inside a CUDA graph, or
     None when they can: nothing may observe op calls (a replay runs none of them) and no layer may have a score
-    hook (a replay would not call it). Every backend takes the step's key mask (its one query row takes the
+    or query hook (a replay would not call it). Every backend takes the step's key mask (its one query row takes the
     Triton decoding kernel on 'triton')."""
     if ops_observed():
         return "torch.compile, a jit trace or a torch function/dispatch mode is observing the calls"
-    if any(getattr(module, "score_hook", None) is not None for module in model.modules()):
-        return "a layer has a score hook, which a replayed graph would not call"
+    for hook in ("score_hook", "query_hook"):
+        if any(getattr(module, hook, None) is not None for module in model.modules()):
+            return f"a layer has a {hook.replace('_', ' ')}, which a replayed graph would not call"
     return None
 

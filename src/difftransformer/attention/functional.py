@@ -27,6 +27,16 @@ A hook is called as `hook(scores, visible)` with
 and returns None (it only looked) or a tensor of scores' shape that replaces them; entries that
 are not visible are masked afterwards whatever it holds. A hook needs the explicit maps, so the
 call runs on the eager backend (as with return_maps).
+
+Query hooks: a probe that only rescales or replaces the queries (a temperature per query row, as
+adaptive temperature at inference) does it through `query_hook`, which keeps every backend, fused
+kernels included. It is called once per call, before any backend runs, as `hook(q, k, scale, visible)`
+with
+    q        the queries as given (layout below), after position encoding and any query scaling
+    k        the keys expanded to q's heads: query head j reads key head j (GQA repeated; for
+             differential attention component c of head i reads component c of its kv group)
+    visible  as for score hooks, broadcastable to (B, heads of q, T, S); None if all may
+and returns the queries to use, of q's shape and dtype. Logits are then (hook's q) k^T * scale.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from difftransformer.kernels.flash_cpu import diff_flash_attention_cpu, flash_at
 from difftransformer.norm import compute_dtype
 
 ScoreHook = Callable[[torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+QueryHook = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
 
 
 class AttentionMaps(NamedTuple):
@@ -155,7 +166,7 @@ def _check_out_norm(out_norm, d: int) -> None:
 def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mask=None,
                            scale: float | None = None, backend: str = "auto",
                            return_maps: bool = False, deterministic: bool = True,
-                           score_hook: ScoreHook | None = None,
+                           score_hook: ScoreHook | None = None, query_hook: QueryHook | None = None,
                            out_norm: tuple[torch.Tensor, float] | None = None):
     """(softmax(Q1 K1^T s) - lam * softmax(Q2 K2^T s)) V for every head; see the module doc.
 
@@ -163,7 +174,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     A query that sees no key (fully padded) outputs zeros.
     deterministic=False lets the Triton backend use its one-pass backward (dQ summed with atomics);
     eager and cpp are deterministic anyway, sdpa follows torch.use_deterministic_algorithms.
-    score_hook: see the module doc (runs the eager backend).
+    score_hook, query_hook: see the module doc (a score hook runs the eager backend; a query hook any).
     out_norm: None, or (weight (2d,), eps): the output rows go through RMSNorm with this weight
     (DIFF's head norm, its constant folded into the weight), computed in `compute_dtype` of the
     output as `RMSNorm` does. Given here rather than applied by the caller so that the cpp and
@@ -176,6 +187,10 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     if out_norm is not None:
         _check_out_norm(out_norm, q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if query_hook is not None:
+        h, n_rep = q.shape[1] // 2, q.shape[1] // k.shape[1]
+        keys = k.unflatten(1, (-1, 2)).repeat_interleave(n_rep, dim=1).reshape(k.shape[0], 2 * h, *k.shape[2:])
+        q = _apply_query_hook(query_hook, q, keys, scale, causal, key_padding_mask)
     need_maps = return_maps or score_hook is not None
     if not need_maps and key_padding_mask is None:  # a decoding step may go straight to the CPU kernel
         out = cpu_decode_diff(q, k, v, lam, causal, scale, out_norm, backend)
@@ -246,6 +261,18 @@ def _apply_score_hook(hook: ScoreHook | None, scores: torch.Tensor, visible: tor
     if new.shape != scores.shape:
         raise ValueError(f"a score hook must return scores of shape {tuple(scores.shape)} (or None); "
                          f"got {tuple(new.shape)}")
+    return new
+
+
+def _apply_query_hook(hook: QueryHook, q: torch.Tensor, keys: torch.Tensor, scale: float, causal: bool,
+                      key_padding_mask) -> torch.Tensor:
+    """q after the hook, given the keys expanded to q's heads; the result must keep q's shape and dtype."""
+    visible = _visibility(q.shape[2], keys.shape[2], causal, key_padding_mask, q.device)
+    new = hook(q, keys, scale, visible)
+    if not isinstance(new, torch.Tensor) or new.shape != q.shape or new.dtype != q.dtype:
+        got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
+        raise ValueError(f"a query hook must return queries of shape {tuple(q.shape)} and dtype {q.dtype}; "
+                         f"got {got}")
     return new
 
 
@@ -330,11 +357,12 @@ def _diff_sdpa_row(q, k, v, lam, key_padding_mask, scale, gqa: bool):
 
 
 def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, scale: float | None = None,
-                        backend: str = "auto", return_maps: bool = False, score_hook: ScoreHook | None = None):
+                        backend: str = "auto", return_maps: bool = False, score_hook: ScoreHook | None = None,
+                        query_hook: QueryHook | None = None):
     """Ordinary (GQA) attention with the same masking rules. q (B, H, T, d), k/v (B, H_kv, S, d).
 
-    Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook: see the
-    module doc (maps = 1; runs the eager backend)."""
+    Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook, query_hook:
+    see the module doc (maps = 1; a score hook runs the eager backend, a query hook any)."""
     _check_operands(q, k, v, key_padding_mask)
     qs, ks, vs = q.shape, k.shape, v.shape
     if (len(qs) != 4 or len(ks) != 4 or vs[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
@@ -346,6 +374,8 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, B, S)
     scale = d ** -0.5 if scale is None else scale
+    if query_hook is not None:
+        q = _apply_query_hook(query_hook, q, k.repeat_interleave(H // H_kv, dim=1), scale, causal, key_padding_mask)
     need_maps = return_maps or score_hook is not None
     if not need_maps and key_padding_mask is None:  # a decoding step may go straight to the CPU kernel
         out = cpu_decode_ordinary(q, k, v, causal, scale, backend)

@@ -14,7 +14,9 @@ position encoding at all (position_encoding='none', NoPE: `rotary` is None and q
 
 Every layer has a `score_hook` attribute (None by default): set it to a `ScoreHook` and each
 forward hands the pre-softmax logits to it (see attention/functional.py) on the eager backend.
-This is the explicit entry point of the white-box probes (eval/probes/); nothing is patched.
+A `query_hook` attribute likewise hands it the queries (after RoPE and SSMax) and the keys, on the
+layer's own backend. These are the explicit entry points of the white-box probes (eval/probes/);
+nothing is patched.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from difftransformer.attention.cache import KVCache
 from difftransformer.attention.decode import layer_constants
 from difftransformer.attention.functional import (
     AttentionMaps,
+    QueryHook,
     ScoreHook,
     attended_key_counts,
     differential_attention,
@@ -66,6 +69,7 @@ class _SelfAttention(nn.Module):
         self.n_rep = num_heads // num_kv_heads
         self.max_seq_len = max_seq_len
         self.score_hook: ScoreHook | None = None  # see the module doc
+        self.query_hook: QueryHook | None = None
 
     def _make_rotary(self, dim: int, rope_theta: float, position_encoding: str) -> None:
         """`rotary`: RoPE over `dim`-wide q/k heads, or None for position_encoding 'none' (NoPE)."""
@@ -235,7 +239,7 @@ class MultiheadDiffAttention(_SelfAttention):
         res = differential_attention(q, k, v, lam, causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
                                      deterministic=self.deterministic, score_hook=self.score_hook,
-                                     out_norm=out_norm)
+                                     query_hook=self.query_hook, out_norm=out_norm)
         o, maps = res if return_attention else (res, None)
         if out_norm is None:
             o = self._head_norm_and_scale(o)
@@ -323,7 +327,8 @@ class MultiheadAttention(_SelfAttention):
         if self.ssmax_scale is not None:
             q = self._scale_queries(q, k.shape[2], attention_mask)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
-                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook)
+                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook,
+                                  query_hook=self.query_hook)
         o, probs = res if return_attention else (res, None)
         if self.subln is not None:
             o = self.subln(o)
@@ -363,7 +368,8 @@ class MultiheadDiffAttentionV2(_SelfAttention):
         H, d = self.num_heads, self.head_dim
         q, k, v = self._project(x, position_ids, kv_cache, 2 * H, self.num_kv_heads, d, d)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
-                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook)
+                                  backend=self.backend, return_maps=return_attention, score_hook=self.score_hook,
+                                  query_hook=self.query_hook)
         attn, probs = res if return_attention else (res, None)
         f = compute_dtype(attn)
         lam = torch.sigmoid(self.lambda_proj(x).to(f)).transpose(1, 2)[..., None]  # (B, H, T, 1)

@@ -4,8 +4,10 @@
         model(ids)                                                    # my hook sees each layer's logits
     with capture_layer_outputs(model, lambda i, h: ...):              # each decoder block's output
         model(ids)
+    with rescale_queries(model, my_query_hook):                       # every layer on its own backend
+        model(ids)
 
-Attention layers expose a `score_hook` attribute (attention/functional.py states its contract);
+Attention layers expose `score_hook` and `query_hook` attributes (attention/functional.py states their contracts);
 decoder blocks are ordinary modules whose outputs a forward hook reads. Both are restored on exit,
 also when the forward raises. A model that is not one of ours (a Hugging Face model, a module of
 another design) is refused with a one-line error: its attention cannot be opened.
@@ -20,7 +22,13 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from difftransformer.attention import MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2, ScoreHook
+from difftransformer.attention import (
+    MultiheadAttention,
+    MultiheadDiffAttention,
+    MultiheadDiffAttentionV2,
+    QueryHook,
+    ScoreHook,
+)
 from difftransformer.model import DiffTransformerLM
 
 _ATTENTION_LAYERS = (MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2)
@@ -59,6 +67,24 @@ def inspect_attention(model: nn.Module, make_hook: Callable[[int], ScoreHook | N
     finally:
         for layer, (backend, hook) in zip(layers, saved):
             layer.backend, layer.score_hook = backend, hook
+
+
+@contextmanager
+def rescale_queries(model: nn.Module, hook: QueryHook) -> Iterator[None]:
+    """Give every attention layer the query hook `hook`, on the backend it was built with (fused kernels
+    included: unlike a score hook, a query hook needs no explicit maps). A layer that already has a
+    query hook is refused (two would have to agree on an order); the hooks are removed on exit."""
+    layers = attention_layers(model)
+    if any(layer.query_hook is not None for layer in layers):
+        raise ValueError("a layer already has a query hook; remove it (layer.query_hook = None) before "
+                         "rescale_queries sets another")
+    try:
+        for layer in layers:
+            layer.query_hook = hook
+        yield
+    finally:
+        for layer in layers:
+            layer.query_hook = None
 
 
 def _chain(first: ScoreHook, second: ScoreHook) -> ScoreHook:

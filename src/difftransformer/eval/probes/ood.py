@@ -30,8 +30,9 @@ sequences never trained on) is scored:
   inference (Veličković et al. 2024, "softmax is not enough"), a dispersion fix without any subtraction
   and without training: every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's
   entropy H exceeds 0.5 (β = 1 otherwise), p the authors' quartic fit (`ADAPTIVE_POLY`). On DIFF it
-  applies to each of the two maps. It goes through the layers' score hooks (the eager backend). The
-  mechanism is measured without it.
+  applies to each of the two maps. It goes through the layers' query hooks: β multiplies each query row,
+  so the model keeps its own backend (fused kernels included) and only the entropies are computed from
+  logits, in blocks of rows. The mechanism is measured without it.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from difftransformer.attention import QueryHook
 from difftransformer.data import PreparedData
 from difftransformer.data.ood import TRAIN, Condition, Episodes, Family
 from difftransformer.data.ood.episodes import FILLER, ITEM
 from difftransformer.data.ood.sampler import eval_set
-from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model
+from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model, rescale_queries
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+from difftransformer.norm import compute_dtype
 
 ADAPTIVE_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)  # highest degree first, as numpy.polyval takes it
 MASSES = ("target", "distractor", "filler", "other")
@@ -74,14 +77,39 @@ def adaptive_beta(entropy: torch.Tensor) -> torch.Tensor:
     return torch.where(entropy > 0.5, poly.clamp(min=1.0), torch.ones_like(entropy))
 
 
-def adaptive_temperature_hook(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-    """A score hook (attention/functional.py) that rescales every row's logits by `adaptive_beta` of the
-    entropy of its softmax over the visible keys."""
-    masked = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
-    logp = torch.log_softmax(masked, dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)  # 0 log 0 = 0
-    return scores * adaptive_beta(entropy)
+def row_entropy(q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None,
+                block_bytes: int = 1 << 24) -> torch.Tensor:
+    """(B, H, T, 1): the entropy of every query row's softmax(q k^T * scale) over its visible keys, in
+    `compute_dtype` (0 for a row that sees no key). q (B, H, T, d), k (B, H, S, d), visible as a query hook
+    gets it. Computed over blocks of query rows of about `block_bytes` of logits each, so no (T, S) map is
+    held whole, and each block reads the keys up to the last one it may see (causal: half the work)."""
+    f = compute_dtype(q)
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    rows = max(1, block_bytes // (B * H * S * torch.finfo(f).bits // 8))
+    keys = k.to(f).transpose(-1, -2)
+    out = []
+    for t in range(0, T, rows):
+        seen = S if visible is None else _keys_seen(visible[..., t:t + rows, :])
+        logits = torch.matmul(q[:, :, t:t + rows].to(f), keys[..., :seen]) * scale
+        if visible is not None:
+            logits = logits.masked_fill(~visible[..., t:t + rows, :seen], float("-inf"))
+        out.append(torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1, keepdim=True))  # 0 log 0 = 0
+    return torch.cat(out, dim=2).nan_to_num(nan=0.0)  # a row with no visible key: softmax of -inf is NaN
+
+
+def _keys_seen(visible: torch.Tensor) -> int:
+    """1 + the last key index any row of `visible` (..., rows, S) may read (1 when none may)."""
+    cols = visible.reshape(-1, visible.shape[-1]).any(0).nonzero()
+    return int(cols[-1]) + 1 if len(cols) else 1
+
+
+def adaptive_temperature_queries(q: torch.Tensor, k: torch.Tensor, scale: float,
+                                 visible: torch.Tensor | None) -> torch.Tensor:
+    """A query hook (attention/functional.py): every query row times `adaptive_beta` of its map's entropy,
+    which multiplies the row's logits by β as adaptive temperature defines it, on the layer's own backend."""
+    beta = adaptive_beta(row_entropy(q, k, scale, visible))
+    return (q.to(beta.dtype) * beta).to(q.dtype)
 
 
 @dataclass
@@ -121,19 +149,19 @@ def task_family(cfg: EvalConfig) -> Family:
 
 
 @torch.no_grad()
-def score(model, episodes: Episodes, batch_size: int, device, hook=None) -> tuple[np.ndarray, np.ndarray]:
+def score(model, episodes: Episodes, batch_size: int, device,
+          query_hook: QueryHook | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(correct, query) at every answer position of `episodes`, flat over sequences: whether the greedy
-    next token is the answer, and a query id unique over the set (sequence * 2^20 + query)."""
+    next token is the answer, and a query id unique over the set (sequence * 2^20 + query). query_hook:
+    every attention layer's, for this scoring (`adaptive_temperature_queries`)."""
     correct, queries = [], []
-    if hook is not None:  # the eager backend: explicit maps, sized to the free memory
-        batch_size = probe_batch(model, episodes.inputs.shape[1], batch_size, device)
     for start in range(0, len(episodes), batch_size):
         part = episodes.take(np.arange(start, min(start + batch_size, len(episodes))))
         ids = torch.from_numpy(part.inputs).to(device)
-        if hook is None:
+        if query_hook is None:
             logits = model(ids).logits
         else:
-            with inspect_attention(model, lambda _: hook):
+            with rescale_queries(model, query_hook):
                 logits = model(ids).logits
         answer = part.answer_mask
         pred = logits.argmax(-1).cpu().numpy()
@@ -305,7 +333,7 @@ class OOD(Task):
                 **_accuracy(*score(model, episodes, cfg.batch_size * 4, cfg.device))}
         if self.options.adaptive_temperature:
             cell["adaptive"] = _accuracy(*score(model, episodes, cfg.batch_size * 4, cfg.device,
-                                                adaptive_temperature_hook))
+                                                adaptive_temperature_queries))
         if self.options.attention and self.options.attention_sequences:
             sample = episodes.take(np.arange(min(self.options.attention_sequences, len(episodes))))
             cell["attention"] = mechanism(model, sample, cfg.device)
