@@ -78,6 +78,10 @@ def test_arms_from_names_kinds_and_tables(spec):
     ({"name": "x"}, "needs `name` and `attention`"),
     ({"name": "x", "attention": "diff", "heads": "double"}, "heads='double'"),
     ({"name": "a/b", "attention": "diff"}, "folder name"),
+    ({"name": "x", "attention": "diff", "train": {"max_step": 10}}, "did you mean 'max_steps'"),
+    ({"name": "x", "attention": "diff", "train": {"batch_size": 8}}, "every arm shares it"),
+    ({"name": "x", "attention": "diff", "train": {"seed": 1}}, "every arm shares it"),
+    ({"name": "x", "attention": "diff", "train": 6000}, "train must be a table"),
     (3, "a name"),
 ])
 def test_bad_arms_are_one_line_errors(entry, message):
@@ -104,3 +108,16 @@ def test_lambda_init_belongs_to_the_arms_with_a_scalar_lambda(spec):
                for a in ("diff", "transformer", "transformer_gated", "diff_v2")}
     assert configs["diff"].lambda_init == 0.5
     assert all(configs[a].lambda_init is None for a in ("transformer", "transformer_gated", "diff_v2"))
+
+
+def test_an_arm_may_train_on_its_own_recipe_and_only_there():
+    from difftransformer.train import TrainConfig
+
+    recipe = TrainConfig(max_steps=2000, lr=1e-3, seq_len=80, batch_size=32)
+    arm = parse_arm({"name": "dnh", "attention": "diff_no_headnorm", "train": {"max_steps": 6000, "lr": 5e-4}})
+    own = arm.train_config(recipe)
+    assert (own.max_steps, own.lr, own.seq_len, own.batch_size) == (6000, 5e-4, 80, 32)
+    assert recipe.max_steps == 2000 and parse_arm("diff").train_config(recipe) is recipe
+    assert parse_arm(arm.to_dict()) == arm  # a manifest's arm_specs read back
+    with pytest.raises(ValueError, match="arm 'bad': its train overrides make an invalid recipe"):
+        Arm("bad", "diff", train={"max_steps": 0}).train_config(recipe)

@@ -433,3 +433,21 @@ def test_the_names_before_study_still_import_for_one_release():
 
     assert experiments.CompareConfig is StudyConfig and experiments.run_compare is run_study
     assert "CompareConfig" not in experiments.__all__ and "run_compare" not in experiments.__all__
+
+
+def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_report(data_dir, tmp_path):
+    arms = ["transformer", {"name": "diff_long", "attention": "diff", "train": {"max_steps": 3, "lr": 5e-4}}]
+    study = _study(data_dir, tmp_path / "results", arms=arms)
+    out = run_study(study, tmp_path / "study")
+    folder = StudyDir(out)
+    long = json.loads((tmp_path / "results" / "diff_long.json").read_text())
+    base = json.loads((tmp_path / "results" / "transformer.json").read_text())
+    assert (long["max_steps"], long["last_step"], long["train_config"]["lr"]) == (3, 3, 5e-4)
+    assert (base["max_steps"], base["last_step"], base["train_config"]["lr"]) == (2, 2, study.train.lr)
+    assert folder.run_dir("diff_long", 0, multi_seed=False).last_step() == 3
+    report = Path(write_report(tmp_path / "results", samples=False)).read_text()
+    assert "Training (every arm but diff_long)" in report
+    assert "Arms on their own recipe" in report and "diff_long: max_steps 3, lr 0.0005." in report
+    run_study(study, out)  # continues: both result files match their own recipes
+    with pytest.raises(ValueError, match="sets its own train.max_steps, but compare.tokens"):
+        run_study(_study(data_dir, arms=arms, tokens=[256]), tmp_path / "grid")

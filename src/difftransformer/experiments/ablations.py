@@ -18,6 +18,13 @@ kind is an arm named after it. A study config may also define its own arms as ta
 Overrides may change what the model is (lambda_init, heads, widths) but not the size spec's runtime
 fields (attn_backend, attn_deterministic: those are the [model] section's), nor `attention` (use
 `attention`). A mistyped field is an error naming the nearest valid one, found before anything trains.
+
+Every arm trains on the study's recipe ([train]) unless its table has its own `train` overrides, for an arm
+that does not learn the task under the shared recipe (a study whose arms must all reach an accuracy bar says
+so, and trains that arm longer): {name = "diff_no_headnorm", attention = "diff_no_headnorm",
+train = {max_steps = 6000}}. They may change the optimisation (max_steps, lr, schedule, warmup, decay,
+clipping), not what a step sees (seq_len, batch_size, seed: the arms' batches stay paired) nor where it runs;
+the report names every arm trained on its own recipe.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ from typing import Any
 
 from difftransformer.model import DiffTransformerConfig, attention_kind
 from difftransformer.model.config import RUNTIME_FIELDS
+from difftransformer.train.config import RESUME_MUST_MATCH, TrainConfig
 
 HEAD_UNITS = ("own", "diff")  # an arm's heads: its kind's matched count, or DIFF's count (heads of 2d)
-_ARM_KEYS = ("name", "attention", "overrides", "heads", "description")
+_ARM_KEYS = ("name", "attention", "overrides", "heads", "description", "train")
+# Recipe fields an arm may not change: what each step sees (paired batches), the I/O and the device.
+_SHARED_TRAIN = frozenset(RESUME_MUST_MATCH) | {"data_dir", "out_dir", "device", "fsdp", "init_from"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class Arm:
     overrides: dict[str, Any] = field(default_factory=dict)
     heads: str = "own"  # "diff": the kind keeps DIFF's head count (h heads of 2d instead of 2h of d)
     description: str = ""
+    train: dict[str, Any] = field(default_factory=dict)  # this arm's own recipe changes (see the module doc)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name or self.name.startswith("."):
@@ -64,6 +75,32 @@ class Arm:
                         "it is the size spec's ([model] section's)" if key in RUNTIME_FIELDS else "not a model field")
                 raise ValueError(f"arm {self.name!r}: cannot override {key!r}{hint}: {rule}; overridable fields "
                                  f"are {', '.join(sorted(known))}")
+
+        self._check_train()
+
+    def _check_train(self) -> None:
+        if not isinstance(self.train, dict):
+            raise ValueError(f"arm {self.name!r}: train must be a table of training fields like "
+                             f"{{max_steps = 6000}}, got {self.train!r}")
+        known = {f.name for f in dataclasses.fields(TrainConfig)} - _SHARED_TRAIN
+        for key in self.train:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                rule = ("every arm shares it (the [train] section's)" if key in _SHARED_TRAIN
+                        else "not a training field")
+                raise ValueError(f"arm {self.name!r}: cannot change train.{key}{hint}: {rule}; an arm may change "
+                                 f"{', '.join(sorted(known))}")
+
+    def train_config(self, recipe: TrainConfig) -> TrainConfig:
+        """This arm's recipe: the study's `recipe` with the arm's own `train` changes (a ValueError naming the arm
+        when the result is invalid)."""
+        if not self.train:
+            return recipe
+        try:
+            return dataclasses.replace(recipe, **self.train)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"arm {self.name!r}: its train overrides make an invalid recipe: {e}") from None
 
     def config(self, spec: DiffTransformerConfig) -> DiffTransformerConfig:
         """This arm's model at the size `spec` (a ValueError naming the arm when the result is invalid). A spec's
@@ -129,10 +166,15 @@ def parse_arm(entry: Any) -> Arm:
         unknown = sorted(set(entry) - set(_ARM_KEYS))
         if unknown or "name" not in entry or "attention" not in entry:
             raise ValueError(f"an arm table needs `name` and `attention` (and may have overrides, heads, "
-                             f"description); got keys {sorted(entry)}")
+                             f"description, train); got keys {sorted(entry)}")
         return Arm(entry["name"], entry["attention"], dict(entry.get("overrides") or {}), entry.get("heads", "own"),
-                   entry.get("description", ""))
+                   entry.get("description", ""), _copy(entry.get("train") or {}))
     raise ValueError(f"an arm is a name (e.g. 'diff') or a table {{name, attention, overrides}}, got {entry!r}")
+
+
+def _copy(table: Any) -> Any:
+    """A dict's own copy (the arm keeps no reference into a config); anything else as is, for Arm to refuse."""
+    return dict(table) if isinstance(table, dict) else table
 
 
 def _kinds() -> list[str]:

@@ -92,6 +92,15 @@ class Study:
                              f"train.warmup_steps ({self.train.warmup_steps}); raise the budget or lower the warmup")
         return dataclasses.replace(self.train, max_steps=steps)
 
+    def arm_train(self, arm: str, tokens: int | None) -> TrainConfig:
+        """Arm `arm`'s recipe for one token budget: `train_for(tokens)` with the arm's own train changes. An arm
+        with its own max_steps in a study of token budgets is refused (the budget sets the steps)."""
+        spec = self.arm(arm)
+        if tokens is not None and "max_steps" in spec.train:
+            raise ValueError(f"arm {arm!r} sets its own train.max_steps, but compare.tokens sets every run's steps; "
+                             f"drop one of the two")
+        return spec.train_config(self.train_for(tokens))
+
     def results_dir(self, out_dir: Path) -> Path:
         return Path(self.compare.results_dir) if self.compare.results_dir else out_dir / RESULTS_DIR
 
@@ -154,7 +163,8 @@ def _run_study(study: Study, folder: StudyDir, arms: list[str] | None, seeds: li
     data = ensure_data(study.data)
     study = dataclasses.replace(study, train=dataclasses.replace(study.train, data_dir=str(data.out_dir)))
     for _, tokens in study.cells():
-        study.train_for(tokens)  # every budget is checked before anything trains
+        for arm in arms:
+            study.arm_train(arm, tokens)  # every budget and every arm's own recipe is checked before anything trains
     results = study.results_dir(folder.path)
     manifest = _merge_manifest(folder, results, _manifest(study, arms, seeds, data, command))
     # the layout follows the study's seeds, not this invocation's: `--seeds 5` on a one-seed study is its
@@ -202,9 +212,8 @@ class _Cell:
         """Refuse, before anything is written, a stored result or a run folder that this invocation would
         replace or mislabel: a result file of another recipe (check_identity), or a run trained past
         this recipe's max_steps (its weights are not a result of the shorter recipe)."""
-        train_cfg = self.study.train_for(self.tokens)
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
-            unit = self.unit(arm)
+            unit, train_cfg = self.unit(arm), self.study.arm_train(arm, self.tokens)
             if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
                 continue
             run = self.folder.unit_dir(unit, self.multi)
@@ -216,32 +225,32 @@ class _Cell:
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
-        train_cfg = self.study.train_for(self.tokens)
+        recipes = [self.study.arm_train(a, self.tokens) for a in arms]
         units = [self.unit(a) for a in arms]
-        identities = [unit_identity(c, train_cfg, self.data) for c in configs]
+        identities = [unit_identity(c, r, self.data) for c, r in zip(configs, recipes)]
         done = [resume and self._has_result(u, ident) for u, ident in zip(units, identities)]
         dirs = [self.folder.unit_dir(u, self.multi) for u in units]
         pending = [i for i in range(len(arms)) if not done[i] and not (resume and dirs[i].is_finished(
-            train_cfg.max_steps))]
+            recipes[i].max_steps))]
         for i in range(len(arms)):
             if done[i]:
                 log.info("%s: result file exists; skipping", units[i].label())
         finished: set[int] = set()
         if dist.world_size() == 1:  # one process: units trained earlier get their result files first
             for i in (i for i in range(len(arms)) if i not in pending):
-                self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
+                self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
                 finished.add(i)
         if pending:
             states = paired_init(configs, self.seed)  # ignored by train() for arms that resume from a checkpoint
             for n, i in enumerate(pending):
-                self._train(units[i], configs[i], train_cfg, dirs[i], states[i], resume, n, len(pending))
+                self._train(units[i], configs[i], recipes[i], dirs[i], states[i], resume, n, len(pending))
                 states[i] = None  # free memory early: big models
                 if dist.world_size() == 1:  # one process: each unit's result file lands before the next trains,
-                    self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])  # so a stop
+                    self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])  # so a stop
                     finished.add(i)  # loses at most the unit in training
         if dist.is_main():  # under torchrun every rank trains each unit, so rank 0 evaluates after the group
             for i in (i for i in range(len(arms)) if i not in finished):
-                self._finish(units[i], configs[i], train_cfg, dirs[i], identities[i], done[i])
+                self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
 
     def _result_file(self, unit: Unit) -> Path:
         """Where this unit's result file is: in this invocation's layout, else in the other one (a study

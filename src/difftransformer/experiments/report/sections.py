@@ -55,7 +55,7 @@ class Context:
         return len(self.cells) > 1
 
     def spec(self, arm: str) -> dict[str, Any]:
-        """The arm's definition (name, attention, overrides, heads, description) from the manifest."""
+        """The arm's definition (name, attention, overrides, heads, description, train) from the manifest."""
         return (self.manifest.get("arm_specs") or {}).get(arm) or {"name": arm, "attention": arm}
 
     @property
@@ -387,13 +387,19 @@ def _recipe(ctx: Context) -> Lines:
     """The training recipe and the data, as recorded in the manifest."""
     L: Lines = []
     tr = ctx.manifest.get("train") or {}
+    own = {arm: ctx.spec(arm).get("train") for arm in ctx.arms if ctx.spec(arm).get("train")}
     if tr:
-        L += [f"Training (identical for every arm): {_steps_text(tr, ctx.manifest.get('tokens') or [], ctx)}; "
+        shared = "every arm but " + ", ".join(md_name(a) for a in own) if own else "identical for every arm"
+        L += [f"Training ({shared}): {_steps_text(tr, ctx.manifest.get('tokens') or [], ctx)}; "
               f"AdamW (β1 {tr.get('beta1')}, β2 "
               f"{tr.get('beta2')}, weight decay {tr.get('weight_decay')}), lr {tr.get('lr')} → {tr.get('min_lr')} "
               f"({tr.get('lr_schedule')}, {tr.get('warmup_steps')} warmup steps), grad clip {tr.get('grad_clip')}, "
               f"precision {tr.get('precision')}; validation every {tr.get('eval_interval')} steps on "
               f"{tr.get('eval_batches')} batches.", ""]
+    if own:
+        L += ["Arms on their own recipe (the study's with these changes; an arm that did not learn the task under "
+              "the shared one): " + "; ".join(f"{md_name(a)}: " + ", ".join(f"{k} {v}" for k, v in changes.items())
+                                             for a, changes in own.items()) + ".", ""]
     data = ctx.manifest.get("data") or {}
     if data:
         nt, nd = data.get("num_tokens", {}), data.get("num_documents", {})
