@@ -114,10 +114,13 @@ def test_an_arm_may_train_on_its_own_recipe_and_only_there():
     from difftransformer.train import TrainConfig
 
     recipe = TrainConfig(max_steps=2000, lr=1e-3, seq_len=80, batch_size=32)
-    arm = parse_arm({"name": "dnh", "attention": "diff_no_headnorm", "train": {"max_steps": 6000, "lr": 5e-4}})
+    arm = parse_arm({"name": "diff_no_headnorm", "attention": "diff_no_headnorm",
+                     "train": {"max_steps": 6000, "lr": 5e-4}})
     own = arm.train_config(recipe)
     assert (own.max_steps, own.lr, own.seq_len, own.batch_size) == (6000, 5e-4, 80, 32)
     assert recipe.max_steps == 2000 and parse_arm("diff").train_config(recipe) is recipe
     assert parse_arm(arm.to_dict()) == arm  # a manifest's arm_specs read back
+    assert arm.description == ABLATIONS["diff_no_headnorm"].description  # the named arm's, on its own recipe
+    assert parse_arm({"name": "diff_no_headnorm", "attention": "diff"}).description == ""  # another arm
     with pytest.raises(ValueError, match="arm 'bad': its train overrides make an invalid recipe"):
         Arm("bad", "diff", train={"max_steps": 0}).train_config(recipe)

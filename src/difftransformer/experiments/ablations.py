@@ -167,8 +167,13 @@ def parse_arm(entry: Any) -> Arm:
         if unknown or "name" not in entry or "attention" not in entry:
             raise ValueError(f"an arm table needs `name` and `attention` (and may have overrides, heads, "
                              f"description, train); got keys {sorted(entry)}")
-        return Arm(entry["name"], entry["attention"], dict(entry.get("overrides") or {}), entry.get("heads", "own"),
-                   entry.get("description", ""), _copy(entry.get("train") or {}))
+        arm = Arm(entry["name"], entry["attention"], dict(entry.get("overrides") or {}), entry.get("heads", "own"),
+                  entry.get("description", ""), _copy(entry.get("train") or {}))
+        named = ABLATIONS.get(arm.name)  # a named arm on its own recipe keeps the name's description
+        if not arm.description and named and (named.attention, named.overrides, named.heads) == (
+                arm.attention, arm.overrides, arm.heads):
+            arm = dataclasses.replace(arm, description=named.description)
+        return arm
     raise ValueError(f"an arm is a name (e.g. 'diff') or a table {{name, attention, overrides}}, got {entry!r}")
 
 
