@@ -291,10 +291,12 @@ def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path):
     lo, hi = cell["error_rate_ci95"]
     assert lo <= 1 - cell["accuracy"] <= hi
     assert set(cell["attention"]["mean"]["diff"]) == {"target", "distractor", "filler", "other"}
-    top = cell["attention"]["top_head"]["a1"]
-    layer = cell["attention"]["layers"][top["layer"]]["a1_mass"]["target"]
-    every = [t for lay in cell["attention"]["layers"] for t in lay["a1_mass"]["target"]]
-    assert top["target"] == max(layer) == max(every)
+    shares = {(i, h): lay["diff_positive_mass"]["target"][h] / sum(lay["diff_positive_mass"][m][h] for m in MASSES)
+              for i, lay in enumerate(cell["attention"]["layers"]) for h in range(len(lay["diff_mass"]["target"]))}
+    head = max(shares, key=shares.get)  # the training condition's retrieving head, by hand
+    for other in result.details["cells"]:  # read at every condition, the same head
+        assert (other["attention"]["retrieving"]["layer"], other["attention"]["retrieving"]["head"]) == head
+    assert cell["attention"]["retrieving"]["target"] == pytest.approx(shares[head])
     assert result.metrics["accuracy"] == cell["accuracy"]
     assert task.plot(result, tmp_path / "ood.png") and (tmp_path / "ood.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="synthetic task"):

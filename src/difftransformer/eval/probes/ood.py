@@ -22,10 +22,11 @@ sequences never trained on) is scored:
   logit. For DIFF V1 and V2 the masses are measured on A1 - λA2 and on A1 and A2 apart ("diff", "a1",
   "a2"), and on the positive and negative parts of A1 - λA2 apart ("diff_positive", "diff_negative": the
   signed masses net one against the other); for ordinary attention "diff" and "a1" are the one softmax
-  map. Summaries: the mean over layers and heads, and the retrieving head (the one whose map puts the
-  most on the target). Flip-flop's target is the last write: the earlier reads after it echo the same
-  bit, and attention on them counts as "other" (the query part), so its target mass is a lower bound
-  on the mass on tokens that carry the answer.
+  map. Summaries: the mean over layers and heads, and the retrieving head's shares (`retrieving_head`:
+  chosen once, at the training condition, as the head whose positive weight puts the largest share on
+  the target; `head_shares` at every condition). Flip-flop's target is the last write: the earlier
+  reads after it echo the same bit, and attention on them counts as "other" (the query part), so its
+  target mass is a lower bound on the mass on tokens that carry the answer.
 - adaptive_temperature=True: each condition is scored a second time with adaptive temperature at
   inference (Veličković et al. 2024, "softmax is not enough"), a dispersion fix without any subtraction
   and without training: every softmax map's logits are multiplied by β(H) = max(1, p(H)) when the map's
@@ -267,16 +268,47 @@ def summary_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[st
     return out
 
 
-def top_head_masses(layers: list[dict[str, Any]], which: str = "diff") -> dict[str, Any]:
-    """The masses of the one head (any layer) whose `which` map puts the most on the target: the head that
-    retrieves. Most heads of a small model do other work (previous-token heads, ...), so the average over
-    heads says little about the retrieving one. Chosen per condition and per map on raw masses: a quick
-    look for one model (`OOD.plot`). A study's report chooses one head per model at the training
-    distribution and reads it as shares at every condition (experiments/report/ood_view.py)."""
-    best = max(((i, h) for i, layer in enumerate(layers) for h in range(len(layer[f"{which}_mass"]["target"]))),
-               key=lambda ih: layers[ih[0]][f"{which}_mass"]["target"][ih[1]])
-    i, h = best
-    return {"layer": i, "head": h, **{m: layers[i][f"{which}_mass"][m][h] for m in MASSES}}
+def head_weights(layer: dict[str, Any], h: int) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(positive, negative) parts of head h's A1 − λA2 masses (MASSES each) in one layer of a `mechanism`
+    record, or None where they were not measured apart. A softmax map ("diff" is "a1") has no negative part."""
+    if "diff_positive_mass" in layer:
+        return ({m: layer["diff_positive_mass"][m][h] for m in MASSES},
+                {m: layer["diff_negative_mass"][m][h] for m in MASSES})
+    if layer.get("a1_mass") == layer.get("diff_mass"):
+        return {m: layer["diff_mass"][m][h] for m in MASSES}, dict.fromkeys(MASSES, 0.0)
+    return None
+
+
+def retrieving_head(attention: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The (layer, head) of a `mechanism` record at the training distribution whose positive attention weight
+    puts the largest share on the target: the head that retrieves. Chosen once per model, so that every
+    condition reads the same head (choosing per condition would pick whichever head holds up best out of
+    distribution); the share, not the mass: A1 − λA2's rows sum to about 1 − λ, so raw masses would favour
+    small λ."""
+    best, best_share = None, -1.0
+    for i, layer in enumerate((attention or {}).get("layers") or []):
+        for h in range(len(layer["diff_mass"]["target"])):
+            parts = head_weights(layer, h)
+            total = sum(parts[0].values()) if parts else 0.0
+            if total > 0 and parts[0]["target"] / total > best_share:
+                best, best_share = (i, h), parts[0]["target"] / total
+    return best
+
+
+def head_shares(attention: dict[str, Any] | None, head: tuple[int, int] | None) -> dict[str, Any] | None:
+    """Head `head`'s shares in one condition's `mechanism` record: of its positive weight, the share on the
+    target and on distractors + filler (the "noise"), and its negative weight as a share of the positive one."""
+    layers = (attention or {}).get("layers") or []
+    if head is None or head[0] >= len(layers):
+        return None
+    parts = head_weights(layers[head[0]], head[1])
+    total = sum(parts[0].values()) if parts else 0.0
+    if total <= 0:
+        return None
+    positive, negative = parts
+    return {"layer": head[0], "head": head[1], "target": positive["target"] / total,
+            "noise": (positive["distractor"] + positive["filler"]) / total,
+            "negative": (0.0 - sum(negative.values())) / total}
 
 
 @register_task
@@ -316,6 +348,10 @@ class OOD(Task):
                 continue
             cells.append(self._cell(model, family, c, cfg))
         base = cells[0]
+        head = retrieving_head(base.get("attention"))  # the training condition's, read at every condition
+        for cell in cells:
+            if "attention" in cell:
+                cell["attention"]["retrieving"] = head_shares(cell["attention"], head)
         metrics = {"accuracy": base["accuracy"], "errors": base["errors"], "queries": base["queries"]}
         for cell in cells[1:]:
             metrics[f"accuracy_{cell['condition']}"] = cell["accuracy"]
@@ -339,12 +375,12 @@ class OOD(Task):
             cell["attention"] = mechanism(model, sample, cfg.device)
             layers = cell["attention"]["layers"]
             cell["attention"]["mean"] = {w: summary_masses(layers, w) for w in ("diff", "a1", "a2")}
-            cell["attention"]["top_head"] = {w: top_head_masses(layers, w) for w in ("diff", "a1", "a2")}
         return cell
 
     def plot(self, result: TaskResult, path: Path) -> bool:
-        """Accuracy (with its Wilson interval) against the length and the density factor, and the answer's
-        attention mass on the target and on distractors + filler (the "noise") on the same axes."""
+        """Accuracy (with its Wilson interval) against the length and the density factor, and the retrieving
+        head's shares of its positive weight on the target and on distractors + filler (the "noise") on the
+        same axes (`retrieving_head`: chosen at the training condition)."""
         from matplotlib.figure import Figure
 
         cells = result.details["cells"]
@@ -357,10 +393,10 @@ class OOD(Task):
             err = [[c["accuracy"] - (1 - c["error_rate_ci95"][1]) for c in row],
                    [(1 - c["error_rate_ci95"][0]) - c["accuracy"] for c in row]]
             ax.errorbar(x, acc, yerr=err, marker="o", capsize=3, label="accuracy")
-            if all("attention" in c for c in row):
-                top = [c["attention"]["top_head"]["diff"] for c in row]
-                ax.plot(x, [m["target"] for m in top], "s--", label="retrieving head: mass on target")
-                ax.plot(x, [m["distractor"] + m["filler"] for m in top], "v:", label="retrieving head: mass on noise")
+            shares = [(c.get("attention") or {}).get("retrieving") for c in row]
+            if all(shares):
+                ax.plot(x, [m["target"] for m in shares], "s--", label="retrieving head: share on target")
+                ax.plot(x, [m["noise"] for m in shares], "v:", label="retrieving head: share on noise")
             ax.set_xscale("log", base=2)
             ax.set_xlabel(f"{axis} factor")
             ax.legend(fontsize=8)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer._io import atomic_path
-from difftransformer.eval.probes.ood import MASSES
+from difftransformer.eval.probes.ood import head_shares, retrieving_head
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, table
 from difftransformer.experiments.stats import compare_paired
 
@@ -37,52 +37,10 @@ def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
         result = run.evals.get(TASK) if run else None
         if result:
             by_condition = {c["condition"]: c for c in (result.get("details") or {}).get("cells", [])}
-            head = _retrieving_head(by_condition.get(TRAIN_CONDITION))
-            out[seed] = {name: {**c, "retrieving": _head_weights(c, head)} for name, c in by_condition.items()}
+            head = retrieving_head((by_condition.get(TRAIN_CONDITION) or {}).get("attention"))
+            out[seed] = {name: {**c, "retrieving": head_shares(c.get("attention"), head)}
+                         for name, c in by_condition.items()}
     return out
-
-
-def _weights(layer: dict[str, Any], h: int) -> tuple[dict[str, float], dict[str, float]] | None:
-    """(positive, negative) parts of head h's A1 − λA2 masses (MASSES each) in one layer of an ood cell, or
-    None where they were not measured apart. A softmax map ("diff" is "a1") has no negative part."""
-    if "diff_positive_mass" in layer:
-        return ({m: layer["diff_positive_mass"][m][h] for m in MASSES},
-                {m: layer["diff_negative_mass"][m][h] for m in MASSES})
-    if layer.get("a1_mass") == layer.get("diff_mass"):
-        return {m: layer["diff_mass"][m][h] for m in MASSES}, dict.fromkeys(MASSES, 0.0)
-    return None
-
-
-def _retrieving_head(cell: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The (layer, head) whose positive attention weight puts the largest share on the target at the
-    training distribution: the head that retrieves, chosen once per model so that every condition reads
-    the same head (choosing per condition would pick whichever head holds up best out of distribution).
-    The share, not the mass: A1 − λA2's rows sum to about 1 − λ, so raw masses would favour small λ."""
-    layers = ((cell or {}).get("attention") or {}).get("layers") or []
-    best, best_share = None, -1.0
-    for i, layer in enumerate(layers):
-        for h in range(len(layer["diff_mass"]["target"])):
-            parts = _weights(layer, h)
-            total = sum(parts[0].values()) if parts else 0.0
-            if total > 0 and parts[0]["target"] / total > best_share:
-                best, best_share = (i, h), parts[0]["target"] / total
-    return best
-
-
-def _head_weights(cell: dict[str, Any], head: tuple[int, int] | None) -> dict[str, Any] | None:
-    """The retrieving head's shares in one condition: of its positive weight, the share on the target and
-    on distractors + filler (the "noise"), and its negative weight as a share of the positive one."""
-    layers = (cell.get("attention") or {}).get("layers") or []
-    if head is None or head[0] >= len(layers):
-        return None
-    parts = _weights(layers[head[0]], head[1])
-    total = sum(parts[0].values()) if parts else 0.0
-    if total <= 0:
-        return None
-    positive, negative = parts
-    return {"layer": head[0], "head": head[1], "target": positive["target"] / total,
-            "noise": (positive["distractor"] + positive["filler"]) / total,
-            "negative": (0.0 - sum(negative.values())) / total}
 
 
 def _values(cells: dict[int, dict[str, dict[str, Any]]], condition: str, read) -> dict[int, float]:
@@ -104,7 +62,7 @@ def _adaptive(cell):
 
 
 def _share(part: str):
-    """Reads the retrieving head's share `part` ("target", "noise", "negative"; `_head_weights`)."""
+    """Reads the retrieving head's share `part` ("target", "noise", "negative"; `head_shares`)."""
     def read(cell):
         return (cell.get("retrieving") or {}).get(part)
     return read
