@@ -26,7 +26,7 @@ import numpy as np
 from difftransformer._io import atomic_write_text
 from difftransformer.data.ood import Condition, family_from_dict
 from difftransformer.data.ood.sampler import eval_set
-from difftransformer.eval.probes.ood import mechanism, summary_masses, top_head_masses
+from difftransformer.eval.probes.ood import head_shares, mechanism, retrieving_head, summary_masses
 from difftransformer.train.run_dir import load_model
 
 MAPS = ("diff", "a1", "a2")
@@ -57,9 +57,13 @@ def _remeasure(unit_file: Path, ood: dict) -> None:
             raise RuntimeError(f"{unit_file} {cell['condition']}: {attention['answer_positions']} answer positions, "
                                f"the stored result has {cell['attention']['answer_positions']}: not the same sequences")
         attention["mean"] = {w: summary_masses(attention["layers"], w) for w in MAPS}
-        attention["top_head"] = {w: top_head_masses(attention["layers"], w) for w in MAPS}
         cell["attention"] = attention
         print(f"  {cell['condition']}: {attention['answer_positions']} answer positions", flush=True)
+    head = retrieving_head(ood["details"]["cells"][0].get("attention"))  # as the probe: chosen at the training one
+    for cell in ood["details"]["cells"]:
+        if "attention" in cell:
+            cell["attention"].pop("top_head", None)
+            cell["attention"]["retrieving"] = head_shares(cell["attention"], head)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     ood["attention_remeasured"] = {"date": datetime.date.today().isoformat(), "commit": commit,
                                    "command": "python results/ood-remeasure-attention.py " + " ".join(sys.argv[1:])}
