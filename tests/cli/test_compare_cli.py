@@ -79,3 +79,17 @@ def test_a_recipe_recorded_before_a_setting_existed_is_the_same_experiment():
             old = {**new, "train": {k: v for k, v in recipe.items() if k != key}}
             assert identity_differences(old, new) == []
     assert identity_differences({**new, "train": {**recipe, "lr": 1.0}}, new) == ["train"]
+
+
+def test_arms_named_on_the_command_line_may_be_the_configs_own_tables():
+    from difftransformer.cli.compare import _arm_names
+    from difftransformer.experiments import StudyConfig
+
+    compare = StudyConfig(arms=["transformer", {"name": "transformer_nope", "attention": "transformer",
+                                                "overrides": {"position_encoding": "none"}}])
+    got = _arm_names("transformer_nope, diff_v2,transformer", compare)
+    assert got == ["transformer_nope", "diff_v2", "transformer"]
+    with pytest.raises(ValueError, match="unknown arm 'diff_nope'.*this config's arms: transformer, transformer_nope"):
+        _arm_names("diff_nope", compare)
+    with pytest.raises(ValueError, match="twice"):
+        _arm_names("transformer_nope,transformer_nope", compare)

@@ -47,6 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "refused, naming what differs")
 
 
+def _arm_names(text: str, compare: StudyConfig) -> list[str]:
+    """--arms as names: the config's own arms (tables included) by name, else named ablations or attention
+    kinds; an unknown name is an error that lists the config's arms."""
+    own = {arm.name: arm for arm in compare.arms}
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    try:
+        return StudyConfig(arms=[own.get(name, name) for name in names]).arm_names  # did-you-mean, no arm twice
+    except ValueError as e:
+        if own and str(e).startswith("unknown arm"):
+            raise ValueError(f"{e}; this config's arms: {', '.join(own)}") from None
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
     if cfg.train.init_from is not None:
@@ -55,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     arms = seeds = None
     try:
         if args.arms is not None:
-            arms = StudyConfig(arms=args.arms).arm_names  # validates the names with a did-you-mean
+            arms = _arm_names(args.arms, cfg.compare)
         if args.seeds is not None:
             seeds = parse_int_list(args.seeds, "--seeds")
             if not seeds:
