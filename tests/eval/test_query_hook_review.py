@@ -168,3 +168,26 @@ def test_a_run_of_an_arms_earlier_recipe_is_never_written_up_under_its_new_one(d
     trained = json.loads((out / "d" / "train_config.json").read_text())
     assert record["identity"]["train"]["lr"] == trained["lr"], (
         f"result labelled lr {record['identity']['train']['lr']}, run trained with lr {trained['lr']}")
+
+
+@pytest.mark.parametrize("attention", ["diff", "transformer_ssmax", "diff_v2"])
+def test_static_and_growing_cache_decoding_with_the_hook_match_recomputing_every_step(attention):
+    """Left-padded prompts: the static cache's prefill and steps (a (B, capacity) key mask) and the growing
+    cache give the greedy tokens of recomputing the whole sequence at every step, all with the hook."""
+    from difftransformer.attention.decode import graph_refusal
+
+    model = _model(attention)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    assert graph_refusal(model) is None
+    with torch.no_grad(), rescale_queries(model, adaptive_temperature_queries):
+        assert "query hook" in graph_refusal(model)
+        want = model.generate(ids, 8, temperature=0, attention_mask=mask, use_cache=False)
+        for decoder in ("static", "dynamic"):
+            assert torch.equal(model.generate(ids, 8, temperature=0, attention_mask=mask, decoder=decoder), want)
+        hooked = want
+    assert graph_refusal(model) is None
+    plain = model.generate(ids, 8, temperature=0, attention_mask=mask, use_cache=False)
+    assert not torch.equal(plain, hooked)  # the hook changes some greedy token
