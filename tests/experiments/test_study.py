@@ -451,3 +451,60 @@ def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_repo
     run_study(study, out)  # continues: both result files match their own recipes
     with pytest.raises(ValueError, match="sets its own train.max_steps, but compare.tokens"):
         run_study(_study(data_dir, arms=arms, tokens=[256]), tmp_path / "grid")
+
+
+def test_units_evaluated_with_other_options_are_refused_then_evaluated_again_on_request(data_dir, tmp_path):
+    study = _arms_study(data_dir, ["diff", "transformer"])
+    study.compare = StudyConfig(arms=["diff", "transformer"], sample_tokens=2, eval_tasks=["long-context"],
+                                eval_options={"long-context": {"documents": 2}})
+    out = run_study(study, tmp_path / "study", report=False)
+    folder = StudyDir(out)
+    options = lambda arm: json.loads((folder.results / f"{arm}.json").read_text())[  # noqa: E731
+        "evals"]["long-context"]["settings"]["options"]
+    assert options("diff")["documents"] == 2
+    before = (folder.results / "diff.json").read_text()
+    study.compare = dataclasses.replace(study.compare, eval_options={"long-context": {"documents": 3}})
+    with pytest.raises(StudyMismatchError, match=r"evaluated with other options \(long-context: documents: 2 before, "
+                                                 r"3 now\).*--replace-results"):
+        run_study(study, out, report=False)
+    assert (folder.results / "diff.json").read_text() == before  # refused before anything was written
+    run_study(study, out, report=False, replace_results=True)
+    assert options("diff")["documents"] == options("transformer")["documents"] == 3
+    run_study(study, out, report=False)  # now consistent: continues without a word
+    shutil.rmtree(folder.run_dir("diff", 0, multi_seed=False).final)  # no model left to evaluate again
+    study.compare = dataclasses.replace(study.compare, eval_options={})
+    with pytest.raises(StudyMismatchError, match="is not on this machine to be evaluated again"):
+        run_study(study, out, report=False, replace_results=True)
+
+
+def test_a_run_of_an_arms_earlier_recipe_is_never_written_up_under_its_new_one(data_dir, tmp_path):
+    """An arm's own train changes are part of the study's recipe: changing them in a study folder that trained
+    the arm is refused (the run folder would otherwise be written up under the new recipe); max_steps may
+    change as the shared recipe's may (stored results then need --replace-results)."""
+    def study(**train):
+        return _study(data_dir, tmp_path / "results", arms=["transformer", {"name": "d", "attention": "diff",
+                                                                            "train": train}])
+
+    out = run_study(study(lr=5e-4), tmp_path / "study", report=False)
+    (tmp_path / "results" / "d.json").unlink()  # stopped after training, before its result file was written
+    with pytest.raises(StudyMismatchError, match=r"trained arm 'd' with other train changes \(\{'lr': 0.0005\} "
+                                                 r"before, \{'lr': 0.0002\} now\)"):
+        run_study(study(lr=2e-4), out, report=False)
+    assert not (tmp_path / "results" / "d.json").exists()
+    run_study(study(lr=5e-4), out, report=False)  # the same recipe continues
+    assert json.loads((tmp_path / "results" / "d.json").read_text())["train_config"]["lr"] == 5e-4
+
+
+def test_a_unit_trained_again_from_scratch_records_its_own_wall_time_only(data_dir, tmp_path):
+    study = _arms_study(data_dir, ["diff", "transformer"])
+    out = run_study(study, tmp_path / "study", report=False)
+    folder = StudyDir(out)
+    manifest = json.loads(folder.manifest.read_text())
+    key = next(k for k in manifest["wall_s"] if k.endswith("diff"))
+    manifest["wall_s"][key] = 1e6  # the time of a run that is then deleted
+    folder.manifest.write_text(json.dumps(manifest))
+    shutil.rmtree(folder.run_dir("diff", 0, multi_seed=False).path)
+    (folder.results / "diff.json").unlink()
+    run_study(study, out, report=False)
+    assert json.loads(folder.manifest.read_text())["wall_s"][key] < 1e5  # its own time, not added to the old
+    assert json.loads((folder.results / "diff.json").read_text())["wall_s"] < 1e5

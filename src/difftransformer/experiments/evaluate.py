@@ -11,13 +11,14 @@ context for its defaults, say) is logged and left out; it never stops the study.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from difftransformer.data import Tokenizer
 from difftransformer.eval import EvalConfig, Task, get_task
-from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
+from difftransformer.eval.results import ResultsDir, StoredResultError, differing_keys, evaluate_cached
 from difftransformer.eval.task import weights_hash
 from difftransformer.train import RunDir, load_model
 
@@ -34,9 +35,36 @@ def task_for_run(name: str, run: RunDir | None, options: dict[str, Any] | None =
     return get_task(name, **options)
 
 
+# Options a study derives from the run folder (task_for_run), not chosen in its config: compared only when set.
+_FROM_RUN = ("train_length",)
+
+
+def stale_evaluations(evals: dict[str, Any], tasks: list[str],
+                      options: dict[str, dict[str, Any]] | None) -> dict[str, str]:
+    """{task: what differs} for each of `tasks` whose stored result in `evals` (a unit's result record) was
+    computed with other options than `options[task]` and the task's defaults give now ("densities: [1, 2]
+    before, [1, 2, 8] now"). An option the stored result lacks (added to the task since) counts as its default."""
+    out = {}
+    for name in tasks:
+        stored = ((evals.get(name) or {}).get("settings") or {}).get("options")
+        if not isinstance(stored, dict):
+            continue
+        chosen = (options or {}).get(name) or {}
+        now = json.loads(json.dumps(get_task(name, **chosen).options_dict()))
+        defaults = json.loads(json.dumps(get_task(name).options_dict()))
+        keys = [k for k in now if k not in _FROM_RUN or k in chosen]
+        differ = differing_keys({k: stored.get(k, defaults.get(k)) for k in keys}, {k: now[k] for k in keys})
+        if differ:
+            out[name] = "; ".join(differ[:3])
+    return out
+
+
 def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_seed: int = 0,
-                 device: str = "cpu", options: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """Every task on the run's final model, with options[task] (default: its defaults); {task: result record}."""
+                 device: str = "cpu", options: dict[str, dict[str, Any]] | None = None,
+                 replace: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """Every task on the run's final model, with options[task] (default: its defaults); {task: result record}.
+    A stored result of these weights with other settings is refused (StoredResultError), except for the tasks
+    in `replace`, which run again and replace it (a study evaluating its units with new options)."""
     if not tasks or not run.has_final():
         return {}
     loaded = load_model(run.final, device)
@@ -49,7 +77,7 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
         log.info("%s: %s ...", run.path, name)
         try:
             task = task_for_run(name, run, (options or {}).get(name))
-            out[name], reused = evaluate_cached(task, loaded.model, tokenizer, cfg, results,
+            out[name], reused = evaluate_cached(task, loaded.model, tokenizer, cfg, results, force=name in replace,
                                                 weights_sha256=digest)
         except StoredResultError:
             raise  # a result of these weights run with other settings (by hand) is the user's: never replaced

@@ -33,6 +33,7 @@ from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.data import DataConfig, PreparedData, ensure_data
 from difftransformer.experiments.ablations import Arm, parse_arm
 from difftransformer.experiments.config import Size, StudyConfig, baseline_arm
+from difftransformer.experiments.evaluate import stale_evaluations
 from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
 from difftransformer.experiments.report.runs import Run
@@ -214,9 +215,10 @@ class _Cell:
         this recipe's max_steps (its weights are not a result of the shorter recipe)."""
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
             unit, train_cfg = self.unit(arm), self.study.arm_train(arm, self.tokens)
-            if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
-                continue
             run = self.folder.unit_dir(unit, self.multi)
+            if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
+                self._check_evaluations(unit, run)
+                continue
             if run.has_metrics() and run.last_step() > train_cfg.max_steps:
                 raise StudyMismatchError(
                     f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
@@ -251,6 +253,30 @@ class _Cell:
         if dist.is_main():  # under torchrun every rank trains each unit, so rank 0 evaluates after the group
             for i in (i for i in range(len(arms)) if i not in finished):
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
+
+    def _stale(self, path: Path) -> dict[str, str]:
+        """{task: what differs} for the evaluations of the result file `path` made with other options than the
+        study's now (`stale_evaluations`)."""
+        record = read_result(path) or {}
+        return stale_evaluations(record.get("evals") or {}, self.study.compare.eval_tasks,
+                                 self.study.compare.eval_options)
+
+    def _check_evaluations(self, unit: Unit, run: RunDir) -> None:
+        """Refuse a result file whose evaluations used other options than the study's now: it is replaced only
+        with --replace-results, and only where its trained model is here to be evaluated again."""
+        path = self._result_file(unit)
+        stale = self._stale(path)
+        if not stale:
+            return
+        what = "; ".join(f"{task}: {differ}" for task, differ in stale.items())
+        if not self.replace:
+            raise StudyMismatchError(f"{path} was evaluated with other options ({what}); a stored result is not "
+                                     f"replaced silently: pass --replace-results to evaluate its unit again with "
+                                     f"these options, or restore them in [compare.eval_options]")
+        if not run.has_final():
+            raise StudyMismatchError(f"{path} was evaluated with other options ({what}) and its trained model "
+                                     f"({run.final}) is not on this machine to be evaluated again; run on the "
+                                     f"machine that has it, or restore the options in [compare.eval_options]")
 
     def _result_file(self, unit: Unit) -> Path:
         """Where this unit's result file is: in this invocation's layout, else in the other one (a study
@@ -297,12 +323,13 @@ class _Cell:
                resume: bool, n: int, total: int) -> None:
         tcfg = dataclasses.replace(train_cfg, out_dir=str(run.path), seed=self.seed)
         log.info("%s (%d/%d): training into %s", unit.label(), n + 1, total, run.path)
+        continued = resume and run.has_metrics()  # a run started before: its earlier time counts too
         t0 = time.perf_counter()
         train(config, tcfg, init_state=state, resume=resume)
         wall = time.perf_counter() - t0
         if dist.is_main():
             key = str(unit.rel(True))
-            self.manifest["wall_s"][key] = self.manifest["wall_s"].get(key, 0.0) + wall if resume else wall
+            self.manifest["wall_s"][key] = self.manifest["wall_s"].get(key, 0.0) + wall if continued else wall
             _save_manifest(self.folder, self.results, self.manifest)
 
     def _finish(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir,
@@ -310,9 +337,10 @@ class _Cell:
         """Evaluate the finished run (cached by weights hash) and write the unit's result file."""
         path = self._result_file(unit) if done else result_path(self.results, unit, self.multi)
         tasks = self.study.compare.eval_tasks
+        stale = frozenset(self._stale(path)) if done and self.replace else frozenset()
         if done:
             missing = sorted(set(tasks) - set((read_result(path) or {}).get("evals", {})))
-            if not missing or not run.has_final():
+            if not (missing or stale) or not run.has_final():
                 if missing:
                     log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
                                 ", ".join(missing))
@@ -322,8 +350,11 @@ class _Cell:
         from difftransformer.experiments.evaluate import evaluate_run
         from difftransformer.experiments.report.samples import sample_texts
 
+        if stale:
+            log.info("%s: evaluating %s again with the study's options (--replace-results)", unit.label(),
+                     ", ".join(sorted(stale)))
         evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)),
-                     options=self.study.compare.eval_options)
+                     options=self.study.compare.eval_options, replace=stale)
         rep = self.study.compare
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
         result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
@@ -417,6 +448,13 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
         detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
         raise StudyMismatchError(f"{path} was trained with another recipe ({detail}); every arm of a study trains "
                                  f"with one recipe. Use another --out-dir for the new one")
+    for arm, spec in new.get("arm_specs", {}).items():  # an arm's own recipe changes are part of the recipe too
+        before = (old.get("arm_specs", {}).get(arm) or {}).get("train", {}) if arm in old.get("arm_specs", {}) else None
+        own = lambda changes: {k: v for k, v in (changes or {}).items() if k not in FREELY_CHANGEABLE}  # noqa: E731
+        if before is not None and own(before) != own(spec.get("train")):
+            raise StudyMismatchError(f"{path} trained arm {arm!r} with other train changes ({own(before)} before, "
+                                     f"{own(spec.get('train'))} now); use another --out-dir for the new recipe, or "
+                                     f"give the changed arm another name")
     for key in ("models", "data"):
         o, n = dict(old.get(key, {})), dict(new[key])
         if key == "data":  # what the tokens are matters; where they are cached does not

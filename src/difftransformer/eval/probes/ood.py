@@ -89,6 +89,8 @@ def row_entropy(q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.T
     S = k.shape[2]
     rows = max(1, block_bytes // (B * H * S * torch.finfo(f).bits // 8))
     keys = k.to(f).transpose(-1, -2)
+    if visible is not None:  # a mask broadcast over rows (key padding, not causal) is sliced by row below
+        visible = visible.expand(*visible.shape[:-2], T, S)
     out = []
     for t in range(0, T, rows):
         seen = S if visible is None else _keys_seen(visible[..., t:t + rows, :])
