@@ -40,8 +40,9 @@ from difftransformer.train.config import RESUME_MUST_MATCH, TrainConfig
 
 HEAD_UNITS = ("own", "diff")  # an arm's heads: its kind's matched count, or DIFF's count (heads of 2d)
 _ARM_KEYS = ("name", "attention", "overrides", "heads", "description", "train")
-# Recipe fields an arm may not change: what each step sees (paired batches), the I/O and the device.
-_SHARED_TRAIN = frozenset(RESUME_MUST_MATCH) | {"data_dir", "out_dir", "device", "fsdp", "init_from"}
+# Recipe fields an arm may not change: what each step sees (paired batches), how validation loss is measured
+# (the same windows for every arm), the I/O and the device.
+_SHARED_TRAIN = frozenset(RESUME_MUST_MATCH) | {"data_dir", "out_dir", "device", "fsdp", "init_from", "eval_batches"}
 
 
 @dataclass(frozen=True)

@@ -397,9 +397,9 @@ def _recipe(ctx: Context) -> Lines:
               f"precision {tr.get('precision')}; validation every {tr.get('eval_interval')} steps on "
               f"{tr.get('eval_batches')} batches.", ""]
     if own:
-        L += ["Arms on their own recipe (the study's with these changes; an arm that did not learn the task under "
-              "the shared one): " + "; ".join(f"{md_name(a)}: " + ", ".join(f"{k} {v}" for k, v in changes.items())
-                                             for a, changes in own.items()) + ".", ""]
+        changed = "; ".join(f"{md_name(a)}: " + ", ".join(f"{k} {v}" for k, v in changes.items())
+                            for a, changes in own.items())
+        L += [f"Arms on their own recipe (the study's with these changes): {changed}.", ""]
     data = ctx.manifest.get("data") or {}
     if data:
         nt, nd = data.get("num_tokens", {}), data.get("num_documents", {})
