@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "[compare].seeds, else [train].seed)")
     p.add_argument("--replace-results", action="store_true",
                    help="replace stored result files of another training length (train.max_steps): their units "
-                        "train again (from their checkpoints where there are some); without it such a file is "
-                        "refused, naming what differs")
+                        "train again (from their checkpoints where there are some); or evaluated with other "
+                        "options ([compare.eval_options]): their units are evaluated again; without it such a "
+                        "file is refused, naming what differs")
 
 
 def _arm_names(text: str, compare: StudyConfig) -> list[str]:
