@@ -436,7 +436,7 @@ def test_the_names_before_study_still_import_for_one_release():
 
 
 def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_report(data_dir, tmp_path):
-    arms = ["transformer", {"name": "diff_long", "attention": "diff", "train": {"max_steps": 3, "lr": 5e-4}}]
+    arms = ["transformer", "diff", {"name": "diff_long", "attention": "diff", "train": {"max_steps": 3, "lr": 5e-4}}]
     study = _study(data_dir, tmp_path / "results", arms=arms)
     out = run_study(study, tmp_path / "study")
     folder = StudyDir(out)
@@ -448,6 +448,7 @@ def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_repo
     report = Path(write_report(tmp_path / "results", samples=False)).read_text()
     assert "Training (every arm but diff_long)" in report
     assert "Arms on their own recipe" in report and "diff_long: max_steps 3, lr 0.0005." in report
+    assert "at the same size and recipe (but diff_long, trained on its own: see Training)" in report
     run_study(study, out)  # continues: both result files match their own recipes
     with pytest.raises(ValueError, match="sets its own train.max_steps, but compare.tokens"):
         run_study(_study(data_dir, arms=arms, tokens=[256]), tmp_path / "grid")

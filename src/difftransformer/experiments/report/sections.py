@@ -343,7 +343,9 @@ def ablations(ctx: Context) -> Lines:
                      "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
                      "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
                      "–" if pv is None else f"{pv:.3f}"])
-    L = ["## Ablations", "", f"Every arm at the same size and recipe, paired by seed with {code_span(ctx.baseline)} "
+    own = [md_name(a) for a in ctx.arms if ctx.spec(a).get("train")]
+    recipe = "recipe" if not own else f"recipe (but {', '.join(own)}, trained on its own: see Training)"
+    L = ["## Ablations", "", f"Every arm at the same size and {recipe}, paired by seed with {code_span(ctx.baseline)} "
          f"(final validation loss; mean [95% interval] over seeds). The paper's column is its Table 6 (1.4B "
          f"parameters, 10B tokens): its differences are 0.001-0.06 nats, far below what seed noise lets a small "
          f"study resolve unless the interval says otherwise.", ""]
