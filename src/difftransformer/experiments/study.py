@@ -219,6 +219,7 @@ class _Cell:
             if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
                 self._check_evaluations(unit, run)
                 continue
+            self._check_run_recipe(unit, run, train_cfg)
             if run.has_metrics() and run.last_step() > train_cfg.max_steps:
                 raise StudyMismatchError(
                     f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
@@ -253,6 +254,21 @@ class _Cell:
         if dist.is_main():  # under torchrun every rank trains each unit, so rank 0 evaluates after the group
             for i in (i for i in range(len(arms)) if i not in finished):
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
+
+    def _check_run_recipe(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
+        """Refuse to continue or write up a run folder trained with another recipe than this unit's (an arm's own
+        train changes edited since, say): its weights are no result of this recipe. Steps, I/O and logging
+        may differ (FREELY_CHANGEABLE: a longer max_steps continues the run)."""
+        if not run.train_config.is_file():
+            return
+        before = run.read_json(run.train_config)
+        now = dataclasses.replace(train_cfg, seed=self.seed).to_dict()
+        changed = {k: (before.get(k, v), v) for k, v in now.items()
+                   if k not in FREELY_CHANGEABLE and before.get(k, v) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
+            raise StudyMismatchError(f"{run.path} was trained with another recipe than {unit.label()}'s ({detail}); "
+                                     f"delete that run folder to train the unit again, or restore the recipe")
 
     def _stale(self, path: Path) -> dict[str, str]:
         """{task: what differs} for the evaluations of the result file `path` made with other options than the
@@ -448,13 +464,6 @@ def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> N
         detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
         raise StudyMismatchError(f"{path} was trained with another recipe ({detail}); every arm of a study trains "
                                  f"with one recipe. Use another --out-dir for the new one")
-    for arm, spec in new.get("arm_specs", {}).items():  # an arm's own recipe changes are part of the recipe too
-        before = (old.get("arm_specs", {}).get(arm) or {}).get("train", {}) if arm in old.get("arm_specs", {}) else None
-        own = lambda changes: {k: v for k, v in (changes or {}).items() if k not in FREELY_CHANGEABLE}  # noqa: E731
-        if before is not None and own(before) != own(spec.get("train")):
-            raise StudyMismatchError(f"{path} trained arm {arm!r} with other train changes ({own(before)} before, "
-                                     f"{own(spec.get('train'))} now); use another --out-dir for the new recipe, or "
-                                     f"give the changed arm another name")
     for key in ("models", "data"):
         o, n = dict(old.get(key, {})), dict(new[key])
         if key == "data":  # what the tokens are matters; where they are cached does not
