@@ -148,13 +148,16 @@ def _reference_adaptive_scores(scores: torch.Tensor, visible: torch.Tensor | Non
     return scores * adaptive_beta(_entropy64(scores, visible)).to(scores.dtype)
 
 
-@pytest.mark.parametrize("attention", ["transformer", "diff", "diff_v2", "transformer_ssmax", "transformer_gated"])
-def test_adaptive_temperature_on_the_fast_backend_equals_its_definition_on_explicit_maps(attention):
+@pytest.mark.parametrize("attention,position", [(kind, "rope") for kind in (
+    "transformer", "diff", "diff_v2", "transformer_ssmax", "transformer_gated")] + [("transformer", "none"),
+                                                                                   ("diff", "none")])
+def test_adaptive_temperature_on_the_fast_backend_equals_its_definition_on_explicit_maps(attention, position):
     """The query hook on the model's own backend (the fused CPU kernel) gives the logits of the definition
-    (every map's logits times β of its entropy) computed on explicit float64 maps, GQA included."""
+    (every map's logits times β of its entropy) computed on explicit float64 maps, GQA and NoPE included."""
     cfg = get_preset("tiny").config(attention)
     heads = 4 if attention == "diff" else 8  # two kv groups of two query heads (DIFF: of two DIFF heads)
-    cfg = type(cfg)(**{**cfg.to_dict(), "num_attention_heads": heads, "num_key_value_heads": heads // 2})
+    cfg = type(cfg)(**{**cfg.to_dict(), "num_attention_heads": heads, "num_key_value_heads": heads // 2,
+                       "position_encoding": position})
     torch.manual_seed(int(torch.randint(0, 2**31, (1,))))
     model = DiffTransformerLM(cfg).eval()
     with torch.no_grad():
