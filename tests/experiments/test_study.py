@@ -298,9 +298,42 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
     with pytest.raises(StudyMismatchError, match="trained to step 3, past train.max_steps 2.*--no-resume"):
         run_study(recipe(2), tmp_path / "machine1", report=False)
     run_study(recipe(3), tmp_path / "machine1", report=False)  # the result files come back from the runs
+    with pytest.raises(StudyMismatchError, match="3-step cosine schedule .* asks for 4 steps: .* stretch"):
+        run_study(recipe(4), tmp_path / "machine1", report=False, replace_results=True)
+    for arm in ("diff", "transformer"):
+        shutil.rmtree(tmp_path / "machine1" / arm)
     run_study(recipe(4), tmp_path / "machine1", report=False, replace_results=True)
     record = json.loads(result_path(results, Unit(None, None, 0, "diff"), False).read_text())
     assert record["max_steps"] == record["last_step"] == record["identity"]["train"]["max_steps"] == 4
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_a_run_continues_toward_another_max_steps_only_where_its_schedule_stays_the_same(data_dir, tmp_path,
+                                                                                         schedule):
+    """A run folder left without its result file, asked for more steps: on a schedule shaped by max_steps the
+    continued run would follow no recipe (its learning rate stretched mid-run), so it is refused before anything
+    is written; on a constant schedule continuing is exact, and it equals a run trained straight through."""
+    base = _study(data_dir, tmp_path / "results", arms=["diff"])
+
+    def recipe(steps: int) -> Study:
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=steps, lr_schedule=schedule))
+
+    run_study(recipe(2), tmp_path / "a", report=False)
+    for p in (tmp_path / "results").rglob("diff.json"):
+        p.unlink()
+    if schedule != "constant":
+        with pytest.raises(StudyMismatchError, match=f"2-step {schedule} schedule and .* asks for 3 steps"):
+            run_study(recipe(3), tmp_path / "a", report=False)
+        assert json.loads((tmp_path / "a" / "diff" / "train_config.json").read_text())["max_steps"] == 2
+        return
+    run_study(recipe(3), tmp_path / "a", report=False)
+    continued = json.loads(result_path(tmp_path / "results", Unit(None, None, 0, "diff"), False).read_text())
+    straight_study = dataclasses.replace(recipe(3), compare=dataclasses.replace(
+        base.compare, results_dir=str(tmp_path / "straight")))
+    run_study(straight_study, tmp_path / "b", report=False)
+    straight = json.loads(result_path(tmp_path / "straight", Unit(None, None, 0, "diff"), False).read_text())
+    assert continued["last_step"] == straight["last_step"] == 3
+    assert continued["final_val_loss"] == straight["final_val_loss"]
 
 
 @pytest.mark.parametrize("edit, problem", [

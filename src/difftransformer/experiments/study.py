@@ -212,7 +212,7 @@ class _Cell:
     def check(self, arms: list[str]) -> None:
         """Refuse, before anything is written, a stored result or a run folder that this invocation would
         replace or mislabel: a result file of another recipe (check_identity), or a run trained past
-        this recipe's max_steps (its weights are not a result of the shorter recipe)."""
+        this recipe's max_steps or toward another one (its weights are not a result of this recipe)."""
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
             unit, train_cfg = self.unit(arm), self.study.arm_train(arm, self.tokens)
             run = self.folder.unit_dir(unit, self.multi)
@@ -225,6 +225,7 @@ class _Cell:
                     f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
                     f"its weights are no {train_cfg.max_steps}-step result; use another --out-dir (and "
                     f"compare.results_dir) for the shorter recipe, or pass --no-resume to train the study again")
+            self._check_schedule(unit, run, train_cfg)
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
@@ -258,7 +259,7 @@ class _Cell:
     def _check_run_recipe(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
         """Refuse to continue or write up a run folder trained with another recipe than this unit's (an arm's own
         train changes edited since, say): its weights are no result of this recipe. Steps, I/O and logging
-        may differ (FREELY_CHANGEABLE: a longer max_steps continues the run)."""
+        may differ (FREELY_CHANGEABLE; max_steps only as `_check_schedule` allows)."""
         if not run.train_config.is_file():
             return
         before = run.read_json(run.train_config)
@@ -269,6 +270,20 @@ class _Cell:
             detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
             raise StudyMismatchError(f"{run.path} was trained with another recipe than {unit.label()}'s ({detail}); "
                                      f"delete that run folder to train the unit again, or restore the recipe")
+
+    def _check_schedule(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
+        """Refuse to continue a run folder toward another max_steps than it was started with when the learning
+        rate schedule is shaped by max_steps (cosine, linear): the schedule would be stretched mid-run, so the
+        weights would be no result of the unit's recipe although its result file would say so. A constant
+        schedule continues exactly (the trainer allows the change for single runs, with a warning)."""
+        if train_cfg.lr_schedule == "constant" or not (run.train_config.is_file() and run.has_metrics()):
+            return
+        steps = run.read_json(run.train_config).get("max_steps", train_cfg.max_steps)
+        if steps != train_cfg.max_steps:
+            raise StudyMismatchError(
+                f"{run.path} was trained on a {steps}-step {train_cfg.lr_schedule} schedule and {unit.label()} asks "
+                f"for {train_cfg.max_steps} steps: continuing it would stretch the schedule mid-run, so its weights "
+                f"would be no {train_cfg.max_steps}-step result; delete that run folder to train the unit again")
 
     def _stale(self, path: Path) -> dict[str, str]:
         """{task: what differs} for the evaluations of the result file `path` made with other options than the
