@@ -31,4 +31,5 @@ for path in sys.argv[1:]:
     probs = logits.float().softmax(-1).numpy()[rows, cols][:, :present.shape[1]]
     p_answer = probs[np.arange(len(rows)), answers]
     print(f"{path}: accuracy {(probs.argmax(1) == answers).mean():.3f}, p(answer) {p_answer.mean():.3f}, "
-          f"p(values present) {(probs * present).sum(1).mean():.3f}, distinct values present {present.sum(1).mean():.2f}")
+          f"p(values present) {(probs * present).sum(1).mean():.3f}, "
+          f"distinct values present {present.sum(1).mean():.2f}")
