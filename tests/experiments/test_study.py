@@ -307,6 +307,18 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
     assert record["max_steps"] == record["last_step"] == record["identity"]["train"]["max_steps"] == 4
 
 
+def test_the_manifest_describes_every_arm_as_the_config_defines_it_now(data_dir, tmp_path):
+    """An arm's own recipe edited in the config reaches the manifest and the report's recipe line even when the
+    invocation runs other arms only (the merged manifest kept the old spec, so the report said otherwise)."""
+    base = _study(data_dir, tmp_path / "results")
+    run_study(base, tmp_path / "a", arms=["transformer"], report=False)
+    edited = dataclasses.replace(base, compare=dataclasses.replace(
+        base.compare, arms=[{"name": "diff", "attention": "diff", "train": {"max_steps": 3}}, "transformer"]))
+    run_study(edited, tmp_path / "a", arms=["transformer"], report=False)
+    manifest = json.loads((tmp_path / "results" / "compare.json").read_text())
+    assert manifest["arm_specs"]["diff"]["train"] == {"max_steps": 3} and manifest["arms"] == ["transformer"]
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_a_run_continues_toward_another_max_steps_only_where_its_schedule_stays_the_same(data_dir, tmp_path,
                                                                                          schedule):
@@ -479,7 +491,7 @@ def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_repo
     assert (base["max_steps"], base["last_step"], base["train_config"]["lr"]) == (2, 2, study.train.lr)
     assert folder.run_dir("diff_long", 0, multi_seed=False).last_step() == 3
     report = Path(write_report(tmp_path / "results", samples=False)).read_text()
-    assert "Training (every arm but diff_long)" in report
+    assert "Training (every arm but diff_long): 2 steps × 4 sequences × 32 tokens per step = 256 training" in report
     assert "Arms on their own recipe" in report and "diff_long: max_steps 3, lr 0.0005." in report
     assert "at the same size and recipe (but diff_long, trained on its own: see Training)" in report
     run_study(study, out)  # continues: both result files match their own recipes

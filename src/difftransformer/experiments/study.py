@@ -424,7 +424,9 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
         "arms": arms,
         "seeds": seeds,
         "baseline": baseline_arm(arms),
-        "arm_specs": {a: study.arm(a).to_dict() for a in arms},
+        # every arm the config defines, so that an arm's spec edited in the config is never left stale in the
+        # manifest (and its report) by an invocation that does not run it
+        "arm_specs": {a: study.arm(a).to_dict() for a in dict.fromkeys([*arms, *study.compare.arm_names])},
         "sizes": [dataclasses.asdict(s) for s in study.compare.sizes],
         "tokens": list(study.compare.tokens),
         "results_dir": str(study.results_dir(Path(study.compare.out_dir))) if study.compare.results_dir else None,

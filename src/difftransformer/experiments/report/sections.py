@@ -392,7 +392,7 @@ def _recipe(ctx: Context) -> Lines:
     own = {arm: ctx.spec(arm).get("train") for arm in ctx.arms if ctx.spec(arm).get("train")}
     if tr:
         shared = "every arm but " + ", ".join(md_name(a) for a in own) if own else "identical for every arm"
-        L += [f"Training ({shared}): {_steps_text(tr, ctx.manifest.get('tokens') or [], ctx)}; "
+        L += [f"Training ({shared}): {_steps_text(tr, ctx.manifest.get('tokens') or [])}; "
               f"AdamW (β1 {tr.get('beta1')}, β2 "
               f"{tr.get('beta2')}, weight decay {tr.get('weight_decay')}), lr {tr.get('lr')} → {tr.get('min_lr')} "
               f"({tr.get('lr_schedule')}, {tr.get('warmup_steps')} warmup steps), grad clip {tr.get('grad_clip')}, "
@@ -419,15 +419,15 @@ def _recipe(ctx: Context) -> Lines:
     return L
 
 
-def _steps_text(tr: dict, budgets: list[int], ctx: Context) -> str:
-    """Steps and tokens per run: the recipe's max_steps, or with token budgets the steps of each budget
-    (ceil(tokens / tokens per step), as `Study.train_for` sets them)."""
+def _steps_text(tr: dict, budgets: list[int]) -> str:
+    """Steps and tokens per run of the shared recipe (arms on their own recipe are listed apart): its max_steps,
+    or with token budgets the steps of each budget (ceil(tokens / tokens per step), as `Study.train_for` sets
+    them)."""
     per_step = (tr.get("batch_size") or 0) * (tr.get("seq_len") or 0)
     head = f"{tr.get('batch_size')} sequences × {tr.get('seq_len')} tokens per step"
     if budgets and per_step:
         return head + ", " + ", ".join(f"{-(-b // per_step)} steps for the {b:,}-token budget" for b in budgets)
-    tok = max((r.tokens for r in ctx.runs.values()), default=0)
-    return f"{tr.get('max_steps')} steps × {head} = {tok:,} training tokens per run"
+    return f"{tr.get('max_steps')} steps × {head} = {per_step * (tr.get('max_steps') or 0):,} training tokens per run"
 
 
 def _rel(path, root) -> str:
