@@ -127,20 +127,26 @@ def test_train_command_and_multi_seed_compare(workdir, tmp_path):
     assert "mean ± std" in report and "Per seed" in report
 
 
-def test_compare_continues_unfinished_arms_and_refuses_another_study(workdir, tmp_path, caplog):
+def test_compare_continues_unfinished_arms_and_refuses_another_study(workdir, tmp_path, caplog, capsys):
     out, cfg = tmp_path / "grow", str(workdir / "tiny.toml")
-    assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=4",
-                 "--set", "compare.sample_tokens=2"]) == 0
+    constant = ["--set", 'train.lr_schedule="constant"', "--set", "compare.sample_tokens=2"]
+    assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=4", *constant]) == 0
     caplog.set_level("INFO")
     assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=8",
-                 "--set", "compare.sample_tokens=2"]) == 2  # the 4-step result files are not replaced silently
-    assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=8",
-                 "--set", "compare.sample_tokens=2", "--replace-results"]) == 0
-    assert "resumed from" in caplog.text  # from the step-4 checkpoint, not from scratch
+                 *constant]) == 2  # the 4-step result files are not replaced silently
+    assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "train.max_steps=8", *constant,
+                 "--replace-results"]) == 0
+    assert "resumed from" in caplog.text  # from the step-4 checkpoint, not from scratch: a constant lr continues
     for arm in ("diff", "transformer"):
         steps = [json.loads(line)["step"] for line in (out / arm / "metrics.jsonl").read_text().splitlines()]
         assert max(steps) == 8
     assert main(["compare", "--config", cfg, "--out-dir", str(out), "--set", "model.num_hidden_layers=3"]) == 2
+    cosine = tmp_path / "cosine"  # a cosine schedule would be stretched mid-run: refused, the run folder kept
+    assert main(["compare", "--config", cfg, "--out-dir", str(cosine), "--set", "train.max_steps=4"]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--config", cfg, "--out-dir", str(cosine), "--set", "train.max_steps=8",
+                 "--replace-results"]) == 2
+    assert "4-step cosine schedule" in capsys.readouterr().err and (cosine / "diff" / "final").is_dir()
 
 
 def test_triton_for_a_kind_without_the_kernel_is_a_one_line_error(workdir, capsys):
