@@ -220,12 +220,6 @@ class _Cell:
                 self._check_evaluations(unit, run)
                 continue
             self._check_run_recipe(unit, run, train_cfg)
-            if run.has_metrics() and run.last_step() > train_cfg.max_steps:
-                raise StudyMismatchError(
-                    f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
-                    f"its weights are no {train_cfg.max_steps}-step result; use another --out-dir (and "
-                    f"compare.results_dir) for the shorter recipe, or pass --no-resume to train the study again")
-            self._check_schedule(unit, run, train_cfg)
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
@@ -257,29 +251,30 @@ class _Cell:
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
 
     def _check_run_recipe(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
-        """Refuse to continue or write up a run folder trained with another recipe than this unit's (an arm's own
-        train changes edited since, say): its weights are no result of this recipe. Steps, I/O and logging
-        may differ (FREELY_CHANGEABLE; max_steps only as `_check_schedule` allows)."""
-        if not run.train_config.is_file():
-            return
-        before = run.read_json(run.train_config)
-        now = dataclasses.replace(train_cfg, seed=self.seed).to_dict()
-        changed = {k: (before.get(k, v), v) for k, v in now.items()
-                   if k not in FREELY_CHANGEABLE and before.get(k, v) != v}
-        if changed:
-            detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
-            raise StudyMismatchError(f"{run.path} was trained with another recipe than {unit.label()}'s ({detail}); "
-                                     f"delete that run folder to train the unit again, or restore the recipe")
-
-    def _check_schedule(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
-        """Refuse to continue a run folder toward another max_steps than it was started with when the learning
-        rate schedule is shaped by max_steps (cosine, linear): the schedule would be stretched mid-run, so the
-        weights would be no result of the unit's recipe although its result file would say so. A constant
-        schedule continues exactly (the trainer allows the change for single runs, with a warning)."""
-        if train_cfg.lr_schedule == "constant" or not (run.train_config.is_file() and run.has_metrics()):
-            return
-        steps = run.read_json(run.train_config).get("max_steps", train_cfg.max_steps)
-        if steps != train_cfg.max_steps:
+        """Refuse to continue or write up a run folder whose weights would be no result of this unit's recipe:
+        trained with another recipe (an arm's own train changes edited since, say), trained past its max_steps,
+        or to be continued toward another max_steps on a schedule that max_steps shapes (cosine, linear: the
+        learning rate would be stretched mid-run, although the result file would name the recipe). I/O and
+        logging may differ (FREELY_CHANGEABLE), and on a constant schedule a run continues exactly to a longer
+        max_steps (the trainer allows any change for single runs, with a warning)."""
+        trained = run.has_metrics()
+        before = run.read_json(run.train_config) if run.train_config.is_file() else None
+        if before is not None:
+            now = dataclasses.replace(train_cfg, seed=self.seed).to_dict()
+            changed = {k: (before.get(k, v), v) for k, v in now.items()
+                       if k not in FREELY_CHANGEABLE and before.get(k, v) != v}
+            if changed:
+                detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
+                raise StudyMismatchError(f"{run.path} was trained with another recipe than {unit.label()}'s "
+                                         f"({detail}); delete that run folder to train the unit again, or restore "
+                                         f"the recipe")
+        if trained and run.last_step() > train_cfg.max_steps:
+            raise StudyMismatchError(
+                f"{run.path} trained to step {run.last_step()}, past train.max_steps {train_cfg.max_steps}, so "
+                f"its weights are no {train_cfg.max_steps}-step result; use another --out-dir (and "
+                f"compare.results_dir) for the shorter recipe, or pass --no-resume to train the study again")
+        steps = train_cfg.max_steps if before is None else before.get("max_steps", train_cfg.max_steps)
+        if trained and train_cfg.lr_schedule != "constant" and steps != train_cfg.max_steps:
             raise StudyMismatchError(
                 f"{run.path} was trained on a {steps}-step {train_cfg.lr_schedule} schedule and {unit.label()} asks "
                 f"for {train_cfg.max_steps} steps: continuing it would stretch the schedule mid-run, so its weights "
