@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from difftransformer.experiments.report.ood_view import PLOT_FILE, ood_section
+from difftransformer.experiments.report.ood_view import PLOT_FILE, _accuracy, _cells, _share, curves, ood_section
 from difftransformer.experiments.report.runs import Run
 
 MASSES = ("target", "distractor", "filler", "other")
@@ -68,6 +68,33 @@ def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
     assert "cannot separate" in ssmax  # -0.10 +- 0.08 over 3 seeds: the interval holds 0
     assert (tmp_path / PLOT_FILE).stat().st_size > 1000
 
+
+
+def test_curves_along_length_and_density_are_the_means_over_seeds_with_their_t_intervals(tmp_path):
+    """The plot's points: mean and 95% t-interval per factor along each axis, the training condition on both;
+    one seed gives a point without spread, a factor no seed has is left out."""
+    runs = {}
+    for seed, (acc_len, acc_den) in enumerate([(0.90, 0.70), (0.92, 0.80), (0.91, 0.90)]):
+        cells = [_cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, acc_len, 0.5),
+                 _cell("length1x-density1.5x", 1.0, 1.5, acc_den, 0.6)]
+        runs["diff", seed] = Run("diff", seed, None, evals={"ood": {"details": {"cells": cells}}})
+    runs["transformer", 0] = Run("transformer", 0, None, evals={"ood": {"details": {"cells": [
+        _cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, 0.4, 0.3)]}}})
+    ctx = SimpleNamespace(arms=["diff", "transformer"], seeds=[0, 1, 2], runs=runs)
+    cells = {a: _cells(ctx, a) for a in ctx.arms}
+    conditions = ["length1x-density1x", "length4x-density1x", "length1x-density1.5x"]
+    half = 4.302653 * 0.01 / 3 ** 0.5  # t(0.975, 2) * std / sqrt(3) of 0.90, 0.92, 0.91
+    length = curves(ctx.arms, cells, conditions, "length", _accuracy)
+    assert [p[0] for p in length["diff"]] == [1.0, 4.0] and length["diff"][0][1:] == (1.0, 1.0, 1.0)
+    assert length["diff"][1][1:] == pytest.approx((0.91, 0.91 - half, 0.91 + half), abs=1e-6)
+    assert length["transformer"] == [(1.0, 1.0, 1.0, 1.0), (4.0, 0.4, 0.4, 0.4)]  # one seed: no spread
+    density = curves(ctx.arms, cells, conditions, "density", _accuracy)
+    assert [p[:2] for p in density["diff"]] == [(1.0, 1.0), (1.5, pytest.approx(0.8))]
+    assert [p[0] for p in density["transformer"]] == [1.0]  # no 1.5x result: left out
+    target = curves(ctx.arms, cells, conditions, "length", _share("target"))
+    assert target["diff"][1][1] == pytest.approx(0.5)  # the planted head's share on the target at 4x
+    text = "\n".join(ood_section(ctx, tmp_path))
+    assert "against the length and density factors" in text and (tmp_path / PLOT_FILE).stat().st_size > 1000
 
 
 def test_means_over_different_seeds_say_how_many():

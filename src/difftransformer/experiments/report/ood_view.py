@@ -20,7 +20,7 @@ from typing import Any
 from difftransformer._io import atomic_path
 from difftransformer.eval.probes.ood import head_shares, retrieving_head
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, table
-from difftransformer.experiments.stats import compare_paired
+from difftransformer.experiments.stats import compare_paired, t_interval
 
 TASK = "ood"
 IN_DISTRIBUTION_BAR = 0.99
@@ -104,7 +104,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
                           "accuracy, both without position encoding")
     L += _mechanism(arms, cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
-        L += [f"![accuracy and target mass against the length factor]({PLOT_FILE})", ""]
+        L += [f"![accuracy and target share against the length and density factors]({PLOT_FILE})", ""]
     return L
 
 
@@ -173,16 +173,22 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
     return [text, ""]
 
 
+def _factor(condition: str, axis: str) -> float:
+    """The `axis` ("length" or "density") factor of a condition name such as "length4x-density1x"."""
+    part = condition.split("-")[0 if axis == "length" else 1]
+    return float(part[len(axis):-1])
+
+
+def _along(conditions: list[str], axis: str) -> list[str]:
+    """The conditions on the `axis` line (the other factor at 1x, the training condition included), nearest first."""
+    other = "density" if axis == "length" else "length"
+    return sorted((c for c in conditions if _factor(c, other) == 1.0), key=lambda c: _factor(c, axis))
+
+
 def _farthest(conditions: list[str], axis: str) -> str | None:
     """The condition farthest out along `axis` (the other factor at 1x), if any beyond the training one."""
-    other = "density" if axis == "length" else "length"
-
-    def factor(c: str, which: str) -> float:
-        part = c.split("-")[0 if which == "length" else 1]
-        return float(part[len(which):-1])
-
-    along = [c for c in conditions if factor(c, other) == 1.0 and factor(c, axis) > 1.0]
-    return max(along, key=lambda c: factor(c, axis)) if along else None
+    along = [c for c in _along(conditions, axis) if _factor(c, axis) > 1.0]
+    return along[-1] if along else None
 
 
 def _table(title: str, arms, cells, conditions, read) -> Lines:
@@ -219,26 +225,49 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
         + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "reading"], rows) + [""]
 
 
+def curves(arms, cells, conditions, axis: str, read) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per arm, (factor, mean, low, high) of `read` along `axis` (conditions with the other factor at 1x): the
+    mean over seeds and its 95% t-interval (low = high = mean with one seed); factors no seed has are left out."""
+    out = {}
+    for arm in arms:
+        points = []
+        for c in _along(conditions, axis):
+            values = list(_values(cells[arm], c, read).values())
+            if values:
+                iv = t_interval(values)
+                lo, hi = (iv.low, iv.high) if iv.low is not None else (iv.mean, iv.mean)
+                points.append((_factor(c, axis), iv.mean, lo, hi))
+        out[arm] = points
+    return out
+
+
 def _plot(arms, cells, conditions, path: Path) -> bool:
-    """Accuracy and target mass against the length factor, one line per arm (mean over seeds)."""
+    """Accuracy (top) and the retrieving head's share on the target (bottom) against the length factor (left)
+    and the density factor (right), one colour per arm in every panel: the mean over seeds, shaded over its
+    95% interval; one legend below."""
     from matplotlib.figure import Figure
 
-    lengths = [c for c in conditions if c.endswith("density1x")]
-    if len(lengths) < 2:
+    axes = [a for a in ("length", "density") if len(_along(conditions, a)) > 1]
+    if not axes:
         return False
-    x = [float(c[len("length"):c.index("x-")]) for c in lengths]
-    fig = Figure(figsize=(10, 3.6))
+    fig = Figure(figsize=(5 * len(axes), 7))
     panels = ((_accuracy, "accuracy"), (_share("target"), "retrieving head: share on target"))
-    for n, (read, label) in enumerate(panels):
-        ax = fig.add_subplot(1, 2, n + 1)
-        for arm in arms:
-            ys = [_mean(_values(cells[arm], c, read)) for c in lengths]
-            ax.plot(x, ys, marker="o", label=arm)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length factor")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    for row, (read, label) in enumerate(panels):
+        for col, axis in enumerate(axes):
+            ax = fig.add_subplot(2, len(axes), row * len(axes) + col + 1)
+            for n, (arm, points) in enumerate(curves(arms, cells, conditions, axis, read).items()):
+                if points:
+                    x, mean, lo, hi = zip(*points)
+                    ax.plot(x, mean, marker="o", color=f"C{n}", label=arm)
+                    ax.fill_between(x, lo, hi, color=f"C{n}", alpha=0.12, linewidth=0)
+            factors = [_factor(c, axis) for c in _along(conditions, axis)]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(factors, [f"{f:g}x" for f in factors])
+            ax.set_xlabel(f"{axis} factor (x the training {'context' if axis == 'length' else 'items'})")
+            ax.set_ylabel(label)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=110)
     return True
