@@ -14,7 +14,8 @@ Families (docs/evaluation.md, "`ood`"):
 - `mqar` (multi-query associative recall with noise; Zoology's MQAR with filler): N key-value pairs
   (keys of `key_len`, values of `value_len` tokens) at random places among filler tokens, then `|`
   and min(queries, N) queries "key value" asking distinct keys of the context; the loss is on the
-  value tokens.
+  value tokens. With queries >= N every pair is asked and the last answer follows by elimination (the
+  value no earlier query took), a shortcut small models learn instead of the lookup: keep queries < min_pairs.
 - `flipflop` (Liu et al. 2023): instruction-bit pairs, "w b" writes b, "i b" is ignored, "r b" reads:
   b must be the last written bit. The first instruction writes and the last reads (every sequence
   asks at least once). Loss on read bits. Density scales
