@@ -245,12 +245,14 @@ def _plot(arms, cells, conditions, path: Path) -> bool:
     """Accuracy (top) and the retrieving head's share on the target (bottom) against the length factor (left)
     and the density factor (right), one colour per arm in every panel: the mean over seeds, shaded over its
     95% interval; one legend below."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     axes = [a for a in ("length", "density") if len(_along(conditions, a)) > 1]
     if not axes:
         return False
     fig = Figure(figsize=(5 * len(axes), 7))
+    palette = [f"C{n}" for n in range(10)] if len(arms) <= 10 else list(colormaps["tab20"].colors)
     panels = ((_accuracy, "accuracy"), (_share("target"), "retrieving head: share on target"))
     for row, (read, label) in enumerate(panels):
         for col, axis in enumerate(axes):
@@ -258,12 +260,13 @@ def _plot(arms, cells, conditions, path: Path) -> bool:
             for n, (arm, points) in enumerate(curves(arms, cells, conditions, axis, read).items()):
                 if points:
                     x, mean, lo, hi = zip(*points)
-                    ax.plot(x, mean, marker="o", color=f"C{n}", label=arm)
-                    ax.fill_between(x, lo, hi, color=f"C{n}", alpha=0.12, linewidth=0)
+                    colour = palette[n % len(palette)]
+                    ax.plot(x, mean, marker="o", color=colour, label=arm)
+                    ax.fill_between(x, lo, hi, color=colour, alpha=0.12, linewidth=0)
             factors = [_factor(c, axis) for c in _along(conditions, axis)]
             ax.set_xscale("log", base=2)
             ax.set_xticks(factors, [f"{f:g}x" for f in factors])
-            ax.set_xlabel(f"{axis} factor (x the training {'context' if axis == 'length' else 'items'})")
+            ax.set_xlabel(f"{axis} factor (x the training {'context length' if axis == 'length' else 'distractors'})")
             ax.set_ylabel(label)
     handles, labels = fig.axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
