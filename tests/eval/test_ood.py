@@ -278,15 +278,20 @@ def test_largest_logits_are_per_head_and_per_map(attention):
         else:
             assert layer["a1_max_logit"] == [5.0] * heads and layer["a2_max_logit"] == [9.0] * heads
 
-def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path):
+def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path, caplog):
     family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
     data = prepare_task(family, tmp_path / "data")
     cfg = get_preset("tiny").config("diff")
     cfg = type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size, "max_position_embeddings": 64})
     model = DiffTransformerLM(cfg)
     task = get_task("ood", lengths=(1.0, 2.0, 4.0), densities=(1.0, 2.0), min_queries=40, attention_sequences=4)
-    result = run_task(task, model, data.tokenizer(), EvalConfig(data_dir=str(data.out_dir)))
+    with caplog.at_level("INFO", logger="difftransformer.eval"):
+        result = run_task(task, model, data.tokenizer(), EvalConfig(data_dir=str(data.out_dir)))
     names = [c["condition"] for c in result.details["cells"]]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ood ")]
+    assert [m.split(":")[0] for m in progress] == [f"ood {n}" for n in names]  # one line per condition, as it ends
+    cells = result.details["cells"]
+    assert f"accuracy {cells[1]['accuracy']:.4f} over {cells[1]['queries']} queries, adaptive" in progress[1]
     assert names == ["length1x-density1x", "length2x-density1x", "length1x-density2x"]
     assert [s["condition"] for s in result.details["skipped"]] == ["length4x-density1x"]  # > 64 positions
     cell = result.details["cells"][0]

@@ -38,7 +38,9 @@ sequences never trained on) is scored:
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ from difftransformer.data.ood.sampler import eval_set
 from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model, rescale_queries
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 from difftransformer.norm import compute_dtype
+
+log = logging.getLogger("difftransformer.eval")
 
 ADAPTIVE_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)  # highest degree first, as numpy.polyval takes it
 MASSES = ("target", "distractor", "filler", "other")
@@ -363,6 +367,7 @@ class OOD(Task):
         return TaskResult(self.name, metrics, settings, {"cells": cells, "skipped": skipped})
 
     def _cell(self, model, family: Family, c: Condition, cfg: EvalConfig) -> dict[str, Any]:
+        t0 = time.perf_counter()
         per_seq = _queries_per_sequence(family, c, cfg.eval_seed)
         n = max(1, math.ceil(self.options.min_queries / per_seq))
         episodes = eval_set(family, c, n, seed=cfg.eval_seed)
@@ -377,6 +382,9 @@ class OOD(Task):
             cell["attention"] = mechanism(model, sample, cfg.device)
             layers = cell["attention"]["layers"]
             cell["attention"]["mean"] = {w: summary_masses(layers, w) for w in ("diff", "a1", "a2")}
+        adaptive = f", adaptive temperature {cell['adaptive']['accuracy']:.4f}" if "adaptive" in cell else ""
+        log.info("ood %s: accuracy %.4f over %d queries%s (%.0f s)", c.name, cell["accuracy"], cell["queries"],
+                 adaptive, time.perf_counter() - t0)
         return cell
 
     def plot(self, result: TaskResult, path: Path) -> bool:
