@@ -558,3 +558,25 @@ def test_a_unit_trained_again_from_scratch_records_its_own_wall_time_only(data_d
     run_study(study, out, report=False)
     assert json.loads(folder.manifest.read_text())["wall_s"][key] < 1e5  # its own time, not added to the old
     assert json.loads((folder.results / "diff.json").read_text())["wall_s"] < 1e5
+
+
+def test_the_report_shows_every_result_file_even_of_arms_and_seeds_its_manifest_does_not_list(tmp_path):
+    """Result files copied in from another machine or folder (the manifest lists diff and transformer, seeds 0-1):
+    a third arm and a third seed are reported, new arms in the config's order (arm_specs)."""
+    records = [_record(Unit(None, None, seed, arm), 3.0 + 0.01 * seed, 1000)
+               for seed in (0, 1, 2) for arm in ("diff", "transformer", "transformer_6k", "diff_v2")]
+    _write_results(tmp_path / "r", records, [], [0, 1])
+    manifest_path = tmp_path / "r" / "compare.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["arm_specs"] = {a: {} for a in ("transformer", "diff", "transformer_6k", "diff_v2")}
+    manifest_path.write_text(json.dumps(manifest))
+    for seed in (0, 1, 2):  # the layout of a multi-seed folder
+        for arm in ("diff", "transformer", "transformer_6k", "diff_v2"):
+            assert result_path(tmp_path / "r", Unit(None, None, seed, arm), True).exists()
+    text = write_report(tmp_path / "r", samples=False).read_text()
+    rows = [ln.split("|")[1].strip() for ln in text.splitlines() if ln.startswith("| `")]
+    assert "`transformer_6k`" in rows and "`diff_v2`" in rows
+    first = next(i for i, r in enumerate(rows) if r in ("`transformer_6k`", "`diff_v2`"))
+    assert rows[first] == "`transformer_6k`"  # arm_specs order, not alphabetical
+    assert "**transformer_6k vs transformer:** identical final validation loss on all 3 seeds" in text  # seed 2 too
+    assert "| seed | `diff` | `transformer` | `transformer_6k` | `diff_v2` |" in text

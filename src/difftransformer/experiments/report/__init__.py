@@ -65,6 +65,18 @@ def _cells(manifest: dict[str, Any]) -> list[tuple[str | None, int | None]]:
     return [(s, t) for s in sizes for t in tokens]
 
 
+def _with_every_result(manifest: dict[str, Any], arms: list[str], seeds: list[int],
+                       records: dict[Unit, Any]) -> tuple[list[str], list[int]]:
+    """The manifest's arms and seeds, plus those of result files it does not list (files copied in from another
+    machine's or folder's run): every result in the folder is reported. New arms follow the order of the
+    manifest's arm_specs (the config's), then their names."""
+    cells = set(_cells(manifest))
+    units = [u for u in records if (u.size, u.tokens) in cells]
+    order = list(manifest.get("arm_specs") or [])
+    extra = sorted({u.arm for u in units} - set(arms), key=lambda a: (order.index(a) if a in order else len(order), a))
+    return arms + extra, sorted(set(seeds) | {u.seed for u in units})
+
+
 def _context(study: StudyDir, samples: bool = False) -> sections.Context:
     manifest = study.read_manifest() or study.discover()
     arms, seeds = list(manifest["arms"]), sorted(manifest["seeds"])
@@ -72,6 +84,7 @@ def _context(study: StudyDir, samples: bool = False) -> sections.Context:
         raise FileNotFoundError(f"no runs in {study.path}: expected {MANIFEST_FILE} or <arm>/{METRICS_FILE} "
                                 f"folders (run `difftransformer compare` first)")
     records = find_results(study.results_dir(manifest))
+    arms, seeds = _with_every_result(manifest, arms, seeds, records)
     default_max_steps = (manifest.get("train") or {}).get("max_steps")
     cells: dict[tuple[str | None, int | None], dict[tuple[str, int], Run]] = {}
     for cell in _cells(manifest):
