@@ -175,11 +175,21 @@ def test_the_retrieving_head_is_chosen_once_at_the_training_distribution_and_rea
     assert negative["`diff`"] == ["0.200", "0.400"] and negative["`transformer`"] == ["0.000", "0.000"]
 
 
-def test_runs_below_the_in_distribution_bar_are_named():
-    ctx = _ctx({"diff": {0: (0.97, 0.5), 1: (1.0, 0.6), 2: (1.0, 0.6)},
-                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.5)}})
-    text = "\n".join(ood_section(ctx))
+def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and_differences(tmp_path):
+    ctx = _ctx({"diff": {0: (0.97, 0.1), 1: (1.0, 0.6), 2: (1.0, 0.62)},
+                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)}})
+    text = "\n".join(ood_section(ctx, tmp_path))
     assert "Not every run passed the in-distribution bar" in text and "`diff` seed 0 (0.9700)" in text
+    assert "| `diff` | 0 | 0.970 | 0.100 |" in text  # nothing lost: the run's own accuracy
+    accuracy = text.split("### Accuracy")[1].split("###")[0]
+    row = next(r for r in accuracy.splitlines() if r.startswith("| `diff` |"))
+    assert row.split(" | ")[2].startswith("0.610 [")  # seeds 1 and 2 only: (0.6 + 0.62) / 2, not 0.44
+    differences = text.split("− each arm, accuracy")[1]
+    diff4 = next(r for r in differences.splitlines() if "`length4x-density1x`" in r)
+    assert "| 2 | +0.1000 " in diff4  # paired over the 2 seeds where both passed: 0.1 and 0.1
+    got = curves(["diff"], {"diff": _cells(ctx, "diff")}, ["length1x-density1x", "length4x-density1x"],
+                 "length", _accuracy)
+    assert got["diff"][1][1] == pytest.approx((0.1 + 0.6 + 0.62) / 3)  # curves() itself takes the cells it is given
 
 
 def test_no_ood_results_no_section():
@@ -214,7 +224,9 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
         assert [c["condition"] for c in ood["details"]["cells"]] == ["length1x-density1x", "length2x-density1x"]
         assert ood["settings"]["options"]["min_queries"] == 20 and ood["settings"]["family"]["family"] == "maxret"
     text = StudyDir(out).report.read_text()
-    assert "## Out-of-distribution retrieval" in text and "`diff` − each arm, accuracy" in text
+    assert "## Out-of-distribution retrieval" in text
+    # two steps of training learn nothing: every run is listed below the bar, with its accuracy per condition
+    assert all(f"| `{arm}` | {seed} | " in text for arm in ("diff", "transformer") for seed in (0, 1))
     with pytest.raises(ValueError, match="not in compare.eval_tasks"):
         StudyConfig(eval_options={"ood": {}})
     with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
