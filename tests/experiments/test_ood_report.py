@@ -177,10 +177,13 @@ def test_the_retrieving_head_is_chosen_once_at_the_training_distribution_and_rea
 
 def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and_differences(tmp_path):
     ctx = _ctx({"diff": {0: (0.97, 0.1), 1: (1.0, 0.6), 2: (1.0, 0.62)},
-                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)}})
+                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)},
+                "diff_v2": {0: (0.5, 0.2), 1: (0.6, 0.3), 2: (0.7, 0.4)}})
     text = "\n".join(ood_section(ctx, tmp_path))
     assert "Not every run passed the in-distribution bar" in text and "`diff` seed 0 (0.9700)" in text
     assert "| `diff` | 0 | 0.970 | 0.100 |" in text  # nothing lost: the run's own accuracy
+    assert "| `diff_v2` | 2 | 0.700 | 0.400 |" in text and "`diff_v2` 0" not in text and "nan" not in text
+    assert text.count("`diff_v2`") == 6  # an arm with no run past the bar is only listed: 3 names, 3 rows
     accuracy = text.split("### Accuracy")[1].split("###")[0]
     row = next(r for r in accuracy.splitlines() if r.startswith("| `diff` |"))
     assert row.split(" | ")[2].startswith("0.610 [")  # seeds 1 and 2 only: (0.6 + 0.62) / 2, not 0.44

@@ -81,13 +81,14 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     every = {a: _cells(ctx, a) for a in arms}
     conditions = list(dict.fromkeys(c for a in arms for s in every[a].values() for c in s))
     cells = {a: _passing(every[a]) for a in arms}
+    listed, arms = arms, [a for a in arms if cells[a]]  # an arm with no run past the bar is only listed
     L = ["## Out-of-distribution retrieval", "",
          "Accuracy per query (a query is right when every answer token is) on fixed test sets never trained on, "
          "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler; "
          "flip-flop: more instructions at the same ignore odds, so the distance from a write to its read hardly "
          "grows) and at denser distractors (more items at the training length); mean [95% interval] over seeds. "
          "Protocol: docs/evaluation.md, `ood`.", ""]
-    L += _bar(arms, every, conditions)
+    L += _bar(listed, every, conditions)
     L += _summary(ctx, arms, cells, conditions)
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
@@ -269,7 +270,7 @@ def _plot(arms, cells, conditions, path: Path) -> bool:
     from matplotlib.figure import Figure
 
     axes = [a for a in ("length", "density") if len(_along(conditions, a)) > 1]
-    if not axes or not any(cells[a] for a in arms):  # nothing to draw: no run passed the bar
+    if not axes or not arms:  # nothing to draw: no run passed the bar
         return False
     fig = Figure(figsize=(5 * len(axes), 7))
     palette = [f"C{n}" for n in range(10)] if len(arms) <= 10 else list(colormaps["tab20"].colors)
