@@ -1,6 +1,7 @@
 """The `ood` probe: accuracy per query with Wilson intervals, adaptive temperature, and attention masses, each on
 cases whose answer is known by hand (an oracle, a guesser, attention planted on the target)."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -193,6 +194,29 @@ def _planted(model, episodes):
 
     for block in model.layers:
         block.self_attn.score_hook = hook
+
+
+@pytest.mark.parametrize("attention", ["transformer", "diff", "transformer_ssmax"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batches_of_like_length_score_every_query_as_the_sequence_alone(attention, adaptive):
+    """score() sorts sequences by length into padded batches; every answer must be scored as the model predicts
+    it on its sequence alone (no padding at all), with and without adaptive temperature. The answers are set to
+    those lone predictions, so every query is right exactly when batching changed nothing."""
+    family = MQAR(num_keys=16, num_values=16, min_pairs=2, max_pairs=6, queries=2, min_context=12, max_context=40)
+    episodes = eval_set(family, TRAIN, 40)
+    assert len(set(episodes.lengths.tolist())) > 5  # lengths vary, so batches are padded differently
+    cfg = get_preset("tiny").config(attention)
+    torch.manual_seed(1)
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size})).eval()
+    hook = adaptive_temperature_queries if adaptive else None
+    for i, n in enumerate(episodes.lengths):
+        with torch.no_grad(), (rescale_queries(model, hook) if hook else contextlib.nullcontext()):
+            alone = model(torch.from_numpy(episodes.inputs[i:i + 1, :n])).logits[0].argmax(-1).numpy()
+        answer = episodes.targets[i, :n] >= 0
+        episodes.targets[i, :n][answer] = alone[answer]
+    correct, queries = score(model, episodes, 7, "cpu", query_hook=hook)
+    assert correct.all() and len(correct) == int(episodes.answer_mask.sum())
+    assert len(np.unique(queries)) == len(episodes) * family.queries  # every query keeps its own id
 
 
 @pytest.mark.parametrize("attention", ["transformer", "diff"])

@@ -160,10 +160,14 @@ def score(model, episodes: Episodes, batch_size: int, device,
           query_hook: QueryHook | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(correct, query) at every answer position of `episodes`, flat over sequences: whether the greedy
     next token is the answer, and a query id unique over the set (sequence * 2^20 + query). query_hook:
-    every attention layer's, for this scoring (`adaptive_temperature_queries`)."""
+    every attention layer's, for this scoring (`adaptive_temperature_queries`). Batches hold sequences of
+    like length (each is cut to its longest): the model is causal, so padding after a sequence changes none of
+    its logits, and far less of it is computed at the long conditions."""
     correct, queries = [], []
+    order = np.argsort(episodes.lengths, kind="stable")
     for start in range(0, len(episodes), batch_size):
-        part = episodes.take(np.arange(start, min(start + batch_size, len(episodes))))
+        rows_here = order[start:start + batch_size]
+        part = episodes.take(rows_here)
         ids = torch.from_numpy(part.inputs).to(device)
         if query_hook is None:
             logits = model(ids).logits
@@ -173,7 +177,7 @@ def score(model, episodes: Episodes, batch_size: int, device,
         answer = part.answer_mask
         pred = logits.argmax(-1).cpu().numpy()
         correct.append((pred == part.targets)[answer])
-        rows = np.nonzero(answer)[0] + start
+        rows = rows_here[np.nonzero(answer)[0]]
         queries.append(rows.astype(np.int64) * 2**20 + part.answer_query[answer])
     return np.concatenate(correct), np.concatenate(queries)
 
