@@ -183,6 +183,7 @@ def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and
     assert "Not every run passed the in-distribution bar" in text and "`diff` seed 0 (0.9700)" in text
     assert "| `diff` | 0 | 0.970 | 0.100 |" in text  # nothing lost: the run's own accuracy
     assert "| `diff_v2` | 2 | 0.700 | 0.400 |" in text and "`diff_v2` 0" not in text and "nan" not in text
+    assert "In short: in distribution `diff` 100.0% (2 seeds), `transformer` 100.0% (3 seeds)" in text
     assert text.count("`diff_v2`") == 6  # an arm with no run past the bar is only listed: 3 names, 3 rows
     accuracy = text.split("### Accuracy")[1].split("###")[0]
     row = next(r for r in accuracy.splitlines() if r.startswith("| `diff` |"))
@@ -228,9 +229,26 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
         assert ood["settings"]["options"]["min_queries"] == 20 and ood["settings"]["family"]["family"] == "maxret"
     text = StudyDir(out).report.read_text()
     assert "## Out-of-distribution retrieval" in text
-    # two steps of training learn nothing: every run is listed below the bar, with its accuracy per condition
+    # two steps of training learn nothing: every run is listed below the bar, with its accuracy per condition,
+    # and nothing else is said about them
     assert all(f"| `{arm}` | {seed} | " in text for arm in ("diff", "transformer") for seed in (0, 1))
+    assert "In short" not in text and "### Accuracy" not in text
     with pytest.raises(ValueError, match="not in compare.eval_tasks"):
         StudyConfig(eval_options={"ood": {}})
     with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
         StudyConfig(eval_tasks=["ood"], eval_options={"ood": {"min_queries": 0}})
+
+
+def test_a_condition_only_runs_below_the_bar_have_is_listed_with_them_and_nowhere_else():
+    ctx = _ctx({"diff": {0: (1.0, 0.6), 1: (1.0, 0.6), 2: (1.0, 0.62)},
+                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)}})
+    low = Run("diff_v2", 0, None, evals={"ood": {"details": {"cells": [
+        _cell("length1x-density1x", 1.0, 1.0, 0.5, 0.9), _cell("length16x-density1x", 16.0, 1.0, 0.1, 0.2)]}}})
+    nan = Run("diff_v2", 1, None, evals={"ood": {"details": {"cells": [
+        _cell("length1x-density1x", 1.0, 1.0, float("nan"), 0.9)]}}})
+    ctx.arms.append("diff_v2")
+    ctx.runs["diff_v2", 0], ctx.runs["diff_v2", 1] = low, nan
+    text = "\n".join(ood_section(ctx))
+    assert "| `diff_v2` | 0 | 0.500 | – | 0.100 |" in text and "nan" not in text
+    assert text.count("length16x-density1x") == 1  # the listed run's column only
+    assert "at `length4x-density1x` `diff` 60.7%, `transformer` 50.7%." in text

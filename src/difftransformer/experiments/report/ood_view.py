@@ -82,6 +82,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     conditions = list(dict.fromkeys(c for a in arms for s in every[a].values() for c in s))
     cells = {a: _passing(every[a]) for a in arms}
     listed, arms = arms, [a for a in arms if cells[a]]  # an arm with no run past the bar is only listed
+    kept = [c for c in conditions if any(c in s for a in arms for s in cells[a].values())]
     L = ["## Out-of-distribution retrieval", "",
          "Accuracy per query (a query is right when every answer token is) on fixed test sets never trained on, "
          "at the training distribution (`length1x-density1x`), at longer contexts (same items, more filler; "
@@ -89,6 +90,9 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
          "grows) and at denser distractors (more items at the training length); mean [95% interval] over seeds. "
          "Protocol: docs/evaluation.md, `ood`.", ""]
     L += _bar(listed, every, conditions)
+    if not arms:
+        return L
+    conditions = kept
     L += _summary(ctx, arms, cells, conditions)
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
@@ -134,7 +138,7 @@ def _mechanism(arms, cells, conditions) -> Lines:
 def _passed(by_condition: dict[str, dict[str, Any]]) -> bool:
     """Whether a run passed the in-distribution bar (a run without a training-condition result is kept)."""
     value = (by_condition.get(TRAIN_CONDITION) or {}).get("accuracy")
-    return not isinstance(value, (int, float)) or value >= IN_DISTRIBUTION_BAR
+    return not (isinstance(value, (int, float)) and math.isfinite(value)) or value >= IN_DISTRIBUTION_BAR
 
 
 def _passing(cells: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
@@ -160,7 +164,7 @@ def _bar(arms, every, conditions) -> Lines:
 
 
 def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, (int, float)) else "–"
+    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
 
 
 def _summary(ctx, arms, cells, conditions) -> Lines:
@@ -171,15 +175,16 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
         return []
 
     def accs(condition: str) -> str:
-        values = {a: _values(cells[a], condition, _accuracy) for a in arms}
+        values = {a: v for a in arms if (v := _values(cells[a], condition, _accuracy))}
         uneven = len({len(v) for v in values.values()}) > 1  # means over different seeds: say how many
         return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({len(v)} seeds)" if uneven else "")
                          for a, v in values.items())
 
-    parts = [f"In short: in distribution {accs('length1x-density1x')}"]
-    for c in farthest:
-        parts.append(f"at {code_span(c)} {accs(c)}")
-    text = "; ".join(parts) + "."
+    said = [(where, text) for where, c in [("in distribution", TRAIN_CONDITION),
+                                           *((f"at {code_span(c)}", c) for c in farthest)] if (text := accs(c))]
+    if not said:
+        return []
+    text = "In short: " + "; ".join(f"{where} {values}" for where, values in said) + "."
     ref = _reference_arm(ctx)
     if ref in arms and "transformer" in arms and len(ctx.seeds) > 1:
         for c in farthest:
