@@ -180,11 +180,11 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
         return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({len(v)} seeds)" if uneven else "")
                          for a, v in values.items())
 
-    said = [(where, text) for where, c in [("in distribution", TRAIN_CONDITION),
-                                           *((f"at {code_span(c)}", c) for c in farthest)] if (text := accs(c))]
+    places = [("in distribution", TRAIN_CONDITION), *((f"at {code_span(c)}", c) for c in farthest)]
+    said = [f"{where} {accs(c)}" for where, c in places if accs(c)]
     if not said:
         return []
-    text = "In short: " + "; ".join(f"{where} {values}" for where, values in said) + "."
+    text = "In short: " + "; ".join(said) + "."
     ref = _reference_arm(ctx)
     if ref in arms and "transformer" in arms and len(ctx.seeds) > 1:
         for c in farthest:
@@ -275,7 +275,7 @@ def _plot(arms, cells, conditions, path: Path) -> bool:
     from matplotlib.figure import Figure
 
     axes = [a for a in ("length", "density") if len(_along(conditions, a)) > 1]
-    if not axes or not arms:  # nothing to draw: no run passed the bar
+    if not axes:
         return False
     fig = Figure(figsize=(5 * len(axes), 7))
     palette = [f"C{n}" for n in range(10)] if len(arms) <= 10 else list(colormaps["tab20"].colors)
