@@ -28,6 +28,7 @@ from difftransformer.eval.probes.ood import (
     score,
     wilson_interval,
 )
+from difftransformer.model.inputs import keep_last_positions
 
 
 def test_wilson_interval_matches_hand_values():
@@ -54,7 +55,7 @@ class Oracle(nn.Module):
         self.answers = {tuple(r[:n]): t for r, t, n in zip(episodes.inputs, episodes.targets, episodes.lengths)}
         self.vocab, self.wrong = vocab, wrong
 
-    def forward(self, ids):
+    def forward(self, ids, logits_to_keep=0):
         out = torch.zeros(*ids.shape, self.vocab)
         for b, row in enumerate(ids.tolist()):
             for n in range(len(row), 0, -1):
@@ -64,7 +65,7 @@ class Oracle(nn.Module):
             keep = targets >= 0
             pos = torch.nonzero(keep).squeeze(1)
             out[b, pos, (targets[keep] + int(self.wrong)) % self.vocab] = 1.0
-        return type("Out", (), {"logits": out})()
+        return type("Out", (), {"logits": keep_last_positions(out, logits_to_keep)})()
 
 
 class Guesser(nn.Module):
@@ -75,10 +76,10 @@ class Guesser(nn.Module):
         self.values = family.ids()["value"], family.ids()["value"] + family.num_values
         self.vocab = family.vocab_size
 
-    def forward(self, ids):
+    def forward(self, ids, logits_to_keep=0):
         logits = torch.full((*ids.shape, self.vocab), -1e9)
         logits[..., self.values[0]:self.values[1]] = torch.rand(*ids.shape, self.values[1] - self.values[0])
-        return type("Out", (), {"logits": logits})()
+        return type("Out", (), {"logits": keep_last_positions(logits, logits_to_keep)})()
 
 
 def test_an_oracle_scores_one_a_wrong_oracle_zero_and_a_guesser_chance():

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from difftransformer import ATTENTION_KINDS, DiffTransformerLM, KVCache
+from difftransformer.eval.probes.hooks import rescale_queries
+from difftransformer.eval.probes.ood import adaptive_temperature_queries
 from tests.helpers import CPP_KERNEL_DISABLED, tiny
 
 
@@ -69,19 +71,43 @@ def test_cache_length_limit():
         model(torch.zeros(1, 7, dtype=torch.long), kv_cache=cache)
 
 
-@pytest.mark.parametrize("kind", ["diff", "transformer"])
-def test_logits_to_keep_gives_the_last_positions_logits(kind):
-    model = DiffTransformerLM(tiny(attention=kind)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+@pytest.mark.parametrize("position_encoding", ["rope", "none"])
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
+def test_logits_to_keep_gives_the_last_positions_logits(kind, position_encoding):
+    """The last n positions' logits equal the full forward's, though the last block then computes only
+    those n rows (queries, attention, MLP): with padding, explicit positions, a query hook and a KV cache
+    (whose next step must see every prefilled key). float64, so any row mixed up shows."""
+    model = DiffTransformerLM(tiny(attention=kind, position_encoding=position_encoding),
+                              dtype=torch.float64).eval()
+    B, T = 3, 13
+    ids = torch.randint(0, model.config.vocab_size, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        full = model(ids).logits
-        for n in (1, 3, 11):
-            kept = model(ids, logits_to_keep=n).logits
-            assert kept.shape == (2, n, model.config.vocab_size)
-            torch.testing.assert_close(kept, full[:, -n:], rtol=1e-5, atol=1e-6)
-        assert torch.equal(model(ids, logits_to_keep=0).logits, full)
+        for kwargs in ({}, {"attention_mask": mask, "position_ids": positions}):
+            full = model(ids, **kwargs).logits
+            for n in (1, 3, T, T + 4):
+                kept = model(ids, logits_to_keep=n, **kwargs).logits
+                assert kept.shape == (B, min(n, T), model.config.vocab_size)
+                torch.testing.assert_close(kept, full[:, -n:], rtol=1e-10, atol=1e-12)
+        seen = []
+        handle = model.layers[-1].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+        model(ids, logits_to_keep=3)
+        handle.remove()
+        assert seen == [3]  # the last block's MLP ran on the kept rows only
+        assert torch.equal(model(ids, logits_to_keep=0).logits, model(ids).logits)
         picked = model(ids, logits_to_keep=torch.tensor([0, 5])).logits
-        torch.testing.assert_close(picked, full[:, [0, 5]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(picked, model(ids).logits[:, [0, 5]], rtol=1e-10, atol=1e-12)
+        with rescale_queries(model, adaptive_temperature_queries):  # each row's β from the keys that row sees
+            hooked = model(ids, attention_mask=mask, position_ids=positions).logits
+            rows = model(ids, attention_mask=mask, position_ids=positions, logits_to_keep=3).logits
+        torch.testing.assert_close(rows, hooked[:, -3:], rtol=1e-10, atol=1e-12)
+        cache = KVCache()
+        model(ids, logits_to_keep=1, kv_cache=cache)
+        step = torch.randint(0, model.config.vocab_size, (B, 1))
+        after = model(step, kv_cache=cache).logits
+        torch.testing.assert_close(after, model(torch.cat([ids, step], 1)).logits[:, -1:], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="targets need every position's"):
         model(ids, ids, logits_to_keep=1)
     with pytest.raises(ValueError, match="logits_to_keep must be >= 0"):

@@ -44,6 +44,20 @@ from difftransformer.dist import full_tensor
 from difftransformer.norm import RMSNorm, compute_dtype
 
 
+def _last_positions(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (B, T, ...) cut to its last n positions (all of them for n = 0 or n >= T)."""
+    if n < 0:
+        raise ValueError(f"outputs_to_keep must be >= 0 (0 keeps every position), got {n}")
+    return x if n == 0 or n >= x.shape[1] else x[:, -n:]
+
+
+def _last_rotations(rotation: torch.Tensor, n: int) -> torch.Tensor:
+    """A `RotaryEmbedding.rotation` table cut to its last n positions: complex (..., T, dim/2), or under
+    torch.compile real (..., T, dim/2, 2) pairs."""
+    axis = -2 if rotation.is_complex() else -3
+    return rotation.narrow(axis, rotation.shape[axis] - n, n)
+
+
 class _SelfAttention(nn.Module):
     """Input checks, positions and KV-cache plumbing shared by every attention kind."""
 
@@ -109,17 +123,19 @@ class _SelfAttention(nn.Module):
             return position_ids.to(x.device), None
         return torch.arange(past, past + T, device=x.device), past
 
-    def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim):
-        """q (B, q_heads, T, q_dim) and k (B, kv_heads, S, q_dim) after RoPE (as projected without it), v
-        (B, kv_v_heads, S, v_dim)."""
+    def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim, outputs_to_keep: int = 0):
+        """q (B, q_heads, Tq, q_dim) and k (B, kv_heads, S, q_dim) after RoPE (as projected without it), v
+        (B, kv_v_heads, S, v_dim). Tq = T, or `outputs_to_keep` (> 0): queries of x's last positions only;
+        the keys and values (and the KV cache's update) still come from every position."""
         B, T, _ = x.shape
         positions, start = self._positions(x, position_ids, kv_cache)  # checked with or without RoPE
-        q = self.q_proj(x).view(B, T, q_heads, q_dim).transpose(1, 2)
+        xq = _last_positions(x, outputs_to_keep)
+        q = self.q_proj(xq).view(B, xq.shape[1], q_heads, q_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, kv_heads, q_dim).transpose(1, 2)
         if self.rotary is not None:
             bound = getattr(kv_cache, "position_bound", None)  # a StaticKVCache's capacity
             rotation = self.rotary.rotation(positions, compute_dtype(x), start=start, bound=bound)  # q's and k's
-            q, k = self.rotary.rotate(q, rotation), self.rotary.rotate(k, rotation)
+            q, k = self.rotary.rotate(q, _last_rotations(rotation, q.shape[2])), self.rotary.rotate(k, rotation)
         v = self.v_proj(x).view(B, T, -1, v_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.depth, k, v)
@@ -226,15 +242,20 @@ class MultiheadDiffAttention(_SelfAttention):
 
     def forward(self, x: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                return_attention: bool = False):
+                return_attention: bool = False, outputs_to_keep: int = 0):
         """x (B, T, E) -> (B, T, E); with return_attention also the fp32 maps (eager backend).
 
         attention_mask: (B, S) True/1 for keys to keep (S counts cached keys too).
+        outputs_to_keep: n > 0 computes the outputs (and maps) of the last n positions only, (B, n, E): their
+        keys and values still come from all T (and all go to kv_cache). Exact: each output row depends on its
+        own query alone, so the rows kept equal the full call's.
         """
         self._check_input(x)
-        B, T, _ = x.shape
+        B = x.shape[0]
         d = self.head_dim
-        q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d)
+        q, k, v = self._project(x, position_ids, kv_cache, 2 * self.num_heads, 2 * self.num_kv_heads, d, 2 * d,
+                                outputs_to_keep)
+        T = q.shape[2]
         lam, out_norm = layer_constants(self, x, kv_cache)  # the head norm goes to the attention call (may fuse it)
         res = differential_attention(q, k, v, lam, causal=True, key_padding_mask=attention_mask,
                                      scale=self.scaling, backend=self.backend, return_maps=return_attention,
@@ -319,11 +340,13 @@ class MultiheadAttention(_SelfAttention):
         return (o.to(f) * g).to(o.dtype)
 
     def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
-                return_attention: bool = False):
+                return_attention: bool = False, outputs_to_keep: int = 0):
+        """x (B, T, E) -> (B, T, E), or the last `outputs_to_keep` positions' (as `MultiheadDiffAttention`)."""
         self._check_input(x)
-        B, T, E = x.shape
+        B, _, E = x.shape
         d = self.head_dim
-        q, k, v = self._project(x, position_ids, kv_cache, self.num_heads, self.num_kv_heads, d, d)
+        q, k, v = self._project(x, position_ids, kv_cache, self.num_heads, self.num_kv_heads, d, d, outputs_to_keep)
+        x, T = _last_positions(x, outputs_to_keep), q.shape[2]  # the gate reads the kept positions' inputs
         if self.ssmax_scale is not None:
             q = self._scale_queries(q, k.shape[2], attention_mask)
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
@@ -362,11 +385,13 @@ class MultiheadDiffAttentionV2(_SelfAttention):
         self._make_rotary(d, rope_theta, position_encoding)
 
     def forward(self, x: torch.Tensor, *, attention_mask=None, position_ids=None, kv_cache=None,
-                return_attention: bool = False):
+                return_attention: bool = False, outputs_to_keep: int = 0):
+        """x (B, T, E) -> (B, T, E), or the last `outputs_to_keep` positions' (as `MultiheadDiffAttention`)."""
         self._check_input(x)
-        B, T, _ = x.shape
+        B = x.shape[0]
         H, d = self.num_heads, self.head_dim
-        q, k, v = self._project(x, position_ids, kv_cache, 2 * H, self.num_kv_heads, d, d)
+        q, k, v = self._project(x, position_ids, kv_cache, 2 * H, self.num_kv_heads, d, d, outputs_to_keep)
+        x, T = _last_positions(x, outputs_to_keep), q.shape[2]  # λ is read from the kept positions' inputs
         res = multihead_attention(q, k, v, causal=True, key_padding_mask=attention_mask, scale=self.scaling,
                                   backend=self.backend, return_maps=return_attention, score_hook=self.score_hook,
                                   query_hook=self.query_hook)

@@ -37,9 +37,16 @@ def keep_last_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
     given position indices (a tensor, transformers' other form)."""
     if isinstance(logits_to_keep, torch.Tensor):
         return x[:, logits_to_keep]
+    return x if last_rows_kept(logits_to_keep) == 0 else x[:, -logits_to_keep:]
+
+
+def last_rows_kept(logits_to_keep: int | torch.Tensor) -> int:
+    """n when logits_to_keep keeps the last n positions, 0 when it keeps all or names positions (a tensor)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return 0
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0 (0 keeps every position), got {logits_to_keep}")
-    return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+    return int(logits_to_keep)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from difftransformer.attention import KVCache, MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2
 from difftransformer.model.config import DiffTransformerConfig
 from difftransformer.model.generation import generate
-from difftransformer.model.inputs import check_input_ids, keep_last_positions
+from difftransformer.model.inputs import check_input_ids, keep_last_positions, last_rows_kept
 from difftransformer.model.serialization import load_weights, read_pretrained, save_pretrained
 from difftransformer.norm import RMSNorm
 
@@ -67,11 +67,14 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(E, eps, device=device, dtype=dtype)
         self.mlp = SwiGLU(E, config.intermediate_size, device, dtype)
 
-    def forward(self, x, *, attention_mask=None, position_ids=None, kv_cache=None, return_attention=False):
+    def forward(self, x, *, attention_mask=None, position_ids=None, kv_cache=None, return_attention=False,
+                outputs_to_keep: int = 0):
+        """x (B, T, E) -> (B, T, E); outputs_to_keep n > 0: the last n positions' outputs only, (B, n, E), the
+        attention still reading (and caching) every position's keys and values; exact (see the attention)."""
         res = self.self_attn(self.input_layernorm(x), attention_mask=attention_mask, position_ids=position_ids,
-                             kv_cache=kv_cache, return_attention=return_attention)
+                             kv_cache=kv_cache, return_attention=return_attention, outputs_to_keep=outputs_to_keep)
         a, maps = res if return_attention else (res, None)
-        h = x + a
+        h = x[:, -a.shape[1]:] + a
         out = h + self.mlp(self.post_attention_layernorm(h))
         return (out, maps) if return_attention else out
 
@@ -178,17 +181,22 @@ class DiffTransformerLM(nn.Module):
         logits_to_keep: 0 for the logits of every position, n > 0 for the last n only (B, n, V), or a
         tensor of position indices, as transformers names and takes it: a prompt's prefill in `generate`
         needs only the last position's, and the LM head is a large share of a small model's FLOPs. Not with
-        targets (the loss needs all).
+        targets (the loss needs all). With n > 0 the last block, whose outputs at the other positions no
+        later layer reads, computes its queries, attention rows and MLP for those n positions only (its keys
+        and values, and the KV cache, for all): exact, and 1 / num_hidden_layers of the work saved on long
+        inputs (unless return_attention, whose maps cover every position).
         """
         if targets is not None and (isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0):
             raise ValueError("logits_to_keep keeps only the last positions' logits, but targets need every "
                              "position's for the loss; pass one of them")
         self._check_ids(input_ids, 0 if kv_cache is None else kv_cache.length(0))
+        last_rows = 0 if return_attention else last_rows_kept(logits_to_keep)
         x = self.embed_tokens(input_ids)
         maps = [] if return_attention else None
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             res = block(x, attention_mask=attention_mask, position_ids=position_ids, kv_cache=kv_cache,
-                        return_attention=return_attention)
+                        return_attention=return_attention,
+                        outputs_to_keep=last_rows if i == len(self.layers) - 1 else 0)
             if return_attention:
                 x, m = res
                 maps.append(m)

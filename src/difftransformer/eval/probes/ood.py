@@ -38,6 +38,7 @@ sequences never trained on) is scored:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -162,23 +163,26 @@ def score(model, episodes: Episodes, batch_size: int, device,
     next token is the answer, and a query id unique over the set (sequence * 2^20 + query). query_hook:
     every attention layer's, for this scoring (`adaptive_temperature_queries`). Batches hold sequences of
     like length (each is cut to its longest): the model is causal, so padding after a sequence changes none of
-    its logits, and far less of it is computed at the long conditions."""
+    its logits, and far less of it is computed at the long conditions. Only the logits from the batch's first
+    answer position on are computed (`logits_to_keep`: the last block then computes those rows alone, which
+    halves a 2-layer model's work where the answers come last, as in max retrieval)."""
     correct, queries = [], []
     order = np.argsort(episodes.lengths, kind="stable")
     for start in range(0, len(episodes), batch_size):
         rows_here = order[start:start + batch_size]
         part = episodes.take(rows_here)
+        answered = np.flatnonzero(part.answer_mask.any(0))
+        if not len(answered):
+            continue
+        first = int(answered[0])
         ids = torch.from_numpy(part.inputs).to(device)
-        if query_hook is None:
-            logits = model(ids).logits
-        else:
-            with rescale_queries(model, query_hook):
-                logits = model(ids).logits
-        answer = part.answer_mask
+        with rescale_queries(model, query_hook) if query_hook is not None else contextlib.nullcontext():
+            logits = model(ids, logits_to_keep=ids.shape[1] - first).logits
+        answer = part.answer_mask[:, first:]
         pred = logits.argmax(-1).cpu().numpy()
-        correct.append((pred == part.targets)[answer])
+        correct.append((pred == part.targets[:, first:])[answer])
         rows = rows_here[np.nonzero(answer)[0]]
-        queries.append(rows.astype(np.int64) * 2**20 + part.answer_query[answer])
+        queries.append(rows.astype(np.int64) * 2**20 + part.answer_query[:, first:][answer])
     return np.concatenate(correct), np.concatenate(queries)
 
 
