@@ -164,8 +164,8 @@ def score(model, episodes: Episodes, batch_size: int, device,
     every attention layer's, for this scoring (`adaptive_temperature_queries`). Batches hold sequences of
     like length (each is cut to its longest): the model is causal, so padding after a sequence changes none of
     its logits, and far less of it is computed at the long conditions. Only the logits from the batch's first
-    answer position on are computed (`logits_to_keep`: the last block then computes those rows alone, which
-    halves a 2-layer model's work where the answers come last, as in max retrieval)."""
+    answer position on are computed (`logits_to_keep`: the last block then computes those rows alone; where the
+    answers come last, as in max retrieval, a 2-layer model scores in about 0.6x the time, benchmarks/ood_eval.py)."""
     correct, queries = [], []
     order = np.argsort(episodes.lengths, kind="stable")
     for start in range(0, len(episodes), batch_size):
