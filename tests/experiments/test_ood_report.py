@@ -106,6 +106,8 @@ def test_means_over_different_seeds_say_how_many():
     assert "Arms have different seeds so far (`diff` 3, `transformer` 2)" in text
     row = next(r for r in text.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
     assert "| 2 | +0.0450 [" in row  # paired over seeds 0 and 1 only
+    one = "\n".join(ood_section(_ctx({"diff": {0: (1.0, 0.50)}, "transformer": {0: (1.0, 0.45), 1: (1.0, 0.86)}})))
+    assert "`diff` 50.0% (1 seed), `transformer` 65.5% (2 seeds)" in one
 
 
 def test_differences_of_one_error_in_ten_thousand_are_printed():

@@ -560,6 +560,24 @@ def test_a_unit_trained_again_from_scratch_records_its_own_wall_time_only(data_d
     assert json.loads((folder.results / "diff.json").read_text())["wall_s"] < 1e5
 
 
+def test_a_results_folder_reports_its_own_files_not_the_results_dir_its_manifest_names(tmp_path, monkeypatch):
+    """A results folder copied elsewhere keeps its manifest's results_dir, a path relative to where the study
+    ran; where a folder of that name exists (another version of the study in this checkout), the report must
+    still read the copy's own result files."""
+    here = [_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000) for s in (0, 1, 2) for a in ("diff", "transformer")]
+    _write_results(tmp_path / "copy", here, [], [0, 1, 2])
+    _write_results(tmp_path / "results" / "study", here[:2], [], [0, 1, 2])  # the named folder: seed 0 only
+    manifest = json.loads((tmp_path / "copy" / "compare.json").read_text())
+    (tmp_path / "copy" / "compare.json").write_text(json.dumps({**manifest, "results_dir": "results/study"}))
+    monkeypatch.chdir(tmp_path)
+    assert StudyDir(tmp_path / "copy").results_dir(manifest | {"results_dir": "results/study"}) == tmp_path / "copy"
+    text = write_report(tmp_path / "copy", samples=False).read_text()
+    assert "| 2 | " in text and "missing" not in text.lower()  # seed 2 is reported: the copy's files were read
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "compare.json").write_text(json.dumps({**manifest, "results_dir": "copy"}))
+    assert StudyDir(tmp_path / "runs").results_dir({"results_dir": "copy"}) == Path("copy")  # a study's own folder
+
+
 def test_the_report_shows_every_result_file_even_of_arms_and_seeds_its_manifest_does_not_list(tmp_path):
     """Result files copied in from another machine or folder (the manifest lists diff and transformer, seeds 0-1):
     a third arm and a third seed are reported, new arms in the config's order (arm_specs)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from difftransformer._io import Folder, folder_entry, register_folder_kind
-from difftransformer.experiments.units import MANIFEST_FILE, Unit
+from difftransformer.experiments.units import MANIFEST_FILE, Unit, find_results
 from difftransformer.train import RunDir
 
 register_folder_kind("a study", MANIFEST_FILE)
@@ -88,14 +88,20 @@ class StudyDir(Folder):
     results = folder_entry(RESULTS_DIR)
 
     def results_dir(self, manifest: dict[str, Any] | None = None) -> Path:
-        """Where this study's result files are: results/ inside it, else the manifest's results_dir,
-        else the folder itself when it is a results folder (a manifest and no run folders)."""
+        """Where this study's result files are: results/ inside it; else the folder itself when it is a results
+        folder holding result files (no run folders); else the manifest's results_dir; else the folder itself
+        when it has no run folders. A results folder's own files come before the results_dir its manifest
+        names, which is relative to where the study ran: a copy read from elsewhere (or from a checkout
+        holding another folder of that name) must report its own results, not that folder's."""
         if (self.results / MANIFEST_FILE).is_file() or self.results.is_dir():
             return self.results
+        runs = self.run_dirs()
+        if not runs and find_results(self.path):
+            return self.path
         named = (manifest or {}).get("results_dir")
         if named and Path(named).is_dir():
             return Path(named)
-        return self.path if not self.run_dirs() else self.results
+        return self.path if not runs else self.results
 
     def is_study(self) -> bool:
         """Whether a comparison has been started here (its manifest exists)."""

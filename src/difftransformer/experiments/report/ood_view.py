@@ -163,6 +163,10 @@ def _bar(arms, every, conditions) -> Lines:
         + table(["arm", "seed", *(code_span(c) for c in conditions)], rows) + [""]
 
 
+def _seeds(n: int) -> str:
+    return f"{n} seed" + "s" * (n != 1)
+
+
 def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
 
@@ -177,7 +181,7 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
     def accs(condition: str) -> str:
         values = {a: v for a in arms if (v := _values(cells[a], condition, _accuracy))}
         uneven = len({len(v) for v in values.values()}) > 1  # means over different seeds: say how many
-        return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({len(v)} seeds)" if uneven else "")
+        return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({_seeds(len(v))})" if uneven else "")
                          for a, v in values.items())
 
     places = [("in distribution", TRAIN_CONDITION), *((f"at {code_span(c)}", c) for c in farthest)]
@@ -193,7 +197,7 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
             if cmp.diffs:
                 said = {"better": "lower than", "worse": "higher than"}.get(cmp.outcome, "not separable from")
                 text += (f" At {code_span(c)}, DIFF's accuracy is {said} the Transformer's (paired Δ "
-                         f"{fmt_ci(list(cmp.diffs), 4, signed=True)} over {cmp.n} seeds).")
+                         f"{fmt_ci(list(cmp.diffs), 4, signed=True)} over {_seeds(cmp.n)}).")
     elif len(ctx.seeds) == 1:
         text += " One seed per arm: these are observations, not verdicts."
     return [text, ""]
