@@ -21,6 +21,7 @@ from typing import Any, Callable
 from difftransformer._io import Folder, folder_entry, register_folder_kind
 from difftransformer.experiments.units import MANIFEST_FILE, Unit, find_results
 from difftransformer.train import RunDir
+from difftransformer.train.run_dir import METRICS_FILE
 
 register_folder_kind("a study", MANIFEST_FILE)
 RESULTS_DIR = "results"
@@ -96,7 +97,7 @@ class StudyDir(Folder):
         if (self.results / MANIFEST_FILE).is_file() or self.results.is_dir():
             return self.results
         runs = self.run_dirs()
-        if not runs and find_results(self.path):
+        if not runs and not any(self.path.rglob(METRICS_FILE)) and find_results(self.path):  # no run folder, any layout
             return self.path
         named = (manifest or {}).get("results_dir")
         if named and Path(named).is_dir():
