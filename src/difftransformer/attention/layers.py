@@ -247,8 +247,8 @@ class MultiheadDiffAttention(_SelfAttention):
 
         attention_mask: (B, S) True/1 for keys to keep (S counts cached keys too).
         outputs_to_keep: n > 0 computes the outputs (and maps) of the last n positions only, (B, n, E): their
-        keys and values still come from all T (and all go to kv_cache). Exact: each output row depends on its
-        own query alone, so the rows kept equal the full call's.
+        keys and values still come from all T (and all go to kv_cache). Exact: an output row depends on its own
+        query and the keys and values alone, never on another row's query, so the rows kept equal the full call's.
         """
         self._check_input(x)
         B = x.shape[0]
