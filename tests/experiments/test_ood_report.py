@@ -117,6 +117,17 @@ def test_differences_of_one_error_in_ten_thousand_are_printed():
                if r.startswith("| `transformer` | `length4x-density1x` |"))
     # diffs 9, 7 and 10 e-4: 8.67e-4 +- t(0.975, 2) 4.303 * sd 1.53e-4 / sqrt(3)
     assert "+0.0009 [+0.0005, +0.0012]" in row and "`diff` higher" in row
+    assert "not after Holm" not in row  # the only defined test of its family (p 0.010): nothing to adjust
+
+
+def test_a_separation_among_several_tests_says_whether_it_survives_holm():
+    """Two conditions, one family: at 4x the diffs 0.100, 0.050, 0.075 (t = 5.196, df 2: p = 1 - t / sqrt(t^2 + 2)
+    = 0.0351) separate on their own, but Holm doubles the smallest p of two (0.070): the reading says so."""
+    ctx = _ctx({"diff": {0: (1.0, 0.700), 1: (1.0, 0.650), 2: (1.0, 0.675)},
+                "transformer": {0: (0.999, 0.600), 1: (1.0, 0.600), 2: (0.998, 0.600)}})
+    row = next(r for r in "\n".join(ood_section(ctx)).splitlines()
+               if r.startswith("| `transformer` | `length4x-density1x` |"))
+    assert "| 0.035 | 0.070 | `diff` higher (not after Holm over 2) |" in row
 
 
 def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_with_each_other():

@@ -11,6 +11,7 @@ from scipy import stats as sst
 from difftransformer.experiments.stats import (
     Interval,
     compare_paired,
+    holm,
     mean_std,
     paired_differences,
     t_interval,
@@ -156,3 +157,35 @@ def test_interval_is_frozen():
     with pytest.raises(AttributeError):
         iv.mean = 2.0  # type: ignore[misc]
     assert iv.half_width == 0.5 and iv.known
+
+
+def test_holm_by_hand():
+    """Sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> kept monotone: 0.04 -> 0.06."""
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.02]) == [0.02]  # a family of one is not adjusted
+    assert holm([0.4, 0.5]) == [0.8, 0.8]  # capped at 1 only when (m - k) p exceeds it; monotone otherwise
+    assert holm([0.6, 0.7]) == [1.0, 1.0]
+    assert holm([None, 0.01, None, 0.02]) == pytest.approx([None, 0.02, None, 0.02])  # undefined tests do not count
+    assert holm([]) == []
+
+
+def test_holm_rejects_what_the_step_down_procedure_rejects():
+    """An independent statement of Holm's procedure: at level a, walk the sorted p-values and reject while
+    p_(k) <= a / (m - k); the adjusted p-values below a must be exactly those rejections."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        ps = list(rng.uniform(0, 0.2, size=int(rng.integers(1, 9))) ** 2)
+        a = 0.05
+        rejected = set()
+        for k, i in enumerate(sorted(range(len(ps)), key=lambda i: ps[i])):
+            if ps[i] > a / (len(ps) - k):
+                break
+            rejected.add(i)
+        adjusted = holm(ps)
+        assert {i for i, q in enumerate(adjusted) if q <= a} == rejected
+        assert all(p <= q <= 1 for p, q in zip(ps, adjusted))
+
+
+def test_holm_names_a_value_that_is_not_a_p_value():
+    with pytest.raises(ValueError, match="1.5 at position 1 is not in"):
+        holm([0.1, 1.5])

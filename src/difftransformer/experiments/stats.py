@@ -13,6 +13,10 @@ Contract:
   seed (spread unknown: nothing can be separated), "no data" with none. The p-values are reported, never used
   to decide: the interval already says the same as the t-test at the same level and also gives the size.
 - `verdict`/`verdict_text` write one Markdown sentence that never claims more than the interval.
+- `holm(ps)` adjusts a family of p-values (Holm 1979): a report testing one arm pair on many metrics or conditions
+  expects about one 95% interval in twenty to exclude 0 by chance, and the adjusted p says which readings survive
+  that (adjusted p < 0.05 keeps the chance of any false reading in the family below 5%, whatever the tests'
+  dependence). The interval still decides the reading; the adjusted p qualifies it.
 
 Choices where the paper is silent (it reports single runs, no intervals):
 - 95% two-sided, Student t rather than a normal interval: with 2-5 seeds the normal interval is far too narrow.
@@ -182,6 +186,24 @@ def compare_paired(arm_values: Mapping[int, float], baseline_values: Mapping[int
     diffs = [float(arm_values[s]) - float(baseline_values[s]) for s in seeds]
     return _comparison(arm, baseline, seeds, diffs, metric=metric, lower_is_better=lower_is_better,
                        confidence=confidence)
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values of one family of tests, in the input order; None (an undefined test)
+    stays None and does not count towards the family size m.
+
+    Sorted ascending, the k-th smallest p (k = 0..m-1) becomes max over j <= k of min(1, (m - j) * p_(j)): the
+    smallest is multiplied by m, the next by m - 1, and so on, kept monotone."""
+    order = sorted((i for i, p in enumerate(pvalues) if p is not None), key=lambda i: pvalues[i])
+    for i in order:
+        if not 0.0 <= pvalues[i] <= 1.0:
+            raise ValueError(f"p-value {pvalues[i]!r} at position {i} is not in [0, 1]; pass p-values, not statistics")
+    out: list[float | None] = [None] * len(pvalues)
+    running, m = 0.0, len(order)
+    for k, i in enumerate(order):
+        running = max(running, min(1.0, (m - k) * pvalues[i]))
+        out[i] = running
+    return out
 
 
 def _fmt_p(p: float | None) -> str:

@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from difftransformer.experiments.stats import mean_std, t_interval
+from difftransformer.experiments.stats import PairedComparison, holm, mean_std, t_interval
 
 Lines = list[str]
 
@@ -52,6 +52,24 @@ def direction(outcome: str, arm: str) -> str:
     """A paired comparison's outcome in words that take no side on which direction is good."""
     return {"better": f"`{arm}` lower", "worse": f"`{arm}` higher", "inconclusive": "cannot separate",
             "single seed": "one seed", "no data": "–"}.get(outcome, outcome)
+
+
+def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str]]:
+    """(Holm-adjusted p, reading) for each comparison of one family (one arm pair's rows of a table).
+
+    The reading follows the interval (`direction`); where the interval separates the arms but the Holm-adjusted p
+    is not below the interval's level (0.05 for 95%), it says "not after Holm over m": among m tests about one
+    interval in twenty excludes 0 by chance, and this one is not clear of that."""
+    adjusted = holm([c.p for c in cmps])
+    m = sum(p is not None for p in adjusted)
+    out = []
+    for cmp, adj in zip(cmps, adjusted):
+        reading = direction(cmp.outcome, arm)
+        level = 1 - cmp.interval.confidence if cmp.interval else 0.05
+        if cmp.outcome in ("better", "worse") and adj is not None and adj >= level:
+            reading += f" (not after Holm over {m})"
+        out.append((fmt_p(adj), reading))
+    return out
 
 
 def fmt_num(x: float | None) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from difftransformer._io import atomic_path
 from difftransformer.eval.probes.ood import head_shares, retrieving_head
-from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, table
+from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, holm_readings, table
 from difftransformer.experiments.stats import compare_paired, t_interval
 
 TASK = "ood"
@@ -236,23 +236,22 @@ def _table(title: str, arms, cells, conditions, read) -> Lines:
 
 def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None) -> Lines:
     """ref − each other arm per condition, paired by seed: `read` of ref against `read_other` (default `read`)
-    of the other arm."""
+    of the other arm. Each arm pair's conditions are one family for the Holm-adjusted p."""
     rows = []
     for other in (a for a in arms if a != ref):
-        for c in conditions:
-            cmp = compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
-                                 arm=ref, baseline=other, metric=f"ood {c}")
-            if not cmp.diffs:
-                continue
-            reading = {"better": f"{code_span(ref)} lower", "worse": f"{code_span(ref)} higher",
-                       "inconclusive": "cannot separate"}.get(cmp.outcome, cmp.outcome)
+        cmps = [compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
+                               arm=ref, baseline=other, metric=f"ood {c}") for c in conditions]
+        kept = [(c, cmp) for c, cmp in zip(conditions, cmps) if cmp.diffs]
+        for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
             rows.append([code_span(other), code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
-                         fmt_p(cmp.p), reading])
+                         fmt_p(cmp.p), adjusted, reading])
     if not rows:
         return []
     return [f"### {code_span(ref)} − each arm, {what}", "",
-            "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate).", ""] \
-        + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "reading"], rows) + [""]
+            "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate). "
+            "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "
+            "may be one of the chance results expected among that many tests.", ""] \
+        + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "Holm p", "reading"], rows) + [""]
 
 
 def curves(arms, cells, conditions, axis: str, read) -> dict[str, list[tuple[float, float, float, float]]]:

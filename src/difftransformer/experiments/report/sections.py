@@ -20,6 +20,7 @@ from difftransformer.experiments.report.fmt import (
     fmt_ms,
     fmt_num,
     fmt_p,
+    holm_readings,
     md_name,
     metric_values,
     table,
@@ -274,23 +275,27 @@ def evaluation(ctx: Context) -> Lines:
     L = ["## Evaluation", "",
          "The paper's measurements on each arm's final model (`difftransformer eval`; protocols in "
          "docs/evaluation.md) over seeds: mean [95% interval]; Δ is the paired difference arm − baseline over the "
-         "seeds both have, with its interval and the paired t-test. The paper's values (3B-13B models, long "
+         "seeds both have, with its interval and the paired t-test. Holm p adjusts an arm's p-values over its rows: "
+         "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests. "
+         "The paper's values (3B-13B models, long "
          "contexts) are a reference for direction, not a target at this scale.", ""]
     for arm in ctx.others:
-        rows = []
+        found = []
         for task, metric in metrics:
             base, own = metric_values(ctx, ctx.baseline, task, metric), metric_values(ctx, arm, task, metric)
-            if not own and not base:
-                continue
-            cmp = compare_paired(own, base, arm=arm, baseline=ctx.baseline, metric=f"{task} {metric}")
+            if own or base:
+                found.append((task, metric, base, own,
+                              compare_paired(own, base, arm=arm, baseline=ctx.baseline, metric=f"{task} {metric}")))
+        rows = []
+        for (task, metric, base, own, cmp), (adjusted, reading) in zip(
+                found, holm_readings([f[-1] for f in found], arm)):
             paper = paper_number(task, metric)
             rows.append([f"{task}", f"`{metric}`", fmt_ci(list(base.values()), 3), fmt_ci(list(own.values()), 3),
-                         fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–", fmt_p(cmp.p),
-                         direction(cmp.outcome, arm),
-                         "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
+                         fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–", fmt_p(cmp.p), adjusted,
+                         reading, "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
         L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
-        L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "reading",
-                    "paper T / DIFF"], rows) + [""]
+        L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "Holm p",
+                    "reading", "paper T / DIFF"], rows) + [""]
     return L
 
 
