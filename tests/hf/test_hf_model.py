@@ -139,6 +139,35 @@ def test_loss_inputs_embeds_and_logits_to_keep():
         assert isinstance(hf(ids, return_dict=False), tuple)
 
 
+@pytest.mark.parametrize("attention", ["diff", "transformer", "diff_v2"])
+def test_logits_to_keep_cuts_the_last_block_to_the_kept_rows(attention):
+    """logits_to_keep = n: the last block computes the last n rows only (generate's prefill asks for 1), and the
+    logits equal the full forward's last n, with left padding and through the cache's next step; asked for
+    every hidden state, the block computes every row. float64, so any row mixed up shows."""
+    lm, hf = pair(attention)
+    hf.double()
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]])
+    rows = []
+    handle = hf.layers[-1].mlp.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    with torch.no_grad():
+        full = hf(ids, attention_mask=mask).logits
+        for n in (1, 3, 7, 9):
+            kept = hf(ids, attention_mask=mask, logits_to_keep=n).logits
+            torch.testing.assert_close(kept, full[:, -n:], rtol=1e-10, atol=1e-12)
+        assert rows == [7, 1, 3, 7, 7]
+        hidden = hf(ids, attention_mask=mask, logits_to_keep=1, output_hidden_states=True)
+        assert rows[-1] == 7 and hidden.hidden_states[-1].shape[1] == 7
+        torch.testing.assert_close(hidden.logits, full[:, -1:], rtol=1e-10, atol=1e-12)
+        cache = DynamicCache()
+        hf(ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step = torch.tensor([[12], [6]])
+        both = torch.cat([ids, step], 1)
+        mask2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        after = hf(step, attention_mask=mask2, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(after, hf(both, attention_mask=mask2).logits[:, -1:], rtol=1e-10, atol=1e-12)
+    handle.remove()
+
+
 def test_attention_maps_and_hidden_states():
     lm, hf = pair("diff", gqa=True, attn_backend="sdpa")  # sdpa has no maps: the call must switch to eager
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))

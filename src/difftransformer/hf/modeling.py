@@ -53,7 +53,7 @@ from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import graph_decoder_for, lean_sample, lean_sample_applies, sample_arguments
 from difftransformer.model import DiffTransformerLM
-from difftransformer.model.inputs import check_input_ids, keep_last_positions, positions_from_mask
+from difftransformer.model.inputs import check_input_ids, keep_last_positions, last_rows_kept, positions_from_mask
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
@@ -413,8 +413,9 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         if output_attentions:
             with self._maps_backend():
                 x, hidden, maps = self._blocks(x, mask, position_ids, cache, True, output_hidden_states)
-        else:
-            x, hidden, maps = self._blocks(x, mask, position_ids, cache, False, output_hidden_states)
+        else:  # the last block computes only the kept positions' rows, unless every hidden state is asked for
+            last_rows = 0 if output_hidden_states else last_rows_kept(logits_to_keep)
+            x, hidden, maps = self._blocks(x, mask, position_ids, cache, False, output_hidden_states, last_rows)
         if output_hidden_states:  # transformers' last hidden state is the normed one, at every position
             x = self.norm(x)
             hidden = (*hidden, x)
@@ -489,23 +490,25 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             for layer, backend in zip(layers, saved):
                 layer.backend = backend
 
-    def _blocks(self, x, mask, position_ids, cache, output_attentions: bool, output_hidden_states: bool):
+    def _blocks(self, x, mask, position_ids, cache, output_attentions: bool, output_hidden_states: bool,
+                last_rows: int = 0):
         """The decoder blocks in order, before the final norm; (x, hidden states or None, maps or None).
 
         Hidden states follow transformers: the embedding output and each block's input after it; the caller
-        adds the final one after the norm (num_hidden_layers + 1 tensors in all)."""
+        adds the final one after the norm (num_hidden_layers + 1 tensors in all). last_rows n > 0: the last block
+        outputs the last n positions only (the model's `outputs_to_keep`; every key and value still cached)."""
         hidden, maps = [], []
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             if output_hidden_states:
                 hidden.append(x)
+            kwargs = dict(attention_mask=mask, position_ids=position_ids, kv_cache=cache,
+                          return_attention=output_attentions,
+                          outputs_to_keep=last_rows if i == len(self.layers) - 1 else 0)
             if checkpointing:
-                res = self._checkpoint_func()(functools.partial(
-                    block.__call__, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
-                    return_attention=output_attentions), x)
+                res = self._checkpoint_func()(functools.partial(block.__call__, **kwargs), x)
             else:
-                res = block(x, attention_mask=mask, position_ids=position_ids, kv_cache=cache,
-                            return_attention=output_attentions)
+                res = block(x, **kwargs)
             if output_attentions:
                 x, layer_maps = res
                 maps.append(layer_maps.diff)
