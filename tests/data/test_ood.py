@@ -247,3 +247,28 @@ def test_data_config_with_a_task_has_its_own_folder_and_record():
     assert DataConfig(**{**cfg.to_dict()}).task == cfg.task
     with pytest.raises(ValueError, match="no data.mixture"):
         DataConfig(task={"family": "mqar"}, mixture={"needle": 0.1})
+
+
+def test_a_prepared_task_folder_is_reused_without_its_lock(tmp_path, monkeypatch):
+    """Runs of one study started side by side share the task's folder: once it holds this task's settings and
+    tokenizer, preparing it again reads it and never takes the lock (which refuses a second holder); another
+    task's settings or a damaged tokenizer file prepare it again, under the lock."""
+    from difftransformer.data import prepare as prep
+
+    family = FlipFlop(p_ignore=0.8)
+    first = prep.prepare_task(family, tmp_path)
+    locked = []
+    real_lock = prep.folder_lock
+
+    def spy(*args, **kwargs):
+        locked.append(args[0])
+        return real_lock(*args, **kwargs)
+
+    monkeypatch.setattr(prep, "folder_lock", spy)
+    again = prep.prepare_task(FlipFlop(p_ignore=0.8), tmp_path)
+    assert locked == [] and again.corpus_hash == first.corpus_hash and again.task == first.task
+    prep.prepare_task(FlipFlop(p_ignore=0.9), tmp_path)  # other settings: prepared again
+    assert len(locked) == 1 and prep.PreparedData.load(tmp_path).task["p_ignore"] == 0.9
+    (tmp_path / "tokenizer.json").write_text("{}")
+    prep.prepare_task(FlipFlop(p_ignore=0.9), tmp_path)  # an unreadable tokenizer: prepared again
+    assert len(locked) == 2 and prep._prepared_task(FlipFlop(p_ignore=0.9), tmp_path) is not None

@@ -269,8 +269,14 @@ def _prepare(corpus: str, out_dir: Path, vocab_size: int, tokenizer_path: str | 
 def prepare_task(family, out_dir: str | Path) -> PreparedData:
     """A synthetic task's data folder: its word-level tokenizer and a manifest naming the task (no shards:
     sequences are generated while training, data/ood/sampler.py). The task settings' hash stands in for
-    the corpus hash, so checkpoints and studies refuse data of another task."""
+    the corpus hash, so checkpoints and studies refuse data of another task.
+
+    A folder that already holds this task (same settings, same tokenizer) is returned as it is, without the
+    folder's lock: runs of one study started side by side share it instead of refusing each other."""
     out_dir = Path(out_dir)
+    ready = _prepared_task(family, out_dir)
+    if ready is not None:
+        return ready
     with folder_lock(out_dir, purpose="prepare into another folder", kind="prepared data"):
         for stale in out_dir.glob("*.tmp"):
             stale.unlink(missing_ok=True)
@@ -281,6 +287,20 @@ def prepare_task(family, out_dir: str | Path) -> PreparedData:
                             corpus=f"task:{family.name}", task=family.to_dict())
         data.save()
         return data
+
+
+def _prepared_task(family, out_dir: Path) -> PreparedData | None:
+    """The folder's data when its manifest names this task's settings and its tokenizer file is this task's
+    tokenizer; None otherwise (missing, unreadable, another task or tokenizer: prepare it). Both files are
+    written atomically, so a prepare running meanwhile never shows a half-written one."""
+    try:
+        data = PreparedData.load(out_dir)
+        if data.task != family.to_dict() or data.corpus_hash != family.fingerprint():
+            return None
+        on_disk = Tokenizer.from_file(data.tokenizer_path).hash
+    except (OSError, ValueError):
+        return None
+    return data if on_disk == data.tokenizer_hash == family.tokenizer().hash else None
 
 
 def prepare_command(config: DataConfig) -> str:
