@@ -59,8 +59,8 @@ def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
     text = "\n".join(ood_section(ctx, tmp_path))
     assert "## Out-of-distribution retrieval" in text and "Every arm and seed is at least 99%" in text
     assert "0.910 [" in text  # diff's mean accuracy at 4x: (0.90 + 0.92 + 0.91) / 3
-    assert "In short: in distribution `diff` 100.0%" in text and "at `length4x-density1x` `diff` 91.0%" in text
-    assert "DIFF's accuracy is higher than the Transformer's (paired Δ +0.300" in text
+    assert "In short: in distribution `diff` 99.97%" in text and "at `length4x-density1x` `diff` 91.00%" in text
+    assert "`diff`'s accuracy is higher than the Transformer's (paired Δ +0.300" in text
     rows = [line for line in text.splitlines() if line.startswith("| `transformer") and "length4x" in line]
     t_row = next(r for r in rows if r.startswith("| `transformer` |") and "+0.300" in r)
     assert "`diff` higher" in t_row  # +0.30 on every seed: the interval excludes 0
@@ -102,12 +102,12 @@ def test_means_over_different_seeds_say_how_many():
     ctx = _ctx({"diff": {0: (1.0, 0.50), 1: (1.0, 0.90), 2: (1.0, 0.70)},
                 "transformer": {0: (1.0, 0.45), 1: (1.0, 0.86)}})
     text = "\n".join(ood_section(ctx))
-    assert "at `length4x-density1x` `diff` 70.0% (3 seeds), `transformer` 65.5% (2 seeds)" in text
+    assert "at `length4x-density1x` `diff` 70.00% (3 seeds), `transformer` 65.50% (2 seeds)" in text
     assert "Arms have different seeds so far (`diff` 3, `transformer` 2)" in text
     row = next(r for r in text.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
     assert "| 2 | +0.0450 [" in row  # paired over seeds 0 and 1 only
     one = "\n".join(ood_section(_ctx({"diff": {0: (1.0, 0.50)}, "transformer": {0: (1.0, 0.45), 1: (1.0, 0.86)}})))
-    assert "`diff` 50.0% (1 seed), `transformer` 65.5% (2 seeds)" in one
+    assert "`diff` 50.00% (1 seed), `transformer` 65.50% (2 seeds)" in one
 
 
 def test_differences_of_one_error_in_ten_thousand_are_printed():
@@ -142,7 +142,7 @@ def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_w
               "transformer_nope": (0.40, 0.40)}
     runs = {(a, s): run(a, s, acc + 0.01 * s * s, ad + 0.01 * s) for a, (acc, ad) in values.items() for s in (0, 1, 2)}
     text = "\n".join(ood_section(SimpleNamespace(arms=list(values), seeds=[0, 1, 2], runs=runs)))
-    control = text[text.index("DIFF as trained against each arm with adaptive temperature"):]
+    control = text[text.index("`diff` as trained against each arm with adaptive temperature"):]
     # diff as trained (0.80 + 0.01 s^2) against the transformer with adaptive temperature (0.90 + 0.01 s)
     row = next(r for r in control.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
     # diffs -0.10, -0.10, -0.08: -0.0933 +- 4.303 * 0.01155 / sqrt(3)
@@ -194,9 +194,9 @@ def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and
                 "diff_v2": {0: (0.5, 0.2), 1: (0.6, 0.3), 2: (0.7, 0.4)}})
     text = "\n".join(ood_section(ctx, tmp_path))
     assert "Not every run passed the in-distribution bar" in text and "`diff` seed 0 (0.9700)" in text
-    assert "| `diff` | 0 | 0.970 | 0.100 |" in text  # nothing lost: the run's own accuracy
-    assert "| `diff_v2` | 2 | 0.700 | 0.400 |" in text and "`diff_v2` 0" not in text and "nan" not in text
-    assert "In short: in distribution `diff` 100.0% (2 seeds), `transformer` 100.0% (3 seeds)" in text
+    assert "| `diff` | 0 | 0.9700 | 0.1000 |" in text  # nothing lost: the run's own accuracy
+    assert "| `diff_v2` | 2 | 0.7000 | 0.4000 |" in text and "`diff_v2` 0" not in text and "nan" not in text
+    assert "In short: in distribution `diff` 100.00% (2 seeds), `transformer` 100.00% (3 seeds)" in text
     assert text.count("`diff_v2`") == 6  # an arm with no run past the bar is only listed: 3 names, 3 rows
     accuracy = text.split("### Accuracy")[1].split("###")[0]
     row = next(r for r in accuracy.splitlines() if r.startswith("| `diff` |"))
@@ -262,6 +262,58 @@ def test_a_condition_only_runs_below_the_bar_have_is_listed_with_them_and_nowher
     ctx.arms.append("diff_v2")
     ctx.runs["diff_v2", 0], ctx.runs["diff_v2", 1] = low, nan
     text = "\n".join(ood_section(ctx))
-    assert "| `diff_v2` | 0 | 0.500 | – | 0.100 |" in text and "nan" not in text
+    assert "| `diff_v2` | 0 | 0.5000 | – | 0.1000 |" in text and "nan" not in text
     assert text.count("length16x-density1x") == 1  # the listed run's column only
-    assert "at `length4x-density1x` `diff` 60.7%, `transformer` 50.7%." in text
+    assert "at `length4x-density1x` `diff` 60.67%, `transformer` 50.67%." in text
+
+
+def _with_recipe(ctx, arm, attention, max_steps, position_encoding="rope"):
+    """Give the arm's runs the identity a result file records: its attention kind and training recipe."""
+    for (a, seed), run in ctx.runs.items():
+        if a == arm:
+            run.record = {"identity": {"model": {"attention": attention, "position_encoding": position_encoding},
+                                       "train": {"max_steps": max_steps, "lr": 1e-3, "seed": seed}}}
+
+
+def test_diff_is_set_against_the_transformer_on_its_own_recipe():
+    """DIFF trained 6,000 steps: the headline pairs it with the Transformer on 6,000 steps, not the 2,000-step one,
+    and each difference with an arm on other settings says so."""
+    ctx = _ctx({"diff": {0: (1.0, 0.70), 1: (1.0, 0.72), 2: (1.0, 0.71)},
+                "transformer": {0: (1.0, 0.40), 1: (1.0, 0.42), 2: (1.0, 0.41)},
+                "transformer_6k": {0: (1.0, 0.69), 1: (1.0, 0.73), 2: (1.0, 0.70)}})
+    _with_recipe(ctx, "diff", "diff", 6000)
+    _with_recipe(ctx, "transformer", "transformer", 2000)
+    _with_recipe(ctx, "transformer_6k", "transformer", 6000)
+    text = "\n".join(ood_section(ctx))
+    assert "`diff`'s accuracy is not separable from the Transformer's on the same recipe (`transformer_6k`)" in text
+    assert "| `transformer` (other recipe) | `length4x-density1x` |" in text
+    assert "| `transformer_6k` | `length4x-density1x` |" in text
+
+
+def test_without_a_diff_run_past_the_bar_the_differences_come_from_another_differential_arm():
+    ctx = _ctx({"transformer": {0: (1.0, 0.40), 1: (1.0, 0.42), 2: (1.0, 0.41)},
+                "diff": {0: (0.30, 0.10), 1: (0.29, 0.10), 2: (0.31, 0.10)},
+                "diff_no_headnorm": {0: (1.0, 0.90), 1: (1.0, 0.80), 2: (1.0, 0.85)}})
+    _with_recipe(ctx, "transformer", "transformer", 4000)
+    _with_recipe(ctx, "diff", "diff", 4000)
+    _with_recipe(ctx, "diff_no_headnorm", "diff_no_headnorm", 4000)
+    text = "\n".join(ood_section(ctx))
+    assert "### `diff_no_headnorm` − each arm, accuracy" in text
+    assert "`diff_no_headnorm`'s accuracy is higher than the Transformer's (paired Δ +0.4400" in text
+
+
+def test_the_same_difference_on_every_seed_is_not_read_as_a_tested_separation():
+    """One error more in 10,000 on every seed: the interval has zero width and no test exists; the reading says so."""
+    ctx = _ctx({"diff": {s: (1.0, 1.0) for s in range(3)}, "transformer": {s: (1.0, 0.9999) for s in range(3)}})
+    row = next(r for r in "\n".join(ood_section(ctx)).splitlines()
+               if r.startswith("| `transformer` | `length4x-density1x` |"))
+    assert row.endswith("`diff` higher (the same difference on every seed: a zero-width interval, no test) |")
+
+
+def test_skipped_conditions_are_listed_with_their_runs_and_reason():
+    ctx = _ctx({"diff": {s: (1.0, 0.9) for s in range(3)}, "transformer": {s: (1.0, 0.8) for s in range(3)}})
+    ctx.runs["diff", 1].evals["ood"]["details"]["skipped"] = [
+        {"condition": "length32x-density1x", "reason": "2048 tokens exceed the model's 1024 positions"}]
+    text = "\n".join(ood_section(ctx))
+    assert ("**Skipped conditions** (not in the tables below): `length32x-density1x` for `diff` seed 1 (2048 tokens "
+            "exceed the model's 1024 positions).") in text

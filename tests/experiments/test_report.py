@@ -92,3 +92,35 @@ def test_the_report_holds_the_study_folders_lock(tmp_path):
             write_report(root, samples=False)
     assert not (root / "report.md").exists()
     assert write_report(root, samples=False).is_file()
+
+
+def test_the_evaluation_table_leaves_ood_to_its_own_section():
+    """ood's metrics are reported by the ood section, which holds out runs below the in-distribution bar; the general
+    evaluation table must not repeat them with those runs in."""
+    from types import SimpleNamespace
+
+    from difftransformer.experiments.report.runs import Run
+    from difftransformer.experiments.report.sections import _eval_metrics
+
+    evals = {"ood": {"metrics": {"accuracy": 0.6, "errors": 4}}, "needle": {"metrics": {"accuracy": 0.5}}}
+    ctx = SimpleNamespace(runs={("diff", 0): Run("diff", 0, None, evals=evals)})
+    assert _eval_metrics(ctx) == [("needle", "accuracy")]
+
+
+def test_an_arms_own_recipe_is_what_its_result_files_record():
+    """A manifest written before an arm got its own recipe says nothing of it; the runs' records say what ran."""
+    from types import SimpleNamespace
+
+    from difftransformer.experiments.report.runs import Run
+    from difftransformer.experiments.report.sections import _own_recipe
+
+    shared = {"max_steps": 2000, "lr": 1e-3, "seed": 0}
+    runs = [Run("nope", s, None, record={"identity": {"train": {"max_steps": 12000, "lr": 5e-4, "seed": s}}})
+            for s in (0, 1)]
+    ctx = SimpleNamespace(manifest={"train": shared}, arm_runs=lambda arm: runs, spec=lambda arm: {"train": {}})
+    assert _own_recipe(ctx, "nope", shared) == {"max_steps": 12000, "lr": 5e-4}
+    runs[1].record["identity"]["train"]["lr"] = 1e-3
+    assert _own_recipe(ctx, "nope", shared) == {"per seed": "seed 0 max_steps 12000, lr 0.0005; seed 1 max_steps 12000"}
+    ctx.arm_runs = lambda arm: [Run("nope", 0, None)]  # runs read from folders: the manifest's spec
+    ctx.spec = lambda arm: {"train": {"max_steps": 6000}}
+    assert _own_recipe(ctx, "nope", shared) == {"max_steps": 6000}

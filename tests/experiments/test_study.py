@@ -24,7 +24,7 @@ from difftransformer.experiments import (
     write_report,
 )
 from difftransformer.experiments.config import baseline_arm
-from difftransformer.experiments.units import ResultFileError, result_path
+from difftransformer.experiments.units import ResultFileError, find_results, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
 from tests.helpers import lock_held_by_another_process, tiny
@@ -273,6 +273,37 @@ def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplo
         StudyConfig(reuse="results/paper-cpu")
 
 
+def test_a_result_evaluated_with_other_options_is_not_reused(data_dir, tmp_path, caplog):
+    """compare.reuse takes another study's unit only where its evaluations used this study's eval options: one
+    made with others is skipped with a warning naming its file and what differs (copied, it would enter this
+    report and be refused only by the next invocation), and the unit is trained here; one made with the same
+    options is copied."""
+    first = tmp_path / "first"
+
+    def study(results: Path, documents: int, **compare) -> Study:
+        return _study(data_dir, results, eval_tasks=["long-context"],
+                      eval_options={"long-context": {"documents": documents}}, **compare)
+
+    run_study(study(first, 2), tmp_path / "a", report=False)
+    source = result_path(first, Unit(None, None, 0, "diff"), False)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_study(study(tmp_path / "second", 3, reuse=[str(first)]), tmp_path / "b", report=False)
+    assert "result reused" not in caplog.text and caplog.text.count("training into") == 2
+    assert re.search(re.escape(f"{source} not reused: evaluated with other options") + r".*long-context: documents: 2 "
+                     r"before, 3 now", caplog.text)
+    record = json.loads(result_path(tmp_path / "second", Unit(None, None, 0, "diff"), False).read_text())
+    assert "reused_from" not in record and record["evals"]["long-context"]["settings"]["options"]["documents"] == 3
+    run_study(study(tmp_path / "second", 3), tmp_path / "b", report=False)  # consistent: the next invocation agrees
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_study(study(tmp_path / "third", 2, reuse=[str(first)]), tmp_path / "c", report=False)
+    assert caplog.text.count("result reused from") == 2 and "training into" not in caplog.text
+    assert "not reused" not in caplog.text
+    assert json.loads(result_path(tmp_path / "third", Unit(None, None, 0, "diff"), False).read_text())[
+        "reused_from"] == str(first)
+
+
 def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, tmp_path):
     """Committed result files (no run folders) and a run of the same study with another max_steps: refused
     before anything is written, naming train.max_steps; with the run folders there, a shorter recipe is refused
@@ -359,6 +390,41 @@ def test_a_hand_edited_result_file_is_named_not_a_traceback(tmp_path, edit, prob
     _write_results(tmp_path / "r", [record, _record(Unit(None, None, 0, "transformer"), 3.1, 1000)], [], [0])
     with pytest.raises(ResultFileError, match=r"diff.json is not a valid result file \(" + problem.replace("{", r"\{")):
         write_report(tmp_path / "r", samples=True)
+
+
+def test_a_unit_kept_in_both_layouts_is_named_not_chosen(tmp_path):
+    """<arm>.json and seed<s>/<arm>.json for the same unit: which one the report reads is never guessed; the error
+    names both files and the fix. Either layout alone is read."""
+    root = tmp_path / "r"
+    records = [_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000) for s in (0, 1) for a in ("diff", "transformer")]
+    _write_results(root, records, [], [0, 1])
+    assert len(find_results(root)) == 4  # the several-seed layout alone
+    unit = Unit(None, None, 0, "diff")
+    single, several = result_path(root, unit, False), result_path(root, unit, True)
+    single.write_text(json.dumps({**records[0], "final_val_loss": 2.5}))
+    both = re.escape(f"{single} and {several} both hold the result of seed 0, arm diff") + ".*delete the one"
+    with pytest.raises(ResultFileError, match=both):
+        find_results(root)
+    with pytest.raises(ResultFileError, match=both):
+        write_report(root, samples=False)
+    several.unlink()  # the one-seed layout alone, for seed 0 (seed 1 stays in seed1/)
+    found = find_results(root)
+    assert len(found) == 4 and found[unit]["final_val_loss"] == 2.5
+
+
+def test_a_result_replaced_after_the_layout_changed_stays_one_file(data_dir, tmp_path):
+    """A one-seed study continued with two seeds and another training length (--replace-results): seed 0's
+    result is replaced where it is (<arm>.json), not written beside it in the new layout (seed0/<arm>.json),
+    which would leave two result files for one unit."""
+    results = tmp_path / "committed"
+    run_study(_study(data_dir, results), tmp_path / "machine1", report=False)
+    base = _study(data_dir, results, seeds=[0, 1])
+    longer = dataclasses.replace(base, train=dataclasses.replace(base.train, max_steps=3))
+    run_study(longer, tmp_path / "machine2", replace_results=True)  # the report reads every result file
+    for arm in ("diff", "transformer"):
+        assert not result_path(results, Unit(None, None, 0, arm), True).exists()
+        for unit, multi in ((Unit(None, None, 0, arm), False), (Unit(None, None, 1, arm), True)):
+            assert json.loads(result_path(results, unit, multi).read_text())["identity"]["train"]["max_steps"] == 3
 
 
 def test_studies_sharing_a_results_dir_keep_every_arm_and_one_writes_at_a_time(data_dir, tmp_path):
@@ -492,7 +558,7 @@ def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_repo
     assert folder.run_dir("diff_long", 0, multi_seed=False).last_step() == 3
     report = Path(write_report(tmp_path / "results", samples=False)).read_text()
     assert "Training (every arm but diff_long): 2 steps × 4 sequences × 32 tokens per step = 256 training" in report
-    assert "Arms on their own recipe" in report and "diff_long: max_steps 3, lr 0.0005." in report
+    assert "Arms on their own recipe" in report and "diff_long: lr 0.0005, max_steps 3." in report
     assert "at the same size and recipe (but diff_long, trained on its own: see Training)" in report
     run_study(study, out)  # continues: both result files match their own recipes
     with pytest.raises(ValueError, match="sets its own train.max_steps, but compare.tokens"):

@@ -329,13 +329,23 @@ class _Cell:
 
     def _reuse(self, unit: Unit, identity: dict[str, Any], path: Path) -> bool:
         """Copy another study's result for this very unit (compare.reuse) into `path`: same unit, same
-        identity (model, recipe with max_steps, data) and every task of this study evaluated. Its evals are
-        cut to this study's tasks, so the report covers every arm alike; `reused_from` names the source folder."""
+        identity (model, recipe with max_steps, data) and every task of this study evaluated with this study's
+        options (one evaluated with others is skipped, with a warning naming its file and what differs: copied,
+        it would be refused only by the next invocation). Its evals are cut to this study's tasks, so the
+        report covers every arm alike; `reused_from` names the source folder."""
         tasks = set(self.study.compare.eval_tasks)
         for folder in self.study.compare.reuse:
             record = self.study.reusable(folder).get(unit)
             if (record is None or identity_differences(record.get("identity") or {}, identity)
                     or not tasks <= set(record.get("evals") or {})):
+                continue
+            stale = stale_evaluations(record.get("evals") or {}, self.study.compare.eval_tasks,
+                                      self.study.compare.eval_options)
+            if stale:
+                several = result_path(folder, unit, True)
+                source = several if several.is_file() else result_path(folder, unit, False)
+                log.warning("%s: %s not reused: evaluated with other options than [compare.eval_options] (%s)",
+                            unit.label(), source, "; ".join(f"{task}: {differ}" for task, differ in stale.items()))
                 continue
             if dist.is_main():
                 copy = {**record, "evals": {t: v for t, v in record["evals"].items() if t in tasks},
@@ -360,8 +370,10 @@ class _Cell:
 
     def _finish(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir,
                 identity: dict[str, Any], done: bool) -> None:
-        """Evaluate the finished run (cached by weights hash) and write the unit's result file."""
-        path = self._result_file(unit) if done else result_path(self.results, unit, self.multi)
+        """Evaluate the finished run (cached by weights hash) and write the unit's result file, where it is
+        already in either layout (`_result_file`): a result replaced is never written beside the old one, since
+        a unit has one result file (units.find_results)."""
+        path = self._result_file(unit)
         tasks = self.study.compare.eval_tasks
         stale = frozenset(self._stale(path)) if done and self.replace else frozenset()
         if done:

@@ -214,9 +214,12 @@ def write_result(path: Path, record: dict[str, Any]) -> None:
 
 
 def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
-    """Every readable result record under `results_dir`, by unit."""
+    """Every readable result record under `results_dir`, by unit. A unit has one result file: one kept in
+    both layouts (<arm>.json and seed<s>/<arm>.json) is a ResultFileError naming both, never one of them
+    chosen silently."""
     root = Path(results_dir)
     out: dict[Unit, dict[str, Any]] = {}
+    found: dict[Unit, Path] = {}
     if not root.is_dir():
         return out
     for path in sorted(root.rglob("*.json")):
@@ -226,7 +229,11 @@ def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
         if record is not None:
             unit = Unit.from_dict(record["unit"])
             _check_place(root, path, unit)
-            out[unit] = record
+            if unit in found:
+                raise ResultFileError(f"{found[unit]} and {path} both hold the result of {unit.label()} (the "
+                                      f"one-seed and the several-seed layout); a unit has one result file: delete "
+                                      f"the one not to be reported, or move it out of {root}")
+            out[unit], found[unit] = record, path
     return out
 
 

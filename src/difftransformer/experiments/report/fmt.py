@@ -59,7 +59,9 @@ def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str
 
     The reading follows the interval (`direction`); where the interval separates the arms but the Holm-adjusted p
     is not below the interval's level (0.05 for 95%), it says "not after Holm over m": among m tests about one
-    interval in twenty excludes 0 by chance, and this one is not clear of that."""
+    interval in twenty excludes 0 by chance, and this one is not clear of that. Where every seed gives the same
+    difference (an interval of zero width, e.g. one error more on a shared test set), it says so: no test
+    stands behind that separation."""
     adjusted = holm([c.p for c in cmps])
     m = sum(p is not None for p in adjusted)
     out = []
@@ -68,6 +70,8 @@ def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str
         level = 1 - cmp.interval.confidence if cmp.interval else 0.05
         if cmp.outcome in ("better", "worse") and adj is not None and adj >= level:
             reading += f" (not after Holm over {m})"
+        elif cmp.outcome in ("better", "worse") and cmp.p is None:
+            reading += " (the same difference on every seed: a zero-width interval, no test)"
         out.append((fmt_p(adj), reading))
     return out
 

@@ -69,8 +69,46 @@ def _share(part: str):
     return read
 
 
-def _reference_arm(ctx) -> str | None:
-    return "diff" if "diff" in ctx.arms else None
+def _identity(ctx, arm: str) -> dict[str, Any]:
+    """The identity (model, train, data) the arm's first result file records; {} for runs read from folders."""
+    for seed in ctx.seeds:
+        run = ctx.runs.get((arm, seed))
+        ident = ((run.record if run else None) or {}).get("identity")
+        if ident:
+            return ident
+    return {}
+
+
+def _kind(ctx, arm: str) -> str:
+    """The arm's attention kind, as its result files record it (else its name, which names the kind by default)."""
+    return (_identity(ctx, arm).get("model") or {}).get("attention") or arm
+
+
+def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
+    """What besides the architecture sets the arm's results: its training settings (the seed aside) and its
+    position encoding; None when no result file records them."""
+    ident = _identity(ctx, arm)
+    if not ident.get("train"):
+        return None
+    train = {k: v for k, v in ident["train"].items() if k != "seed"}
+    return repr(sorted(train.items())), (ident.get("model") or {}).get("position_encoding")
+
+
+def _reference_arm(ctx, arms) -> str | None:
+    """The arm the differences are taken from: `diff` when any of its runs passed the bar, else the first
+    differential arm that has (DIFF V1 may not learn a task that DIFF V2 or DIFF without head norm learns)."""
+    if "diff" in arms:
+        return "diff"
+    return next((a for a in arms if _kind(ctx, a).startswith("diff")), None)
+
+
+def _matched_transformer(ctx, ref: str, arms) -> str | None:
+    """The Transformer arm to set against `ref`: one on the same recipe and position encoding when there is one
+    (`transformer_6k` beside DIFF's 6,000-step recipe), else `transformer`, else none."""
+    softmax = [a for a in arms if _kind(ctx, a) == "transformer" and a != ref]
+    mine = _recipe(ctx, ref)
+    same = [a for a in softmax if mine is not None and _recipe(ctx, a) == mine]
+    return (same or [a for a in softmax if a == "transformer"] or [None])[0]
 
 
 def ood_section(ctx, out_dir: Path | None = None) -> Lines:
@@ -89,7 +127,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
          "flip-flop: more instructions at the same ignore odds, so the distance from a write to its read hardly "
          "grows) and at denser distractors (more items at the training length); mean [95% interval] over seeds. "
          "Protocol: docs/evaluation.md, `ood`.", ""]
-    L += _bar(listed, every, conditions)
+    L += _bar(listed, every, conditions) + _skipped(ctx, listed)
     if not arms:
         return L
     conditions = kept
@@ -97,15 +135,15 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     L += _table("Accuracy", arms, cells, conditions, _accuracy)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
         L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive)
-    ref = _reference_arm(ctx)
+    ref = _reference_arm(ctx, arms)
     if ref in arms and len(ctx.seeds) > 1:
         L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy")
         if any(_values(cells[ref], c, _adaptive) for c in conditions):
             L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
                               "(both arms)")
-            L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy: DIFF as trained against "
-                              "each arm with adaptive temperature at inference (the dispersion fix without "
-                              "subtraction as a control)", read_other=_adaptive)
+            L += _differences(ctx, ref, arms, cells, conditions, _accuracy,
+                              f"accuracy: {code_span(ref)} as trained against each arm with adaptive temperature at "
+                              "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive)
     if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
@@ -163,12 +201,29 @@ def _bar(arms, every, conditions) -> Lines:
         + table(["arm", "seed", *(code_span(c) for c in conditions)], rows) + [""]
 
 
+def _skipped(ctx, arms) -> Lines:
+    """The conditions an evaluation skipped (their sequences exceed the model's position limit), with the runs
+    and the reason, so a condition missing from the tables is never missing silently."""
+    where: dict[str, list[str]] = {}
+    reasons: dict[str, str] = {}
+    for arm in arms:
+        for seed in ctx.seeds:
+            run = ctx.runs.get((arm, seed))
+            for item in (((run.evals.get(TASK) if run else None) or {}).get("details") or {}).get("skipped") or []:
+                where.setdefault(item["condition"], []).append(f"{code_span(arm)} seed {seed}")
+                reasons.setdefault(item["condition"], item.get("reason", ""))
+    if not where:
+        return []
+    return ["**Skipped conditions** (not in the tables below): " + "; ".join(
+        f"{code_span(c)} for {', '.join(runs)} ({reasons[c]})" for c, runs in where.items()) + ".", ""]
+
+
 def _seeds(n: int) -> str:
     return f"{n} seed" + "s" * (n != 1)
 
 
 def _fmt(value) -> str:
-    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
+    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
 
 
 def _summary(ctx, arms, cells, conditions) -> Lines:
@@ -181,7 +236,7 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
     def accs(condition: str) -> str:
         values = {a: v for a in arms if (v := _values(cells[a], condition, _accuracy))}
         uneven = len({len(v) for v in values.values()}) > 1  # means over different seeds: say how many
-        return ", ".join(f"{code_span(a)} {_mean(v):.1%}" + (f" ({_seeds(len(v))})" if uneven else "")
+        return ", ".join(f"{code_span(a)} {_mean(v):.2%}" + (f" ({_seeds(len(v))})" if uneven else "")
                          for a, v in values.items())
 
     places = [("in distribution", TRAIN_CONDITION), *((f"at {code_span(c)}", c) for c in farthest)]
@@ -189,14 +244,18 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
     if not said:
         return []
     text = "In short: " + "; ".join(said) + "."
-    ref = _reference_arm(ctx)
-    if ref in arms and "transformer" in arms and len(ctx.seeds) > 1:
+    ref = _reference_arm(ctx, arms)
+    base = _matched_transformer(ctx, ref, arms) if ref else None
+    if base and len(ctx.seeds) > 1:
+        which = "the Transformer's" + ("" if base == "transformer" else f" on the same recipe ({code_span(base)})")
+        if _recipe(ctx, ref) != _recipe(ctx, base):
+            which += " (on another recipe: the difference mixes recipe and architecture)"
         for c in farthest:
-            cmp = compare_paired(_values(cells[ref], c, _accuracy), _values(cells["transformer"], c, _accuracy),
-                                 arm=ref, baseline="transformer", metric=c)
+            cmp = compare_paired(_values(cells[ref], c, _accuracy), _values(cells[base], c, _accuracy),
+                                 arm=ref, baseline=base, metric=c)
             if cmp.diffs:
                 said = {"better": "lower than", "worse": "higher than"}.get(cmp.outcome, "not separable from")
-                text += (f" At {code_span(c)}, DIFF's accuracy is {said} the Transformer's (paired Δ "
+                text += (f" At {code_span(c)}, {code_span(ref)}'s accuracy is {said} {which} (paired Δ "
                          f"{fmt_ci(list(cmp.diffs), 4, signed=True)} over {_seeds(cmp.n)}).")
     elif len(ctx.seeds) == 1:
         text += " One seed per arm: these are observations, not verdicts."
@@ -242,15 +301,18 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
         cmps = [compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
                                arm=ref, baseline=other, metric=f"ood {c}") for c in conditions]
         kept = [(c, cmp) for c, cmp in zip(conditions, cmps) if cmp.diffs]
+        name = code_span(other) + ("" if _recipe(ctx, other) == _recipe(ctx, ref) else " (other recipe)")
         for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
-            rows.append([code_span(other), code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
+            rows.append([name, code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
                          fmt_p(cmp.p), adjusted, reading])
     if not rows:
         return []
     return [f"### {code_span(ref)} − each arm, {what}", "",
             "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate). "
             "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "
-            "may be one of the chance results expected among that many tests.", ""] \
+            "may be one of the chance results expected among that many tests. \"(other recipe)\": trained on other "
+            f"settings than {code_span(ref)} (steps, learning rate or position encoding), so its difference mixes "
+            "recipe and architecture.", ""] \
         + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "Holm p", "reading"], rows) + [""]
 
 

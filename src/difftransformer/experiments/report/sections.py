@@ -25,6 +25,7 @@ from difftransformer.experiments.report.fmt import (
     metric_values,
     table,
 )
+from difftransformer.experiments.report.ood_view import TASK as OOD_TASK
 from difftransformer.experiments.report.runs import Run, finished_val
 from difftransformer.experiments.stats import compare_paired, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
@@ -317,10 +318,13 @@ def _evaluation_one_seed(ctx: Context) -> Lines:
 
 
 def _eval_metrics(ctx: Context) -> list[tuple[str, str]]:
-    """(task, metric) of every numeric headline metric any run has, in a stable order."""
+    """(task, metric) of every numeric headline metric any run has, in a stable order; `ood`'s are left to
+    their own section, which holds out the runs below its in-distribution bar (ood_view)."""
     seen: dict[tuple[str, str], None] = {}
     for run in ctx.runs.values():
         for task, result in sorted(run.evals.items()):
+            if task == OOD_TASK:
+                continue
             for metric, value in (result.get("metrics") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     seen[task, metric] = None
@@ -391,10 +395,10 @@ def what_was_run(ctx: Context) -> Lines:
 
 
 def _recipe(ctx: Context) -> Lines:
-    """The training recipe and the data, as recorded in the manifest."""
+    """The training recipe and the data, as recorded in the manifest; an arm's own recipe as its runs record it."""
     L: Lines = []
     tr = ctx.manifest.get("train") or {}
-    own = {arm: ctx.spec(arm).get("train") for arm in ctx.arms if ctx.spec(arm).get("train")}
+    own = {arm: changes for arm in ctx.arms if (changes := _own_recipe(ctx, arm, tr))}
     if tr:
         shared = "every arm but " + ", ".join(md_name(a) for a in own) if own else "identical for every arm"
         L += [f"Training ({shared}): {_steps_text(tr, ctx.manifest.get('tokens') or [])}; "
@@ -422,6 +426,22 @@ def _recipe(ctx: Context) -> Lines:
                   f"val split ({windows * tr['seq_len']:,} of its {nt['val']:,} tokens), the same windows for every "
                   f"arm and every evaluation.", ""]
     return L
+
+
+def _own_recipe(ctx: Context, arm: str, shared: dict[str, Any]) -> dict[str, Any]:
+    """The arm's training settings that differ from the study's: as its result files record them (what was run,
+    whatever the manifest says), else the manifest's arm spec. With token budgets max_steps follows the budget."""
+    recorded = [(run.seed, train) for run in ctx.arm_runs(arm)
+                if (train := ((run.record or {}).get("identity") or {}).get("train"))]
+    if not recorded:
+        return dict(ctx.spec(arm).get("train") or {})
+    skip = {"seed"} | ({"max_steps"} if ctx.manifest.get("tokens") else set())
+    changes = [(seed, {k: v for k, v in r.items() if k in shared and k not in skip and shared[k] != v})
+               for seed, r in recorded]
+    if all(c == changes[0][1] for _, c in changes):
+        return changes[0][1]
+    return {"per seed": "; ".join(f"seed {seed} " + (", ".join(f"{k} {v}" for k, v in c.items()) or "the study's")
+                                  for seed, c in changes)}
 
 
 def _steps_text(tr: dict, budgets: list[int]) -> str:
