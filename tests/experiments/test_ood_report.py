@@ -58,7 +58,7 @@ def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
                 "transformer_ssmax": {0: (1.0, 0.80), 1: (1.0, 0.95), 2: (1.0, 0.99)}})
     text = "\n".join(ood_section(ctx, tmp_path))
     assert "## Out-of-distribution retrieval" in text and "Every arm and seed is at least 99%" in text
-    assert "0.910 [" in text  # diff's mean accuracy at 4x: (0.90 + 0.92 + 0.91) / 3
+    assert "0.9100 [" in text  # diff's mean accuracy at 4x: (0.90 + 0.92 + 0.91) / 3
     assert "In short: in distribution `diff` 99.97%" in text and "at `length4x-density1x` `diff` 91.00%" in text
     assert "`diff`'s accuracy is higher than the Transformer's (paired Δ +0.300" in text
     rows = [line for line in text.splitlines() if line.startswith("| `transformer") and "length4x" in line]
@@ -200,7 +200,7 @@ def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and
     assert text.count("`diff_v2`") == 6  # an arm with no run past the bar is only listed: 3 names, 3 rows
     accuracy = text.split("### Accuracy")[1].split("###")[0]
     row = next(r for r in accuracy.splitlines() if r.startswith("| `diff` |"))
-    assert row.split(" | ")[2].startswith("0.610 [")  # seeds 1 and 2 only: (0.6 + 0.62) / 2, not 0.44
+    assert row.split(" | ")[2].startswith("0.6100 [")  # seeds 1 and 2 only: (0.6 + 0.62) / 2, not 0.44
     differences = text.split("− each arm, accuracy")[1]
     diff4 = next(r for r in differences.splitlines() if "`length4x-density1x`" in r)
     assert "| 2 | +0.1000 " in diff4  # paired over the 2 seeds where both passed: 0.1 and 0.1

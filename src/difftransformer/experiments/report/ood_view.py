@@ -132,9 +132,9 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         return L
     conditions = kept
     L += _summary(ctx, arms, cells, conditions)
-    L += _table("Accuracy", arms, cells, conditions, _accuracy)
+    L += _table("Accuracy", arms, cells, conditions, _accuracy, 4)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
-        L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive)
+        L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive, 4)
     ref = _reference_arm(ctx, arms)
     if ref in arms and len(ctx.seeds) > 1:
         L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy")
@@ -280,8 +280,10 @@ def _farthest(conditions: list[str], axis: str) -> str | None:
     return along[-1] if along else None
 
 
-def _table(title: str, arms, cells, conditions, read) -> Lines:
-    rows = [[code_span(a), *(fmt_ci(list(_values(cells[a], c, read).values()), 3) for c in conditions)]
+def _table(title: str, arms, cells, conditions, read, digits: int = 3) -> Lines:
+    """Mean [95% interval] of `read` per arm and condition; accuracies take 4 digits, since the rare errors
+    flip-flop is about (1e-4 to 1e-3) vanish in 3."""
+    rows = [[code_span(a), *(fmt_ci(list(_values(cells[a], c, read).values()), digits) for c in conditions)]
             for a in arms]
     if all(cell == "–" for row in rows for cell in row[1:]):
         return []
