@@ -124,3 +124,19 @@ def test_an_arms_own_recipe_is_what_its_result_files_record():
     ctx.arm_runs = lambda arm: [Run("nope", 0, None)]  # runs read from folders: the manifest's spec
     ctx.spec = lambda arm: {"train": {"max_steps": 6000}}
     assert _own_recipe(ctx, "nope", shared) == {"max_steps": 6000}
+
+
+def test_the_papers_loss_claim_is_not_set_against_a_synthetic_tasks_loss():
+    """The paper's validation loss is language modelling; a task study's loss is on generated answers: no claim."""
+    from types import SimpleNamespace
+
+    from difftransformer.experiments.report.claims import _loss_claim
+    from difftransformer.experiments.report.runs import Run
+
+    runs = {(arm, s): Run(arm, s, None, val=[{"step": 10, "loss": loss + s / 100}], max_steps=10, last_step=10,
+                          finished=True)
+            for arm, loss in (("diff", 3.0), ("transformer", 3.1)) for s in range(3)}
+    ctx = SimpleNamespace(runs=runs, seeds=[0, 1, 2], manifest={"data": {"corpus": "tinyshakespeare"}})
+    assert _loss_claim(ctx)["n"] == 3
+    ctx.manifest = {"data": {"corpus": "task:maxret", "task": {"family": "maxret"}}}
+    assert _loss_claim(ctx) is None
