@@ -267,12 +267,12 @@ def test_a_condition_only_runs_below_the_bar_have_is_listed_with_them_and_nowher
     assert "at `length4x-density1x` `diff` 60.67%, `transformer` 50.67%." in text
 
 
-def _with_recipe(ctx, arm, attention, max_steps, position_encoding="rope"):
-    """Give the arm's runs the identity a result file records: its attention kind and training recipe."""
-    for (a, seed), run in ctx.runs.items():
-        if a == arm:
-            run.record = {"identity": {"model": {"attention": attention, "position_encoding": position_encoding},
-                                       "train": {"max_steps": max_steps, "lr": 1e-3, "seed": seed}}}
+def _with_recipes(ctx, recipes):
+    """Give each arm's runs the identity a result file records: recipes[arm] = (attention kind, max_steps)."""
+    for (arm, seed), run in ctx.runs.items():
+        attention, max_steps = recipes[arm]
+        run.record = {"identity": {"model": {"attention": attention, "position_encoding": "rope"},
+                                   "train": {"max_steps": max_steps, "lr": 1e-3, "seed": seed}}}
 
 
 def test_diff_is_set_against_the_transformer_on_its_own_recipe():
@@ -281,9 +281,8 @@ def test_diff_is_set_against_the_transformer_on_its_own_recipe():
     ctx = _ctx({"diff": {0: (1.0, 0.70), 1: (1.0, 0.72), 2: (1.0, 0.71)},
                 "transformer": {0: (1.0, 0.40), 1: (1.0, 0.42), 2: (1.0, 0.41)},
                 "transformer_6k": {0: (1.0, 0.69), 1: (1.0, 0.73), 2: (1.0, 0.70)}})
-    _with_recipe(ctx, "diff", "diff", 6000)
-    _with_recipe(ctx, "transformer", "transformer", 2000)
-    _with_recipe(ctx, "transformer_6k", "transformer", 6000)
+    _with_recipes(ctx, {"diff": ("diff", 6000), "transformer": ("transformer", 2000),
+                        "transformer_6k": ("transformer", 6000)})
     text = "\n".join(ood_section(ctx))
     assert "`diff`'s accuracy is not separable from the Transformer's on the same recipe (`transformer_6k`)" in text
     assert "| `transformer` (other recipe) | `length4x-density1x` |" in text
@@ -294,9 +293,7 @@ def test_without_a_diff_run_past_the_bar_the_differences_come_from_another_diffe
     ctx = _ctx({"transformer": {0: (1.0, 0.40), 1: (1.0, 0.42), 2: (1.0, 0.41)},
                 "diff": {0: (0.30, 0.10), 1: (0.29, 0.10), 2: (0.31, 0.10)},
                 "diff_no_headnorm": {0: (1.0, 0.90), 1: (1.0, 0.80), 2: (1.0, 0.85)}})
-    _with_recipe(ctx, "transformer", "transformer", 4000)
-    _with_recipe(ctx, "diff", "diff", 4000)
-    _with_recipe(ctx, "diff_no_headnorm", "diff_no_headnorm", 4000)
+    _with_recipes(ctx, {arm: (arm, 4000) for arm in ("transformer", "diff", "diff_no_headnorm")})
     text = "\n".join(ood_section(ctx))
     assert "### `diff_no_headnorm` − each arm, accuracy" in text
     assert "`diff_no_headnorm`'s accuracy is higher than the Transformer's (paired Δ +0.4400" in text
