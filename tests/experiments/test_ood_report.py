@@ -314,3 +314,29 @@ def test_skipped_conditions_are_listed_with_their_runs_and_reason():
     text = "\n".join(ood_section(ctx))
     assert ("**Skipped conditions** (not in the tables below): `length32x-density1x` for `diff` seed 1 (2048 tokens "
             "exceed the model's 1024 positions).") in text
+
+
+def test_an_arm_whose_seeds_trained_on_different_recipes_is_never_read_as_recipe_matched():
+    """Seed 2 of transformer_6k on 2,000 steps: its recipe is not DIFF's, whichever seed's file is read first."""
+    ctx = _ctx({"diff": {s: (1.0, 0.7) for s in range(3)}, "transformer_6k": {s: (1.0, 0.6) for s in range(3)}})
+    _with_recipes(ctx, {"diff": ("diff", 6000), "transformer_6k": ("transformer", 6000)})
+    ctx.runs["transformer_6k", 2].record["identity"]["train"]["max_steps"] = 2000
+    text = "\n".join(ood_section(ctx))
+    assert "| `transformer_6k` (other recipe) | `length4x-density1x` |" in text
+
+
+def test_errors_are_pooled_over_the_seeds_past_the_bar_with_their_wilson_interval():
+    """3 + 1 errors in 2 x 10,000 queries (the run below the bar left out): 4/20,000, rate 2e-4, Wilson 95%
+    [7.8e-5, 5.1e-4] (by hand: centre (p + z²/2n)/(1 + z²/n), half-width z·sqrt(p(1-p)/n + z²/4n²)/(1 + z²/n))."""
+    ctx = _ctx({"diff": {0: (1.0, 0.9), 1: (1.0, 0.9), 2: (0.5, 0.1)}})
+    for seed, errors in ((0, 3), (1, 1), (2, 5000)):
+        for cell in ctx.runs["diff", seed].evals["ood"]["details"]["cells"]:
+            cell.update(errors=errors, queries=10_000)
+    text = "\n".join(ood_section(ctx))
+    row = next(r for r in text.split("### Errors, pooled over seeds")[1].splitlines() if r.startswith("| `diff`"))
+    assert row == "| `diff` | 4/20,000: 0.0002 [7.8e-05, 0.00051] | 4/20,000: 0.0002 [7.8e-05, 0.00051] |"
+
+
+def test_a_run_without_error_counts_leaves_the_errors_table_out():
+    ctx = _ctx({"diff": {s: (1.0, 0.9) for s in range(3)}})
+    assert "### Errors" not in "\n".join(ood_section(ctx))

@@ -13,6 +13,7 @@ from difftransformer.experiments.stats import (
     compare_paired,
     holm,
     mean_std,
+    number_format,
     paired_differences,
     t_interval,
     verdict,
@@ -189,3 +190,15 @@ def test_holm_rejects_what_the_step_down_procedure_rejects():
 def test_holm_names_a_value_that_is_not_a_p_value():
     with pytest.raises(ValueError, match="1.5 at position 1 is not in"):
         holm([0.1, 1.5])
+
+
+def test_numbers_printed_together_keep_two_significant_digits():
+    """A learned synthetic task's losses (1e-6 nats) and rare error rates are never printed as 0.0000."""
+    f = number_format([3e-6, -1e-6, 7e-6], signed=True)
+    assert [f(v) for v in (3e-6, -1e-6, 7e-6)] == ["+3.00e-06", "-1.00e-06", "+7.00e-06"]
+    assert number_format([0.9998, 0.9991])(0.9998) == "0.9998"  # the largest has 4 significant digits: fixed
+    assert number_format([0.0012, None])(0.0012) == "0.0012"  # two significant digits at 4 decimals: fixed
+    assert number_format([0.0, 0.0])(0.0) == "0.0000"
+    assert number_format([2e-4], digits=3)(2e-4) == "2.00e-04"
+    tiny = verdict("diff", "transformer", [2e-6, 3e-6, 4e-6])
+    assert "= +3.00e-06 nats" in tiny and "[+5.16e-07, +5.48e-06]" in tiny and "0.0000" not in tiny

@@ -42,6 +42,17 @@ WILCOXON_MIN_SEEDS = 5
 FEW_SEEDS = 4  # up to this many seeds the verdict says the interval is wide because of the few seeds
 
 
+def number_format(values: Sequence[float | None], digits: int = 4, signed: bool = False):
+    """One format for numbers printed together (a mean and its interval): `digits` decimals, unless the largest
+    magnitude would show fewer than two significant digits there (a loss of 3e-6 nats, an error rate of 2e-4
+    with 3 decimals), then scientific with three; so a small value is never printed as 0."""
+    sign = "+" if signed else ""
+    big = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
+    if 0 < big < 10 ** (1 - digits):
+        return lambda v: f"{v:{sign}.2e}"
+    return lambda v: f"{v:{sign}.{digits}f}"
+
+
 def mean_std(xs: list[float]) -> tuple[float, float | None]:
     """Mean and sample std (None for a single value: one run says nothing about spread)."""
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
@@ -220,7 +231,8 @@ def verdict_text(cmp: PairedComparison, unit: str = "nats") -> str:
     iv = cmp.interval
     assert iv is not None
     if cmp.outcome == "single seed":
-        return (f"{head} {cmp.arm} − {cmp.baseline} {cmp.metric} = {iv.mean:+.4f} {unit} with a single seed. "
+        return (f"{head} {cmp.arm} − {cmp.baseline} {cmp.metric} = {number_format([iv.mean], signed=True)(iv.mean)} "
+                f"{unit} with a single seed. "
                 f"A single seed cannot separate the arms: how much the {cmp.metric} moves from seed to seed is "
                 f"unknown, so there is no interval, and at this scale seed noise is typically as large as "
                 f"differences like this one. Run several seeds (`--seeds 0,1,2`) before reading anything "
@@ -235,8 +247,9 @@ def verdict_text(cmp: PairedComparison, unit: str = "nats") -> str:
         tests += f", Wilcoxon signed-rank p = {_fmt_p(cmp.wilcoxon_p)}"
     if iv.std == 0:
         tests = "the same difference on every seed, so no t-test"
-    core = (f"{cmp.arm} − {cmp.baseline} {cmp.metric} = {iv.mean:+.4f} {unit} (mean paired difference over "
-            f"{cmp.n} seeds, {pct} interval [{iv.low:+.4f}, {iv.high:+.4f}], {tests}).")
+    f = number_format([iv.mean, iv.low, iv.high], signed=True)
+    core = (f"{cmp.arm} − {cmp.baseline} {cmp.metric} = {f(iv.mean)} {unit} (mean paired difference over "
+            f"{cmp.n} seeds, {pct} interval [{f(iv.low)}, {f(iv.high)}], {tests}).")
     few = cmp.n <= FEW_SEEDS
     if cmp.outcome == "inconclusive":
         return (f"{head} {core} The {pct} interval contains 0: the difference is within seed noise, and "

@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from difftransformer.experiments.stats import PairedComparison, holm, mean_std, t_interval
+from difftransformer.experiments.stats import PairedComparison, holm, mean_std, number_format, t_interval
 
 Lines = list[str]
 
@@ -26,11 +26,12 @@ def fmt_ms(xs: list[float], digits: int = 4, signed: bool = False) -> str:
 
 
 def fmt_ci(xs: list[float], digits: int = 4, signed: bool = False) -> str:
-    """'mean [low, high]' with the 95% t-interval over seeds ('mean' alone for one value, '–' for none)."""
+    """'mean [low, high]' with the 95% t-interval over seeds ('mean' alone for one value, '–' for none), in one
+    `number_format`."""
     if not xs:
         return "–"
     iv = t_interval(xs)
-    f = (lambda v: f"{v:+.{digits}f}") if signed else (lambda v: f"{v:.{digits}f}")
+    f = number_format([iv.mean, iv.low, iv.high], digits, signed)
     return f(iv.mean) if iv.low is None else f"{f(iv.mean)} [{f(iv.low)}, {f(iv.high)}]"
 
 

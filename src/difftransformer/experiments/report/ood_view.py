@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer._io import atomic_path
-from difftransformer.eval.probes.ood import head_shares, retrieving_head
+from difftransformer.eval.probes.ood import head_shares, retrieving_head, wilson_interval
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, holm_readings, table
 from difftransformer.experiments.stats import compare_paired, t_interval
 
@@ -69,29 +69,30 @@ def _share(part: str):
     return read
 
 
-def _identity(ctx, arm: str) -> dict[str, Any]:
-    """The identity (model, train, data) the arm's first result file records; {} for runs read from folders."""
-    for seed in ctx.seeds:
-        run = ctx.runs.get((arm, seed))
-        ident = ((run.record if run else None) or {}).get("identity")
-        if ident:
-            return ident
-    return {}
+def _identities(ctx, arm: str) -> list[dict[str, Any]]:
+    """The identities (model, train, data) the arm's result files record, one per seed that has one (runs read
+    from folders record none)."""
+    runs = (ctx.runs.get((arm, seed)) for seed in ctx.seeds)
+    return [ident for run in runs if (ident := ((run.record if run else None) or {}).get("identity"))]
 
 
 def _kind(ctx, arm: str) -> str:
     """The arm's attention kind, as its result files record it (else its name, which names the kind by default)."""
-    return (_identity(ctx, arm).get("model") or {}).get("attention") or arm
+    return next((k for i in _identities(ctx, arm) if (k := (i.get("model") or {}).get("attention"))), arm)
 
 
 def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
     """What besides the architecture sets the arm's results: its training settings (the seed aside) and its
-    position encoding; None when no result file records them."""
-    ident = _identity(ctx, arm)
-    if not ident.get("train"):
-        return None
-    train = {k: v for k, v in ident["train"].items() if k != "seed"}
-    return repr(sorted(train.items())), (ident.get("model") or {}).get("position_encoding")
+    position encoding; None when no result file records them. Seeds of one arm on different recipes give a
+    value no other arm shares, so every difference with that arm reads as another recipe's."""
+    recipes = set()
+    for ident in _identities(ctx, arm):
+        if ident.get("train"):
+            train = {k: v for k, v in ident["train"].items() if k != "seed"}
+            recipes.add((repr(sorted(train.items())), (ident.get("model") or {}).get("position_encoding")))
+    if len(recipes) > 1:
+        return ("mixed recipes", arm)
+    return next(iter(recipes), None)
 
 
 def _reference_arm(ctx, arms) -> str | None:
@@ -133,6 +134,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     conditions = kept
     L += _summary(ctx, arms, cells, conditions)
     L += _table("Accuracy", arms, cells, conditions, _accuracy, 4)
+    L += _errors(arms, cells, conditions)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
         L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive, 4)
     ref = _reference_arm(ctx, arms)
@@ -293,6 +295,36 @@ def _table(title: str, arms, cells, conditions, read, digits: int = 3) -> Lines:
         note = ["Arms have different seeds so far (" + ", ".join(f"{code_span(a)} {n}" for a, n in counts.items())
                 + "): each mean is over its own seeds; the paired differences use the seeds both arms have.", ""]
     return [f"### {title}", ""] + note + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
+
+
+def _errors(arms, cells, conditions) -> Lines:
+    """Errors / queries per arm and condition, summed over the arm's seeds past the bar, with the error rate and
+    its 95% Wilson interval: the rare errors an accuracy near 1 hides (flip-flop's 1e-4 against 1e-3), and how
+    many queries stand behind them."""
+    rows = []
+    for arm in arms:
+        row = [code_span(arm)]
+        for c in conditions:
+            runs = [by_condition[c] for by_condition in cells[arm].values() if c in by_condition]
+            counted = [(cell.get("errors"), cell.get("queries")) for cell in runs]
+            if not counted or any(not isinstance(e, int) or not isinstance(n, int) or n <= 0 for e, n in counted):
+                row.append("–")
+                continue
+            errors, queries = sum(e for e, _ in counted), sum(n for _, n in counted)
+            low, high = wilson_interval(errors, queries)
+            row.append(f"{errors:,}/{queries:,}: {_rate(errors / queries)} [{_rate(low)}, {_rate(high)}]")
+        rows.append(row)
+    if all(cell == "–" for row in rows for cell in row[1:]):
+        return []
+    return ["### Errors, pooled over seeds", "",
+            "Wrong queries / queries of every seed past the bar, the error rate and its 95% Wilson interval. The "
+            "interval is the test sets' sampling error of the pooled rate; how much the rate moves from seed to "
+            "seed is in the accuracy table above.", ""] \
+        + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
+
+
+def _rate(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2g}"
 
 
 def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None) -> Lines:

@@ -27,7 +27,7 @@ from difftransformer.experiments.report.fmt import (
 )
 from difftransformer.experiments.report.ood_view import TASK as OOD_TASK
 from difftransformer.experiments.report.runs import Run, finished_val
-from difftransformer.experiments.stats import compare_paired, paired_differences, verdict
+from difftransformer.experiments.stats import compare_paired, number_format, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
 from difftransformer.experiments.units import cell_label
 from difftransformer.model import ATTENTION_KINDS
@@ -168,9 +168,7 @@ def final_losses(ctx: Context) -> Lines:
     if len(seeds) > 1:
         L += ["Per seed (final validation loss):", ""]
         L += table(["seed", *[code_span(a) for a in ctx.arms]],
-                   [[str(s), *[f"{ctx.runs[a, s].final_val:.4f}" if (a, s) in ctx.runs
-                               and ctx.runs[a, s].final_val is not None else "–" for a in ctx.arms]]
-                    for s in seeds]) + [""]
+                   [[str(s), *[_loss(ctx.runs.get((a, s))) for a in ctx.arms]] for s in seeds]) + [""]
     L += ["Δ is the per-seed difference arm − baseline (both arms share the initial weights and the batches of "
           "that seed), averaged over seeds; the bracket is its 95% Student-t interval over seeds and p the two-sided "
           "paired t-test; tokens/s is mean ± std over seeds. Tokens/s is the median over logged "
@@ -181,6 +179,13 @@ def final_losses(ctx: Context) -> Lines:
           "with its fused GPU kernels.", ""]
     return L
 
+
+
+def _loss(run) -> str:
+    """A run's final validation loss, small losses (a learned synthetic task's 1e-6 nats) in scientific form."""
+    if run is None or run.final_val is None:
+        return "–"
+    return number_format([run.final_val])(run.final_val)
 
 def loss_curves(ctx: Context) -> Lines:
     return ["## Loss curves", "", f"![validation and training loss]({LOSS_PLOT_FILE})", ""]
