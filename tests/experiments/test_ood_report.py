@@ -340,3 +340,14 @@ def test_errors_are_pooled_over_the_seeds_past_the_bar_with_their_wilson_interva
 def test_a_run_without_error_counts_leaves_the_errors_table_out():
     ctx = _ctx({"diff": {s: (1.0, 0.9) for s in range(3)}})
     assert "### Errors" not in "\n".join(ood_section(ctx))
+
+
+def test_every_differential_arm_is_set_against_the_arms_with_one_softmax_map():
+    ctx = _ctx({"diff": {s: (1.0, 0.70 + s / 100) for s in range(3)},
+                "diff_v2": {s: (1.0, 0.90 + s / 100) for s in range(3)},
+                "transformer": {s: (1.0, 0.40 + s / 50) for s in range(3)}})
+    text = "\n".join(ood_section(ctx))
+    v2 = text.split("### `diff_v2` − each arm, accuracy (each arm with a single softmax map)")[1].split("###")[0]
+    rows = [r for r in v2.splitlines() if r.startswith("| `")]
+    assert [r.split(" | ")[0] for r in rows] == ["| `transformer`"] * 2  # not `diff`: both subtract
+    assert "| `transformer` | `length4x-density1x` | 3 | +0.4900 [" in v2  # 0.91 - 0.42 by hand, the seeds' mean

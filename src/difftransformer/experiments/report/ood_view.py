@@ -1,9 +1,10 @@
 """The report's out-of-distribution section: the `ood` probe's results over arms and seeds.
 
 For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy per test condition
-(context length and distractor density factors) per arm, mean [95% t-interval over seeds]; the paired
-differences DIFF − each other arm per condition, with the verdict their interval supports; the same
-for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
+(context length and distractor density factors) per arm, mean [95% t-interval over seeds], and the errors
+pooled over seeds with their Wilson interval; the paired differences DIFF − each other arm per condition, with
+the verdict their interval supports (and each other differential arm − each arm with one softmax map); the
+same for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
 the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); where
 each model's retrieving head attends (chosen once at the training distribution, read as shares of its
 positive weight on the target, on distractors + filler, and its negative weight). A run below the
@@ -100,7 +101,12 @@ def _reference_arm(ctx, arms) -> str | None:
     differential arm that has (DIFF V1 may not learn a task that DIFF V2 or DIFF without head norm learns)."""
     if "diff" in arms:
         return "diff"
-    return next((a for a in arms if _kind(ctx, a).startswith("diff")), None)
+    return next(iter(_differential(ctx, arms)), None)
+
+
+def _differential(ctx, arms) -> list[str]:
+    """The arms whose attention is a difference of two maps (DIFF V1, V2, without head norm), in `arms`' order."""
+    return [a for a in arms if _kind(ctx, a).startswith("diff")]
 
 
 def _matched_transformer(ctx, ref: str, arms) -> str | None:
@@ -146,6 +152,11 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
             L += _differences(ctx, ref, arms, cells, conditions, _accuracy,
                               f"accuracy: {code_span(ref)} as trained against each arm with adaptive temperature at "
                               "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive)
+        for other in _differential(ctx, arms):
+            if other != ref and other not in NOPE_PAIR:
+                single = [a for a in arms if a not in _differential(ctx, arms)]
+                L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
+                                  "accuracy (each arm with a single softmax map)")
     if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
