@@ -127,16 +127,17 @@ def test_an_arms_own_recipe_is_what_its_result_files_record():
 
 
 def test_the_papers_loss_claim_is_not_set_against_a_synthetic_tasks_loss():
-    """The paper's validation loss is language modelling; a task study's loss is on generated answers: no claim."""
-    from types import SimpleNamespace
-
+    """The paper's validation loss is language modelling; a task study's loss is on generated answers: no claim, and
+    no paper loss set beside its verdicts."""
     from difftransformer.experiments.report.claims import _loss_claim
     from difftransformer.experiments.report.runs import Run
+    from difftransformer.experiments.report.sections import Context, verdicts
 
     runs = {(arm, s): Run(arm, s, None, val=[{"step": 10, "loss": loss + s / 100}], max_steps=10, last_step=10,
                           finished=True)
             for arm, loss in (("diff", 3.0), ("transformer", 3.1)) for s in range(3)}
-    ctx = SimpleNamespace(runs=runs, seeds=[0, 1, 2], manifest={"data": {"corpus": "tinyshakespeare"}})
-    assert _loss_claim(ctx)["n"] == 3
+    ctx = Context(study=None, manifest={"data": {"corpus": "tinyshakespeare"}}, arms=["transformer", "diff"],
+                  seeds=[0, 1, 2], baseline="transformer", runs=runs)
+    assert _loss_claim(ctx)["n"] == 3 and "1.4B-parameter ablation" in "\n".join(verdicts(ctx))
     ctx.manifest = {"data": {"corpus": "task:maxret", "task": {"family": "maxret"}}}
-    assert _loss_claim(ctx) is None
+    assert _loss_claim(ctx) is None and "1.4B" not in "\n".join(verdicts(ctx))

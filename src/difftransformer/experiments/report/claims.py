@@ -54,7 +54,7 @@ def _row(name: str, ref: str, paper_t: float | None, paper_d: float | None, ours
 def _loss_claim(ctx) -> dict[str, Any] | None:
     """The paper's language-modelling loss claim; None for a study on a synthetic task, whose loss (on the answer
     tokens of generated sequences) measures something else."""
-    if (ctx.manifest.get("data") or {}).get("task"):
+    if ctx.task_study:
         return None
     number = paper_number("lm", "final_val_loss")
     return _row("validation loss (DIFF lower)", number.ref, number.transformer, number.diff,

@@ -61,6 +61,11 @@ class Context:
         return (self.manifest.get("arm_specs") or {}).get(arm) or {"name": arm, "attention": arm}
 
     @property
+    def task_study(self) -> bool:
+        """Whether the study trains on a synthetic task (its loss is on answer tokens, not language modelling)."""
+        return bool((self.manifest.get("data") or {}).get("task"))
+
+    @property
     def others(self) -> list[str]:
         return [a for a in self.arms if a != self.baseline]
 
@@ -138,6 +143,8 @@ def verdicts(ctx: Context) -> Lines:
         L += [f"Only one arm ({code_span(ctx.baseline)}) was run, so there is nothing to compare.", ""]
     for arm in ctx.others:
         L += [verdict(md_name(arm), md_name(ctx.baseline), ctx.paired(arm)), ""]
+    if ctx.task_study:
+        return L  # the paper's language-modelling numbers below say nothing about a synthetic task's loss
     L += ["For context (not a prediction for this run): the paper's 1.4B-parameter ablation reports a validation "
           "loss of 3.062 for DIFF against 3.087 for the matched Transformer (a gap of about 0.025 nats), and an "
           "independent small-scale reproduction (30M parameters, 5 seeds, paired initialisation) measured DIFF − "
