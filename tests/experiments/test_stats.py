@@ -196,8 +196,10 @@ def test_numbers_printed_together_keep_two_significant_digits():
     """A learned synthetic task's losses (1e-6 nats) and rare error rates are never printed as 0.0000."""
     f = number_format([3e-6, -1e-6, 7e-6], signed=True)
     assert [f(v) for v in (3e-6, -1e-6, 7e-6)] == ["+3.00e-06", "-1.00e-06", "+7.00e-06"]
-    assert number_format([0.9998, 0.9991])(0.9998) == "0.9998"  # the largest has 4 significant digits: fixed
-    assert number_format([0.0012, None])(0.0012) == "0.0012"  # two significant digits at 4 decimals: fixed
+    assert number_format([0.9998, 0.9991])(0.9998) == "0.9998"
+    assert number_format([0.0012, None])(0.0012) == "0.0012"
+    assert number_format([0.0034, 0.0006], digits=3)(0.0006) == "0.001"  # the largest reads in 3 decimals: fixed
+    assert number_format([4.9e-5, -1e-6])(-1e-6) == "-1.00e-06"  # the largest would print as 0.0000
     assert number_format([0.0, 0.0])(0.0) == "0.0000"
     assert number_format([2e-4], digits=3)(2e-4) == "2.00e-04"
     tiny = verdict("diff", "transformer", [2e-6, 3e-6, 4e-6])
