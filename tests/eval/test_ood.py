@@ -39,6 +39,7 @@ def test_wilson_interval_matches_hand_values():
     lo, hi = wilson_interval(10, 10_000)  # a 1e-3 error rate is resolved from 0 at the default query count
     assert 0 < lo < 1e-3 < hi < 2e-3
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    assert all(wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0 for n in range(1, 40_000, 997))
 
 
 def test_a_query_is_right_only_when_every_answer_token_is():

@@ -334,7 +334,13 @@ def test_errors_are_pooled_over_the_seeds_past_the_bar_with_their_wilson_interva
             cell.update(errors=errors, queries=10_000)
     text = "\n".join(ood_section(ctx))
     row = next(r for r in text.split("### Errors, pooled over seeds")[1].splitlines() if r.startswith("| `diff`"))
-    assert row == "| `diff` | 4/20,000: 0.0002 [7.8e-05, 0.00051] | 4/20,000: 0.0002 [7.8e-05, 0.00051] |"
+    assert row == "| `diff` | 4/20,000: 0.00020 [0.00008, 0.00051] | 4/20,000: 0.00020 [0.00008, 0.00051] |"
+    del ctx.runs["diff", 1].evals["ood"]["details"]["cells"][1]["errors"]  # seed 1 without counts at 4x
+    zero = "\n".join(ood_section(ctx)).split("### Errors, pooled over seeds")[1]
+    assert "| 3/10,000: 0.00030 [0.00010, 0.00088] (1 of 2 seeds) |" in zero
+    ctx.runs["diff", 0].evals["ood"]["details"]["cells"][0]["errors"] = 0
+    ctx.runs["diff", 1].evals["ood"]["details"]["cells"][0]["errors"] = 0
+    assert "| `diff` | 0/20,000: 0.00000 [0.00000, 0.00019] |" in "\n".join(ood_section(ctx))
 
 
 def test_a_run_without_error_counts_leaves_the_errors_table_out():
@@ -351,3 +357,13 @@ def test_every_differential_arm_is_set_against_the_arms_with_one_softmax_map():
     rows = [r for r in v2.splitlines() if r.startswith("| `")]
     assert [r.split(" | ")[0] for r in rows] == ["| `transformer`"] * 2  # not `diff`: both subtract
     assert "| `transformer` | `length4x-density1x` | 3 | +0.4900 [" in v2  # 0.91 - 0.42 by hand, the seeds' mean
+
+
+def test_an_arm_is_differential_by_its_attention_kind_not_its_name():
+    """`diffuse`, a Transformer by its recorded kind, gets no table of its own; `v2`, DIFF V2 by its kind, does."""
+    ctx = _ctx({"diff": {s: (1.0, 0.7) for s in range(3)}, "diffuse": {s: (1.0, 0.5) for s in range(3)},
+                "v2": {s: (1.0, 0.8) for s in range(3)}})
+    _with_recipes(ctx, {"diff": ("diff", 4000), "diffuse": ("transformer", 4000), "v2": ("diff_v2", 4000)})
+    text = "\n".join(ood_section(ctx))
+    assert "### `v2` − each arm, accuracy (each arm with a single softmax map)" in text
+    assert "### `diffuse` − each arm" not in text

@@ -131,7 +131,7 @@ def test_the_papers_loss_claim_is_not_set_against_a_synthetic_tasks_loss():
     no paper loss set beside its verdicts."""
     from difftransformer.experiments.report.claims import _loss_claim
     from difftransformer.experiments.report.runs import Run
-    from difftransformer.experiments.report.sections import Context, verdicts
+    from difftransformer.experiments.report.sections import Context, ablations, verdicts
 
     runs = {(arm, s): Run(arm, s, None, val=[{"step": 10, "loss": loss + s / 100}], max_steps=10, last_step=10,
                           finished=True)
@@ -141,3 +141,7 @@ def test_the_papers_loss_claim_is_not_set_against_a_synthetic_tasks_loss():
     assert _loss_claim(ctx)["n"] == 3 and "1.4B-parameter ablation" in "\n".join(verdicts(ctx))
     ctx.manifest = {"data": {"corpus": "task:maxret", "task": {"family": "maxret"}}}
     assert _loss_claim(ctx) is None and "1.4B" not in "\n".join(verdicts(ctx))
+    ctx.manifest["arm_specs"] = {}
+    ctx.arms.append("diff_v2")
+    table = "\n".join(ablations(ctx))
+    assert "| `diff` |" in table and "Table 6" not in table  # no LM-loss column beside a task's losses

@@ -197,10 +197,12 @@ def test_numbers_printed_together_keep_two_significant_digits():
     f = number_format([3e-6, -1e-6, 7e-6], signed=True)
     assert [f(v) for v in (3e-6, -1e-6, 7e-6)] == ["+3.00e-06", "-1.00e-06", "+7.00e-06"]
     assert number_format([0.9998, 0.9991])(0.9998) == "0.9998"
-    assert number_format([0.0012, None])(0.0012) == "0.0012"
-    assert number_format([0.0034, 0.0006], digits=3)(0.0006) == "0.001"  # the largest reads in 3 decimals: fixed
-    assert number_format([4.9e-5, -1e-6])(-1e-6) == "-1.00e-06"  # the largest would print as 0.0000
-    assert number_format([0.0, 0.0])(0.0) == "0.0000"
+    assert number_format([0.0012, None])(0.0012) == "0.0012"  # two significant digits at 4 decimals: fixed
+    assert number_format([9.1e-4, 1.1e-5])(1.1e-5) == "1.10e-05"  # 0.0009 would keep one: scientific
+    assert number_format([0.5, -1e-6], signed=True)(-1e-6) == "+0.0000"  # rounds to zero: no minus sign
+    assert number_format([0.0, 0.0])(0.0) == "0.0000" and number_format([math.nan, None])(0.25) == "0.2500"
     assert number_format([2e-4], digits=3)(2e-4) == "2.00e-04"
     tiny = verdict("diff", "transformer", [2e-6, 3e-6, 4e-6])
     assert "= +3.00e-06 nats" in tiny and "[+5.16e-07, +5.48e-06]" in tiny and "0.0000" not in tiny
+    small = verdict("a", "b", [3e-5, 4e-5, 2e-5])  # an interval that excludes 0 never prints as touching it
+    assert "= +3.00e-05 nats" in small and "[+5.16e-06, +5.48e-05]" in small

@@ -43,15 +43,19 @@ FEW_SEEDS = 4  # up to this many seeds the verdict says the interval is wide bec
 
 
 def number_format(values: Sequence[float | None], digits: int = 4, signed: bool = False):
-    """One format for numbers printed together (a mean and its interval): `digits` decimals, unless even the
-    largest magnitude would print as 0 there (a loss of 3e-6 nats, an error rate of 2e-4 with 3 decimals), then
-    scientific with three significant digits; so a small value is never printed as 0, and a table column keeps
-    one notation wherever its numbers can be read in it."""
+    """One format for numbers printed together (a mean and its interval): `digits` decimals, unless the largest
+    magnitude would keep fewer than two significant digits there (a loss of 3e-5 nats, an error rate of 2e-4 with
+    3 decimals), then scientific with three; so a small value is never printed as 0, nor an interval that
+    excludes 0 as one that touches it. A number that rounds to zero prints without a minus sign."""
     sign = "+" if signed else ""
     big = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
-    if 0 < big < 0.5 * 10 ** -digits:
+    if 0 < big < 10 ** (1 - digits):
         return lambda v: f"{v:{sign}.2e}"
-    return lambda v: f"{v:{sign}.{digits}f}"
+
+    def fixed(v: float) -> str:
+        text = f"{v:{sign}.{digits}f}"
+        return f"{0.0:{sign}.{digits}f}" if text.lstrip("+-").strip("0.") == "" else text
+    return fixed
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:

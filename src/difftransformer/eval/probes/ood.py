@@ -66,13 +66,14 @@ Z95 = 1.959963984540054
 
 
 def wilson_interval(errors: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of an error rate errors / n (95% by default); (0, 1) when n is 0."""
+    """The Wilson score interval of an error rate errors / n (95% by default); (0, 1) when n is 0. Its bound at 0
+    errors is exactly 0 and at n errors exactly 1 (the formula gives them, up to rounding)."""
     if n == 0:
         return 0.0, 1.0
     p = errors / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return (0.0 if errors == 0 else max(0.0, centre - half)), (1.0 if errors == n else min(1.0, centre + half))
 
 
 def adaptive_beta(entropy: torch.Tensor) -> torch.Tensor:

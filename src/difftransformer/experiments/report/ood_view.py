@@ -23,6 +23,7 @@ from difftransformer._io import atomic_path
 from difftransformer.eval.probes.ood import head_shares, retrieving_head, wilson_interval
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, holm_readings, table
 from difftransformer.experiments.stats import compare_paired, t_interval
+from difftransformer.model import ATTENTION_KINDS
 
 TASK = "ood"
 IN_DISTRIBUTION_BAR = 0.99
@@ -78,8 +79,11 @@ def _identities(ctx, arm: str) -> list[dict[str, Any]]:
 
 
 def _kind(ctx, arm: str) -> str:
-    """The arm's attention kind, as its result files record it (else its name, which names the kind by default)."""
-    return next((k for i in _identities(ctx, arm) if (k := (i.get("model") or {}).get("attention"))), arm)
+    """The arm's attention kind, as its result files record it, else as the manifest defines the arm, else its
+    name (which names the kind by default)."""
+    recorded = next((k for i in _identities(ctx, arm) if (k := (i.get("model") or {}).get("attention"))), None)
+    spec = ctx.spec(arm) if hasattr(ctx, "spec") else {}
+    return recorded or spec.get("attention") or arm
 
 
 def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
@@ -106,7 +110,7 @@ def _reference_arm(ctx, arms) -> str | None:
 
 def _differential(ctx, arms) -> list[str]:
     """The arms whose attention is a difference of two maps (DIFF V1, V2, without head norm), in `arms`' order."""
-    return [a for a in arms if _kind(ctx, a).startswith("diff")]
+    return [a for a in arms if getattr(ATTENTION_KINDS.get(_kind(ctx, a)), "differential", False)]
 
 
 def _matched_transformer(ctx, ref: str, arms) -> str | None:
@@ -311,19 +315,18 @@ def _table(title: str, arms, cells, conditions, read, digits: int = 3) -> Lines:
 def _errors(arms, cells, conditions) -> Lines:
     """Errors / queries per arm and condition, summed over the arm's seeds past the bar, with the error rate and
     its 95% Wilson interval: the rare errors an accuracy near 1 hides (flip-flop's 1e-4 against 1e-3), and how
-    many queries stand behind them."""
+    many queries stand behind them. A cell pooled over fewer seeds than the arm has past the bar says how many."""
     rows = []
     for arm in arms:
         row = [code_span(arm)]
         for c in conditions:
-            runs = [by_condition[c] for by_condition in cells[arm].values() if c in by_condition]
-            counted = [(cell.get("errors"), cell.get("queries")) for cell in runs]
-            if not counted or any(not isinstance(e, int) or not isinstance(n, int) or n <= 0 for e, n in counted):
+            counted = [n for by_condition in cells[arm].values() if (n := _counts(by_condition.get(c)))]
+            if not counted:
                 row.append("–")
                 continue
             errors, queries = sum(e for e, _ in counted), sum(n for _, n in counted)
-            low, high = wilson_interval(errors, queries)
-            row.append(f"{errors:,}/{queries:,}: {_rate(errors / queries)} [{_rate(low)}, {_rate(high)}]")
+            part = f" ({len(counted)} of {len(cells[arm])} seeds)" if len(counted) < len(cells[arm]) else ""
+            row.append(f"{errors:,}/{queries:,}: {_rates(errors / queries, *wilson_interval(errors, queries))}{part}")
         rows.append(row)
     if all(cell == "–" for row in rows for cell in row[1:]):
         return []
@@ -334,8 +337,17 @@ def _errors(arms, cells, conditions) -> Lines:
         + table(["arm", *(code_span(c) for c in conditions)], rows) + [""]
 
 
-def _rate(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2g}"
+def _counts(cell: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(errors, queries) of a cell that records both (queries > 0), else None."""
+    errors, queries = (cell or {}).get("errors"), (cell or {}).get("queries")
+    ok = isinstance(errors, int) and isinstance(queries, int) and queries > 0
+    return (errors, queries) if ok else None
+
+
+def _rates(rate: float, low: float, high: float) -> str:
+    """'rate [low, high]' in fixed decimals, enough to give the interval's width two significant digits."""
+    decimals = min(8, max(2, math.ceil(-math.log10(high - low)) + 1)) if high > low else 4
+    return f"{rate:.{decimals}f} [{low:.{decimals}f}, {high:.{decimals}f}]"
 
 
 def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None) -> Lines:

@@ -87,14 +87,6 @@ class Context:
 # formatting
 
 
-
-
-
-
-
-
-
-
 def _code(text: str) -> str:
     return "```text\n" + text.replace("```", "'''").strip("\n") + "\n```"
 
@@ -187,12 +179,12 @@ def final_losses(ctx: Context) -> Lines:
     return L
 
 
-
 def _loss(run) -> str:
     """A run's final validation loss, small losses (a learned synthetic task's 1e-6 nats) in scientific form."""
     if run is None or run.final_val is None:
         return "–"
     return number_format([run.final_val])(run.final_val)
+
 
 def loss_curves(ctx: Context) -> Lines:
     return ["## Loss curves", "", f"![validation and training loss]({LOSS_PLOT_FILE})", ""]
@@ -343,17 +335,11 @@ def _eval_metrics(ctx: Context) -> list[tuple[str, str]]:
     return list(seen)
 
 
-
-
-
-
-
-
 def ablations(ctx: Context) -> Lines:
     """The paper's Table 6 at our scale: every arm's final val loss and its paired difference, beside the paper."""
     if len(ctx.arms) < 3:
         return []
-    paper = paper_number("lm", "final_val_loss")
+    paper = None if ctx.task_study else paper_number("lm", "final_val_loss")  # Table 6 is language modelling
     rows = []
     for arm in ctx.arms:
         spec = ctx.spec(arm)
@@ -363,15 +349,16 @@ def ablations(ctx: Context) -> Lines:
         rows.append([code_span(arm), spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
                      "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
                      "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
-                     "–" if pv is None else f"{pv:.3f}"])
+                     *([] if paper is None else ["–" if pv is None else f"{pv:.3f}"])])
     own = [md_name(a) for a in ctx.arms if ctx.spec(a).get("train")]
     recipe = "recipe" if not own else f"recipe (but {', '.join(own)}, trained on its own: see Training)"
     L = ["## Ablations", "", f"Every arm at the same size and {recipe}, paired by seed with {code_span(ctx.baseline)} "
-         f"(final validation loss; mean [95% interval] over seeds). The paper's column is its Table 6 (1.4B "
-         f"parameters, 10B tokens): its differences are 0.001-0.06 nats, far below what seed noise lets a small "
-         f"study resolve unless the interval says otherwise.", ""]
+         f"(final validation loss; mean [95% interval] over seeds)."
+         + ("" if paper is None else " The paper's column is its Table 6 (1.4B parameters, 10B tokens): its "
+            "differences are 0.001-0.06 nats, far below what seed noise lets a small study resolve unless the "
+            "interval says otherwise."), ""]
     return L + table(["arm", "what it is", "final val loss", f"Δ vs {code_span(ctx.baseline)}", "p", "reading",
-                      "paper (Table 6)"], rows) + [""]
+                      *([] if paper is None else ["paper (Table 6)"])], rows) + [""]
 
 
 def scaling(ctx: Context, has_plot: bool) -> Lines:
