@@ -65,12 +65,15 @@ def test_compiled_rope_is_real_arithmetic_and_matches_the_formula():
     from torch._inductor.utils import run_and_get_code
 
     rope = RotaryEmbedding(16, theta=500.0)
-    x = torch.randn(2, 5, 3, 16).transpose(1, 2)  # (B, H, T, d) as a layer's projection view
-    for pos in (torch.arange(3, 8), torch.stack([torch.arange(5), torch.arange(2, 7)])):  # (T,), per row (B, T)
-        compiled = torch.compile(lambda x, pos: rope(x, pos), fullgraph=True, dynamic=False)
-        out, codes = run_and_get_code(compiled, x, pos)
-        assert not any("complex" in code for code in codes)
-        want = (rope_reference(x, pos.tolist(), 500.0) if pos.dim() == 1 else
-                torch.stack([rope_reference(x[b], pos[b].tolist(), 500.0) for b in range(2)]))
-        assert rel_err(out, want) <= 1e-6
-        torch._dynamo.reset()
+    token_major = torch.randn(2, 5, 3, 16).transpose(1, 2)  # (B, H, T, d) as a layer's projection view
+    for x in (token_major, token_major.contiguous()):
+        for pos in (torch.arange(3, 8), torch.stack([torch.arange(5), torch.arange(2, 7)])):  # (T,), per row
+            compiled = torch.compile(lambda x, pos: rope(x, pos), fullgraph=True, dynamic=False)
+            out, codes = run_and_get_code(compiled, x, pos)
+            assert not any("complex" in code for code in codes)
+            want = (rope_reference(x, pos.tolist(), 500.0) if pos.dim() == 1 else
+                    torch.stack([rope_reference(x[b], pos[b].tolist(), 500.0) for b in range(2)]))
+            assert rel_err(out, want) <= 1e-6
+            # written in x's memory order: a token-major q stays token-major (its gradient then needs no copy)
+            assert (out.stride(1) < out.stride(2)) == (x.stride(1) < x.stride(2))
+            torch._dynamo.reset()

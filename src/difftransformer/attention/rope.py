@@ -86,9 +86,7 @@ class RotaryEmbedding(nn.Module):
         # Real (cos, sin) pairs (under torch.compile) get that arithmetic written out, which Inductor fuses.
         xf = x.to(compute_dtype(x))
         if not rotation.is_complex():
-            x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)
-            cos, sin = rotation.unbind(-1)
-            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+            return _rotate_pairs(xf, *rotation.unbind(-1)).to(x.dtype)
         if not torch.compiler.is_compiling() and not _pairs_adjacent(xf):
             xf = xf.contiguous()  # view_as_complex needs pairs adjacent in memory
         z = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
@@ -99,6 +97,20 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, theta={self.theta:g}, layout=interleaved"
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., T, dim) rotated by (cos, sin) of shape (T, dim/2) or (B, 1, T, dim/2), written in x's memory order.
+
+    A layer's q and k are token-major views, (B, T, H, d) seen as (B, H, T, d); the stack below would write a new
+    tensor head-major. Under torch.compile the attention ops then see head-major q and k, and the gradients they
+    return (laid out like their inputs) need a transposing copy before the projections' weight gradients, one per
+    tensor and layer. Rotating the token-major view keeps the projections' layout from end to end."""
+    if x.dim() == 4 and x.stride(1) < x.stride(2):  # token-major: rotate (B, T, H, d), the heads broadcast
+        cos, sin = ((c.transpose(1, 2) if c.dim() == 4 else c.unsqueeze(-2)) for c in (cos, sin))
+        return _rotate_pairs(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
 # (dim, theta, dtype, device) -> the rotations of positions 0 .. L-1; see `RotaryEmbedding.rotation`.
