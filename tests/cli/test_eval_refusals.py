@@ -329,3 +329,16 @@ def test_eval_compare_no_run_names_a_broken_result_file(compared, capsys):
         err = capsys.readouterr().err
         assert f"{stored} is not a readable result ({why}" in err and "delete it or run without --no-run" in err
     stored.write_text(json.dumps(good))
+
+
+def test_a_chosen_results_folder_never_loses_another_models_result(compared, tmp_path, capsys):
+    """`eval TASK B --out-dir X` where X holds A's result: A is not gone, so its result is not replaced silently;
+    --force replaces it on purpose. A model's own eval/ folder still takes a new final model's result."""
+    a, b, shared = str(compared / "transformer"), str(compared / "diff"), tmp_path / "shared"
+    assert main(["eval", "heldout-loss", a, "--out-dir", str(shared)]) == 0
+    kept = (shared / "heldout-loss.json").read_text()
+    _eval_fails(capsys, ["eval", "heldout-loss", b, "--out-dir", str(shared)],
+                "heldout-loss's result for other weights", "perhaps another model's", "--force")
+    assert (shared / "heldout-loss.json").read_text() == kept
+    assert main(["eval", "heldout-loss", b, "--out-dir", str(shared), "--force"]) == 0
+    assert (shared / "heldout-loss.json").read_text() != kept

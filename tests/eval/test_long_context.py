@@ -69,6 +69,10 @@ def test_a_uniform_model_costs_log_vocab_at_every_position(data_dir):
     slices = result.details["slices"]
     assert slices["ar_hit"]["tokens"] + slices["others"]["tokens"] == 80 and slices["ar_hit"]["tokens"] > 0
     json.dumps(result.to_dict(), allow_nan=False)
+    from difftransformer.eval.paper import PAPER  # the paper's numbers for this task sit on metrics it produces
+
+    keyed = {metric for task, metric in PAPER if task == "long-context"}
+    assert keyed == {"ar_hit_loss", "others_loss"} and keyed <= set(m)
 
 
 def direct_nll(model, seq: list[int]) -> list[float]:

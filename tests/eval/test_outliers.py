@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -198,3 +199,22 @@ def test_the_batch_shrinks_to_what_memory_holds_and_changes_no_number(data_dir, 
     with pytest.raises(ValueError, match=r"one window of 16 tokens needs ~32.0 KiB of explicit attention maps "
                                          r"\(4 maps of 16x16 per layer\).*use a shorter window, e.g. --seq-len 4$"):
         probe(model, data_dir, tokens=4 * CONTEXT)
+
+
+def test_nan_values_are_counted_in_the_metrics_not_dropped_silently(data_dir):
+    """A NaN is left out of the top values and the median (it has no size) and counted where the numbers are."""
+    model = model_of("diff")
+
+    def plant(_module, _inputs, output):
+        output = output.clone()
+        output[0, 2, :5] = float("nan")
+        return output
+
+    clean = probe(model, data_dir)
+    assert "hidden_states_nans" not in clean.metrics and "attention_logits_nans" not in clean.metrics
+    handle = model.layers[-1].register_forward_hook(plant)
+    try:
+        result = probe(model, data_dir)
+    finally:
+        handle.remove()
+    assert result.metrics["hidden_states_nans"] == 5 and math.isfinite(result.metrics["hidden_states_top1"])

@@ -535,6 +535,14 @@ def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplo
         run_study(study, out)
     assert "evaluated" not in caplog.text and caplog.text.count("reused") == 4
     assert (folder.results / "diff.json").is_file() and (folder.results / "transformer.json").is_file()
+    # a result file records this model's results of the study's tasks, not whatever else lies in its eval/ folder
+    foreign = dict(records["diff"], task="needle")  # another model's result, of a task the study does not run
+    (folder.run_dir("transformer", 0, multi_seed=False).evals / "needle.json").write_text(json.dumps(foreign))
+    shutil.rmtree(folder.results)
+    run_study(study, out)
+    written = json.loads((folder.results / "transformer.json").read_text())["evals"]
+    assert sorted(written) == ["heldout-loss", "long-context"]
+    assert written["heldout-loss"]["metrics"]["loss"] == loss["transformer"]
     with pytest.raises(ValueError, match="compare.eval_tasks: unknown evaluation task 'neddle'"):
         StudyConfig(eval_tasks=["neddle"])
 

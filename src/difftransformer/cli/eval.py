@@ -181,7 +181,8 @@ class _Model:
         data_dir = args.data_dir or (self.run.data_dir() if self.run else None)
         self.cfg = EvalConfig(data_dir=str(data_dir) if data_dir else None, split=args.split, seq_len=args.seq_len,
                               eval_seed=args.eval_seed, batch_size=args.batch_size, device=args.device)
-        self.results = ResultsDir(args.out_dir if args.out_dir is not None else self._default_results())
+        own = args.out_dir is None  # the model's own eval/ folder; a chosen one may hold other models' results
+        self.results = ResultsDir(self._default_results() if own else args.out_dir, own=own)
         self.out_dir_given = args.out_dir is not None
         self.hash = weights_hash(self.model)  # once per model, whatever number of tasks
 

@@ -68,10 +68,15 @@ def _number(value: Any) -> bool:
 
 
 class ResultsDir:
-    """Where one model's evaluation results live; the folder is made on the first save."""
+    """Where evaluation results live; the folder is made on the first save.
 
-    def __init__(self, path: str | Path):
+    `own`: the folder is one model's (its run's eval/), so a result of other weights there measured a model that
+    is gone (training went on) and is replaced; a folder the user chose (eval --out-dir) may hold another model's
+    results, which are never replaced silently (`conflict`)."""
+
+    def __init__(self, path: str | Path, *, own: bool = True):
         self.path = Path(path)
+        self.own = own
 
     def json_path(self, task: str) -> Path:
         return self.path / f"{task}.json"
@@ -133,12 +138,19 @@ class ResultsDir:
     def conflict(self, task: str, weights_sha256: str, settings: dict[str, Any]) -> str | None:
         """Why running `task` here would replace a stored result that is the user's work, in words naming the
         file and the settings that differ: a result for these very weights with other settings (the task's
-        options and the EvalConfig, the user's choices). None when there is none: no result, a broken one,
-        one with these settings, or one of other weights or of a data folder prepared again since (it
-        measured a model or text that is gone)."""
+        options and the EvalConfig, the user's choices), or, in a folder that is not one model's own (`own`),
+        a result of other weights (another model's). None when there is none: no result, a broken one, one
+        with these settings, or, in a model's own folder, one of other weights or of a data folder prepared
+        again since (it measured a model or text that is gone)."""
         stored = self.load(task)
-        if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
+        if stored is None:
             return None
+        theirs = stored.get("provenance", {}).get("weights_sha256")
+        if theirs != weights_sha256:
+            if self.own:
+                return None
+            return f"{self.json_path(task)} holds {task}'s result for other weights ({str(theirs)[:12]}), " \
+                   f"perhaps another model's"
         chosen = lambda d: {k: v for k, v in comparable_settings(d).items() if k != "data"}  # noqa: E731
         old, new = chosen(stored.get("settings", {})), chosen(settings)
         if old == new:

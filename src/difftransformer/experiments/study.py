@@ -391,11 +391,12 @@ class _Cell:
         if stale:
             log.info("%s: evaluating %s again with the study's options (--replace-results)", unit.label(),
                      ", ".join(sorted(stale)))
-        evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)),
-                     options=self.study.compare.eval_options, replace=stale)
+        evals = evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)),
+                             options=self.study.compare.eval_options, replace=stale)
         rep = self.study.compare
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
         result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
+        result.evals = evals  # this model's results of the study's tasks, not whatever else lies in its eval/
         result.parameters = DiffTransformerLM(config, device="meta").num_parameters()
         arm = self.study.arm(unit.arm)
         write_result(path, result.to_record(unit, identity, arm=arm.to_dict(), train_config=_recipe(train_cfg),

@@ -35,6 +35,7 @@ White box: runs on this package's models only (require_own_model), through eval/
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ from difftransformer.eval.probes.hooks import (
     require_own_model,
 )
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+
+log = logging.getLogger("difftransformer.eval")
 
 TOP_KS = (1, 2, 3, 10, 100)
 LOG10_MIN, LOG10_MAX, LOG10_BIN = -8.0, 8.0, 1e-3
@@ -208,6 +211,10 @@ class Outliers(Task):
             for key in (*(f"top{k}" for k in TOP_KS), "median"):
                 if overall[kind][key] is not None:
                     metrics[f"{kind}_{key}"] = overall[kind][key]
+            if overall[kind]["nans"]:  # left out of the values above; the most extreme value there is, so named
+                metrics[f"{kind}_nans"] = overall[kind]["nans"]
+                log.warning("outliers: %d of the %s are NaN (left out of the top values and the median)",
+                            overall[kind]["nans"], kind.replace("_", " "))
         return TaskResult(
             task=self.name,
             metrics=metrics,

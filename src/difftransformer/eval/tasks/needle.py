@@ -28,8 +28,8 @@ Choices where the paper is silent:
   longest usable length is the model's context minus room for the answer: max(max_new_tokens,
   digits + 1) tokens, and for R > 1 also the cue slack (another city's cue may be longer).
 - Haystack "text" comes from cfg.split (test by default, never train) of cfg.data_dir, EOS ids
-  removed; the data folder must be tokenised with the model's tokenizer (checked by hash when the
-  tokenizer has one).
+  removed; a data folder tokenised with another tokenizer than the model's is tokenised again with the
+  model's (eval/heldout.py; checked by hash when the tokenizer has one).
 - Prompts are seeded per cell from cfg.eval_seed, N, R, depth, length, haystack and digits, so a
   cell's prompts do not change when the grid around it does.
 - Headline metrics: per (N, R), the mean over every scored (prompt, city) of the pair's cells;
