@@ -156,11 +156,11 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
             L += _differences(ctx, ref, arms, cells, conditions, _accuracy,
                               f"accuracy: {code_span(ref)} as trained against each arm with adaptive temperature at "
                               "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive)
-        for other in _differential(ctx, arms):
-            if other != ref and other not in NOPE_PAIR:
-                single = [a for a in arms if a not in _differential(ctx, arms)]
-                L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
-                                  "accuracy (each arm with a single softmax map)")
+        differential = _differential(ctx, arms)
+        single = [a for a in arms if a not in differential]
+        for other in (a for a in differential if a != ref and a not in NOPE_PAIR):
+            L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
+                              "accuracy (each arm with a single softmax map)")
     if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
