@@ -302,8 +302,8 @@ def test_bad_options_are_refused_before_running(options, message):
 
 
 def test_forced_choice_splits_a_tie_at_the_top_so_no_preference_scores_chance():
-    from difftransformer.eval.tasks.hallucination import _pick_share
+    from difftransformer.eval.lm import first_place_share
 
-    assert [_pick_share([-1.0, -2.0, -3.0, -4.0], i) for i in range(4)] == [1.0, 0.0, 0.0, 0.0]
-    assert [_pick_share([-28.52] * 4, i) for i in range(4)] == [0.25] * 4  # flat logits: chance, 1/4
-    assert [_pick_share([-1.0, -1.0, -5.0], i) for i in range(3)] == [0.5, 0.5, 0.0]
+    assert [first_place_share([-1.0, -2.0, -3.0, -4.0], i) for i in range(4)] == [1.0, 0.0, 0.0, 0.0]
+    assert [first_place_share([-28.52] * 4, i) for i in range(4)] == [0.25] * 4  # flat logits: chance, 1/4
+    assert [first_place_share([-1.0, -1.0 - 1e-12, -5.0], i) for i in range(3)] == [0.5, 0.5, 0.0]  # rounding ties

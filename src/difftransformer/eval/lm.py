@@ -142,3 +142,12 @@ def continuation_logprob(model, tokenizer, context: str, continuation: str,
     target = ids[0, -len(cont_ids):]
     picked = logprobs.gather(-1, target[:, None]).squeeze(-1)
     return ContinuationScore(float(picked.sum()), len(cont_ids), bool((logprobs.argmax(-1) == target).all()))
+
+
+def first_place_share(scores: Sequence[float], index: int) -> float:
+    """The credit of choice `index` in forced choice among `scores` (log-likelihoods): 1 when it scores above every
+    other choice, 1/k when it ties with k - 1 others for the top (within a relative 1e-9: sums of the same
+    log-probabilities in another order), else 0; so a model without preference scores chance, 1/len(scores)."""
+    best = max(scores)
+    tied = [i for i, v in enumerate(scores) if v >= best - 1e-9 * max(1.0, abs(best))]
+    return 1.0 / len(tied) if index in tied else 0.0

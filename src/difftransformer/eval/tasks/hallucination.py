@@ -93,7 +93,7 @@ from difftransformer.eval.judge import (
     normalize,
     occurs,
 )
-from difftransformer.eval.lm import continuation_token_logprobs, generate_text, split_continuation
+from difftransformer.eval.lm import continuation_token_logprobs, first_place_share, generate_text, split_continuation
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 SUBTASKS = ("qa", "counterfactual", "summary")
@@ -213,14 +213,6 @@ def _conflicts(sample: Sample) -> bool:
     text = normalize(f"{sample.before}\n{sample.after}")
     values = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
     return any(find_phrase(text, normalize(v)) >= 0 for v in values)
-
-
-def _pick_share(scores: list[float], i: int) -> float:
-    """Choice i's credit in forced choice: 1 when it scores above every other choice, 1/k when it shares the top
-    score with k - 1 others, else 0; so a model without preference scores the stated chance, 1/len(scores), as
-    in needle."""
-    top = max(scores)
-    return 0.0 if scores[i] < top else 1.0 / sum(score == top for score in scores)
 
 
 def _choose_values(sample: Sample, n: int, rng: random.Random) -> list[str]:
@@ -442,11 +434,13 @@ class Hallucination(Task):
         if self.options.forced_choice:
             scores = [score_continuations(model, tokenizer, s.prompt, s.continuations(), cfg.device, cfg.batch_size)
                       for s in items]
-            cell["choice_correct"] = [_pick_share(sc, s.choices.index(s.fact.value)) for s, sc in zip(items, scores)]
+            cell["choice_correct"] = [first_place_share(sc, s.choices.index(s.fact.value))
+                                      for s, sc in zip(items, scores)]
         if sub == "counterfactual":
             cell["states_world"] = [int(occurs(s.fact.world, out)) for s, (out, _) in zip(items, outputs)]
             if scores:
-                cell["choice_world"] = [_pick_share(sc, s.choices.index(s.fact.world)) for s, sc in zip(items, scores)]
+                cell["choice_world"] = [first_place_share(sc, s.choices.index(s.fact.world))
+                                        for s, sc in zip(items, scores)]
         for i, (s, (out, full), v) in enumerate(zip(items, outputs, verdicts)):
             if i >= self.options.examples:
                 break

@@ -62,7 +62,7 @@ from difftransformer.data.needle import (
     needle_prompt,
 )
 from difftransformer.eval.heldout import heldout_split, window_length
-from difftransformer.eval.lm import continuation_token_logprobs, until_eos
+from difftransformer.eval.lm import continuation_token_logprobs, first_place_share, until_eos
 from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
 
 DEPTHS = (0, 25, 50, 75, 100)
@@ -159,10 +159,7 @@ def forced_choice_scores(model, samples: list[NeedleSample], cfg: EvalConfig) ->
     for si, qi, _ in jobs:
         sample = samples[si]
         values = [logprob[(si, qi, ci)] for ci in range(len(sample.candidate_ids))]
-        best = max(values)
-        tied = [ci for ci, v in enumerate(values) if v >= best - 1e-9 * max(1.0, abs(best))]
-        target = sample.target_index[qi]
-        scores[si][qi] = 1.0 / len(tied) if target in tied else 0.0
+        scores[si][qi] = first_place_share(values, sample.target_index[qi])
     return scores
 
 
