@@ -342,3 +342,19 @@ def test_a_chosen_results_folder_never_loses_another_models_result(compared, tmp
     assert (shared / "heldout-loss.json").read_text() == kept
     assert main(["eval", "heldout-loss", b, "--out-dir", str(shared), "--force"]) == 0
     assert (shared / "heldout-loss.json").read_text() != kept
+
+
+def test_no_run_shows_no_result_of_other_settings_than_the_flags_ask(compared, tmp_path, capsys):
+    """`eval compare A B --no-run --split val` printed the stored test-split losses as if they were the val split's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compared / "transformer", a, ignore=shutil.ignore_patterns("eval"))
+    shutil.copytree(compared / "diff", b, ignore=shutil.ignore_patterns("eval"))
+    for model in (a, b):
+        assert main(["eval", "heldout-loss", str(model)]) == 0  # the test split
+    capsys.readouterr()
+    assert main(["eval", "compare", str(a), str(b), "--tasks", "heldout-loss", "--no-run", "--split", "val"]) == 0
+    out, err = capsys.readouterr()
+    assert "computed with other settings than these flags ask for" in err and "split" in err
+    assert "heldout-loss | loss" not in out
+    assert main(["eval", "compare", str(a), str(b), "--tasks", "heldout-loss", "--no-run"]) == 0  # as stored: shown
+    assert "heldout-loss | loss" in capsys.readouterr().out

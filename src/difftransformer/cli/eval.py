@@ -30,7 +30,13 @@ from difftransformer.cli.common import (
 )
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.comparison import compare_table
-from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
+from difftransformer.eval.results import (
+    ResultsDir,
+    StoredResultError,
+    comparable_settings,
+    differing_keys,
+    evaluate_cached,
+)
 from difftransformer.eval.task import OPTION_LIMIT, option_kind, shown, task_settings, weights_hash
 from difftransformer.experiments.evaluate import task_for_run
 from difftransformer.run_config import ConfigError
@@ -83,7 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cp.add_argument("model_b", metavar="MODEL_B", help="e.g. runs/demo/diff")
     cp.add_argument("--tasks", metavar="LIST", help="comma-separated subset of the tasks (default: all)")
     cp.add_argument("--out", metavar="FILE", help="also write the table to this Markdown file")
-    cp.add_argument("--no-run", action="store_true", help="only read stored results; run nothing")
+    cp.add_argument("--no-run", action="store_true",
+                    help="only read stored results; run nothing. A stored result is shown only when it was computed "
+                         "from these weights with the settings the other flags ask for (--split, --seq-len, "
+                         "--data-dir, --eval-seed, the tasks' default options); any other is named and left out")
     _add_shared(cp)
 
 
@@ -209,8 +218,24 @@ class _Model:
                 print(f"{name}: {self.results.json_path(name)} was computed from other weights than {self.path}'s; "
                       f"left out (run without --no-run to evaluate this model)", file=sys.stderr)
                 continue
+            differ = self._other_settings(name, record)
+            if differ:
+                print(f"{name}: {self.results.json_path(name)} was computed with other settings than these flags "
+                      f"ask for ({'; '.join(differ[:3])}); left out (run without --no-run, or pass the flags it was "
+                      f"run with)", file=sys.stderr)
+                continue
             out[name] = record
         return out
+
+    def _other_settings(self, name: str, record: dict[str, Any]) -> list[str]:
+        """Where a stored result's settings differ from what the flags ask (split, seq_len, data, eval seed, the
+        task's default options); [] when they match or the task cannot say (it cannot run on this model)."""
+        try:
+            wanted = comparable_settings(task_settings(self.task(name, {}), self.cfg))
+        except ValueError:
+            return []
+        stored = comparable_settings(record.get("settings", {}))
+        return [] if stored == wanted else differing_keys(stored, wanted)
 
     def task(self, name: str, options: dict[str, Any]) -> Task:
         return task_for_run(name, self.run, options)
