@@ -49,7 +49,15 @@ def _ctx(values):
             cells = [_cell("length1x-density1x", 1.0, 1.0, acc1, 0.9),
                      _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
             runs[arm, seed] = Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}})
-    return SimpleNamespace(arms=list(values), seeds=[0, 1, 2], runs=runs)
+    return _study(list(values), [0, 1, 2], runs)
+
+
+def _study(arms, seeds, runs, specs=None):
+    """What ood_section reads of a report's Context: arms, seeds, runs and each arm's definition in the manifest
+    (`spec`: by default the arm's name is its attention kind, as Context.spec says)."""
+    specs = specs or {}
+    return SimpleNamespace(arms=arms, seeds=seeds, runs=runs,
+                           spec=lambda arm: specs.get(arm) or {"name": arm, "attention": arm})
 
 
 def test_tables_differences_and_verdicts_follow_the_numbers(tmp_path):
@@ -80,7 +88,7 @@ def test_curves_along_length_and_density_are_the_means_over_seeds_with_their_t_i
         runs["diff", seed] = Run("diff", seed, None, evals={"ood": {"details": {"cells": cells}}})
     runs["transformer", 0] = Run("transformer", 0, None, evals={"ood": {"details": {"cells": [
         _cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, 0.4, 0.3)]}}})
-    ctx = SimpleNamespace(arms=["diff", "transformer"], seeds=[0, 1, 2], runs=runs)
+    ctx = _study(["diff", "transformer"], [0, 1, 2], runs)
     cells = {a: _cells(ctx, a) for a in ctx.arms}
     conditions = ["length1x-density1x", "length4x-density1x", "length1x-density1.5x"]
     half = 4.302653 * 0.01 / 3 ** 0.5  # t(0.975, 2) * std / sqrt(3) of 0.90, 0.92, 0.91
@@ -141,7 +149,7 @@ def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_w
     values = {"diff": (0.80, 0.70), "transformer": (0.60, 0.90), "diff_nope": (0.50, 0.50),
               "transformer_nope": (0.40, 0.40)}
     runs = {(a, s): run(a, s, acc + 0.01 * s * s, ad + 0.01 * s) for a, (acc, ad) in values.items() for s in (0, 1, 2)}
-    text = "\n".join(ood_section(SimpleNamespace(arms=list(values), seeds=[0, 1, 2], runs=runs)))
+    text = "\n".join(ood_section(_study(list(values), [0, 1, 2], runs)))
     control = text[text.index("`diff` as trained against each arm with adaptive temperature"):]
     # diff as trained (0.80 + 0.01 s^2) against the transformer with adaptive temperature (0.90 + 0.01 s)
     row = next(r for r in control.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
@@ -177,7 +185,7 @@ def test_the_retrieving_head_is_chosen_once_at_the_training_distribution_and_rea
     old = _diff_layers([[(0.4, 0.05, 0.05, 0.0)]], [[(0.0, -0.1, 0.0, 0.0)]], measured_apart=False)
     runs = {("transformer", 0): run("transformer", t_1x, t_4x), ("diff", 0): run("diff", d_1x, d_4x),
             ("diff_v2", 0): run("diff_v2", old, old)}
-    text = "\n".join(ood_section(SimpleNamespace(arms=["diff", "transformer", "diff_v2"], seeds=[0], runs=runs)))
+    text = "\n".join(ood_section(_study(["diff", "transformer", "diff_v2"], [0], runs)))
     target = _mechanism_table(text, "Share on the target")
     assert target["`transformer`"] == ["0.900", "0.300"]  # head 1 at 1x, still head 1 at 4x
     assert target["`diff`"] == ["0.800", "0.400"]  # head 0: 0.4 of 0.5 positive weight; at 4x 0.2 of 0.5
@@ -210,7 +218,7 @@ def test_runs_below_the_in_distribution_bar_are_listed_and_left_out_of_means_and
 
 
 def test_no_ood_results_no_section():
-    ctx = SimpleNamespace(arms=["diff"], seeds=[0], runs={("diff", 0): Run("diff", 0, None)})
+    ctx = _study(["diff"], [0], {("diff", 0): Run("diff", 0, None)})
     assert ood_section(ctx) == []
 
 
@@ -367,3 +375,9 @@ def test_an_arm_is_differential_by_its_attention_kind_not_its_name():
     text = "\n".join(ood_section(ctx))
     assert "### `v2` − each arm, accuracy (each arm with a single softmax map)" in text
     assert "### `diffuse` − each arm" not in text
+    for run in ctx.runs.values():  # runs read from folders record no identity: the manifest's arm definition
+        run.record = None
+    ctx.spec = lambda arm: {"name": arm, "attention": {"diffuse": "transformer", "v2": "diff_v2"}.get(arm, arm)}
+    folders = "\n".join(ood_section(ctx))
+    assert "### `v2` − each arm, accuracy (each arm with a single softmax map)" in folders
+    assert "### `diffuse` − each arm" not in folders

@@ -82,8 +82,7 @@ def _kind(ctx, arm: str) -> str:
     """The arm's attention kind, as its result files record it, else as the manifest defines the arm, else its
     name (which names the kind by default)."""
     recorded = next((k for i in _identities(ctx, arm) if (k := (i.get("model") or {}).get("attention"))), None)
-    spec = ctx.spec(arm) if hasattr(ctx, "spec") else {}
-    return recorded or spec.get("attention") or arm
+    return recorded or ctx.spec(arm).get("attention") or arm
 
 
 def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
