@@ -54,6 +54,26 @@ def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):
     assert f"| {b - a:.4g} |" in table
 
 
+def test_a_task_skipped_in_all_or_compare_is_named_and_exits_1(compared, capsys, tmp_path, monkeypatch):
+    """`eval all` and `eval compare` go on past a task that cannot run on a model, but the run did not measure
+    what it was asked to: the table says so and the exit code is not 0."""
+    from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+    def cannot(self, model, tokenizer, cfg):
+        raise ValueError("no held-out text here")
+
+    monkeypatch.setattr(HeldOutLoss, "run", cannot)
+    assert main(["eval", "all", str(compared / "diff"), "--tasks", "heldout-loss", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "heldout-loss: skipped: no held-out text here" in err[-2] and "skipped 1 task(s): heldout-loss" in err[-1]
+    out = tmp_path / "cmp.md"
+    assert main(["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks", "heldout-loss",
+                 "--force", "--out", str(out)]) == 1
+    table = out.read_text()
+    assert "- heldout-loss: skipped, " in table and "no held-out text here" in table
+    assert str(compared / "transformer") in table.split("- heldout-loss: skipped, ")[1]
+
+
 def test_every_task_has_help_with_its_options(capsys):
     for name in TASKS:
         with pytest.raises(SystemExit) as e:

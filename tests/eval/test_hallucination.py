@@ -250,6 +250,24 @@ def test_a_python_callable_judge_is_used_and_recorded(data, data_dir):
     assert result.details["subtasks"]["qa"]["examples"][0]["reason"] == "picky"
 
 
+def test_a_result_of_an_external_judge_is_judged_again_not_reused(data, data_dir, tmp_path):
+    """Two callables of one name (or an edited judge command) give other verdicts under the same settings: the
+    second must not reuse the first's result."""
+    from difftransformer.eval.results import ResultsDir, evaluate_cached
+
+    model, tok, results = CopyLM(data.vocab_size, data.tokenizer().eos_id), data.tokenizer(), ResultsDir(tmp_path)
+    verdicts = [True, False]
+    def judge(records):  # noqa: E306  (one name, two behaviours)
+        return [verdicts[0]] * len(records)
+
+    first, _ = evaluate_cached(task(samples=2, judge=judge, forced_choice=False), model, tok, cfg(data_dir), results)
+    verdicts.pop(0)
+    second, reused = evaluate_cached(task(samples=2, judge=judge, forced_choice=False), model, tok, cfg(data_dir),
+                                     results)
+    assert first["metrics"]["faithful"] == 1.0 and not reused and second["metrics"]["faithful"] == 0.0
+    assert task(samples=2).reusable() is None  # the built-in matching judge is fixed by its name
+
+
 def test_first_sentence_and_insertion_rules():
     assert hal.first_sentence(" Lyon. Then more") == "Lyon."
     assert hal.first_sentence(" 12,500.50 dollars. And") == "12,500.50 dollars."

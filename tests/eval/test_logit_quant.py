@@ -89,10 +89,12 @@ def test_two_bits_change_the_model_far_more_than_eight(kind):
 
     model = _peaked_model(kind)
     ids = torch.randint(0, 300, (2, 24))
-    ref = torch.log_softmax(model(ids).logits, -1)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits, -1)
 
     def kl(bits):
-        with inspect_attention(model, lambda i: (lambda s, vis: fake_quantize(s, vis, bits, "tensor"))):
+        quantise = lambda s, vis: fake_quantize(s, vis, bits, "tensor")  # noqa: E731
+        with inspect_attention(model, lambda i: quantise), torch.no_grad():
             got = torch.log_softmax(model(ids).logits, -1)
         return float((ref.exp() * (ref - got)).sum(-1).mean())
 
@@ -141,6 +143,12 @@ def test_the_task_at_eight_bits_equals_a_quantiser_written_by_hand(data_dir):
     change = want - plain.metrics["loss"]  # about -1.1e-4 here: 8 bits move the loss of peaked logits
     assert abs(change) > 5e-5
     assert result.metrics["loss_increase@tensor/8"] == pytest.approx(change, abs=2e-6)  # eager vs fused: ~3e-7
+    assert (result.settings["windows"], result.settings["tokens"], result.settings["seq_len"]) == (3, 96, 32)
+    capped = run_task(get_task("logit-quant", bits=(16,), granularity=("tensor",), windows=3, needle_samples=0),
+                      model, tok, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=2))
+    two = run_task("heldout-loss", model, tok, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=2))
+    assert capped.settings["windows"] == 2 and capped.metrics["loss@tensor/16"] == pytest.approx(
+        two.metrics["loss"], rel=1e-6)
 
 
 def test_a_foreign_model_is_refused(data_dir):

@@ -129,9 +129,11 @@ def test_short_documents_are_skipped_and_counts_are_capped(data_dir, tmp_path):
     only_long = run_task(get_task("long-context", length=between), model, None, cfg)
     longer = int(np.argmax(lengths))
     assert only_long.details["documents"] == [{"index": longer, "tokens": lengths[longer]}]
+    assert (only_long.settings["documents_in_split"], only_long.settings["documents_long_enough"]) == (2, 1)
     assert run_task(get_task("long-context", length=16, documents=1), model, None, cfg).settings["documents"] == 1
     capped = run_task(get_task("long-context", length=16), model, None, EvalConfig(data_dir=data_dir, max_windows=1))
     assert capped.details["documents"] == [{"index": 0, "tokens": lengths[0]}]
+    assert (capped.settings["documents"], capped.settings["documents_long_enough"]) == (1, 2)
     by_seq_len = run_task("long-context", model, None, EvalConfig(data_dir=data_dir, seq_len=12))
     assert by_seq_len.settings["length"] == 12 and by_seq_len.settings["train_length"] is None
     assert "nll_within_train_length" not in by_seq_len.metrics

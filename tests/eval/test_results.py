@@ -210,3 +210,37 @@ def test_numeric_options_are_bounded():
         get_task("test-echo", lengths=[4, 1e20])
     with pytest.raises(ValueError, match="EvalConfig.batch_size must be a positive integer up to"):
         EvalConfig(batch_size=10**20)
+
+
+def test_a_result_of_an_older_task_version_is_computed_again_and_replaced(tmp_path, monkeypatch):
+    """A metric fixed in a new task version must reach stored results: the old one is neither reused nor refused
+    as the user's work (it measured with code that is gone); a result stored before versions were recorded is
+    version 1, and the same version is reused."""
+    model, cfg, results, record = _saved(tmp_path)
+    assert record["settings"]["task_version"] == 1
+    legacy = json.loads(results.json_path("test-echo").read_text())
+    del legacy["settings"]["task_version"]  # written before versions were recorded: version 1
+    results.json_path("test-echo").write_text(json.dumps(legacy))
+    assert evaluate_cached(get_task("test-echo"), model, None, cfg, results)[1]  # reused: same version
+    monkeypatch.setattr(_Echo, "version", 2)
+    monkeypatch.setattr(_Echo, "run", lambda self, m, t, c: TaskResult(self.name, {"value": -1.0}, {}))
+    record, reused = evaluate_cached(get_task("test-echo"), model, None, cfg, results)
+    assert not reused and record["metrics"]["value"] == -1.0 and record["settings"]["task_version"] == 2
+    assert json.loads(results.json_path("test-echo").read_text())["settings"]["task_version"] == 2
+    assert evaluate_cached(get_task("test-echo"), model, None, cfg, results)[1]
+
+
+def test_a_task_that_refuses_reuse_runs_again(tmp_path, monkeypatch):
+    model, cfg, results, record = _saved(tmp_path)
+    monkeypatch.setattr(_Echo, "reusable", lambda self: "its judge may have changed")
+    logged = []
+    record, reused = evaluate_cached(get_task("test-echo"), model, None, cfg, results, log=logged.append)
+    assert not reused and any("not reusing" in line and "its judge may have changed" in line for line in logged)
+
+
+def test_compare_table_names_results_of_other_task_versions_and_skipped_tasks():
+    a = {"x": _record("x", {"acc": 0.5})}
+    b = {"x": {**_record("x", {"acc": 0.75}), "settings": {**_record("x", {})["settings"], "task_version": 2}}}
+    table = compare_table(a, b, ("a", "b"), ("t", "d"), skipped={"z": "runs/b: no held-out data"})
+    assert "x: not compared, the two results differ in task_version" in table and "| x | acc" not in table
+    assert "- z: skipped, runs/b: no held-out data" in table and "only one model has" not in table

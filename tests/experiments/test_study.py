@@ -24,6 +24,7 @@ from difftransformer.experiments import (
     write_report,
 )
 from difftransformer.experiments.config import baseline_arm
+from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.units import ResultFileError, find_results, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
@@ -595,6 +596,55 @@ def test_units_evaluated_with_other_options_are_refused_then_evaluated_again_on_
     study.compare = dataclasses.replace(study.compare, eval_options={})
     with pytest.raises(StudyMismatchError, match="is not on this machine to be evaluated again"):
         run_study(study, out, report=False, replace_results=True)
+
+
+def test_units_evaluated_by_an_older_task_version_are_evaluated_again_or_marked(data_dir, tmp_path, caplog,
+                                                                               monkeypatch):
+    """A metric fixed in a new task version reaches a study's stored results: a unit whose model is here is
+    evaluated again; one whose model is gone keeps its numbers, and the report names them as an older version's."""
+    from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+    study = _arms_study(data_dir, ["diff", "transformer"])
+    study.compare = StudyConfig(arms=["diff", "transformer"], sample_tokens=2, eval_tasks=["heldout-loss"])
+    out = run_study(study, tmp_path / "study", report=False)
+    folder = StudyDir(out)
+    version = lambda arm: json.loads((folder.results / f"{arm}.json").read_text())[  # noqa: E731
+        "evals"]["heldout-loss"]["settings"]["task_version"]
+    assert version("diff") == version("transformer") == 1
+    monkeypatch.setattr(HeldOutLoss, "version", 2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="difftransformer.experiments"):
+        run_study(study, out, report=False)
+    assert caplog.text.count("evaluating heldout-loss again: computed by an older version") == 2
+    assert version("diff") == version("transformer") == 2
+    shutil.rmtree(folder.run_dir("diff", 0, multi_seed=False).final)  # no model left to evaluate again
+    monkeypatch.setattr(HeldOutLoss, "version", 3)
+    caplog.clear()
+    run_study(study, out)
+    assert "diff: heldout-loss computed by an older version of the task (version 2, now 3)" in caplog.text
+    assert version("diff") == 2 and version("transformer") == 3
+    report = folder.report.read_text()
+    assert "**heldout-loss (version 2, now 3)** was computed by an older version of the task for 1 of 2 units " \
+           "(diff seed 0)" in report
+
+
+def test_a_report_from_run_folders_leaves_out_results_of_other_weights(data_dir, tmp_path, caplog):
+    """Without result files, the report reads each run's eval/ folder: a result another model wrote there is
+    not this run's."""
+    study = _arms_study(data_dir, ["diff", "transformer"])
+    study.compare = StudyConfig(arms=["diff", "transformer"], sample_tokens=2, eval_tasks=["heldout-loss"])
+    out = run_study(study, tmp_path / "study", report=False)
+    folder = StudyDir(out)
+    diff_eval = folder.run_dir("diff", 0, multi_seed=False).evals
+    theirs = json.loads((diff_eval / "heldout-loss.json").read_text())
+    theirs["task"] = "long-context"  # the diff model's result, planted in the transformer's folder
+    planted = folder.run_dir("transformer", 0, multi_seed=False).evals / "long-context.json"
+    planted.write_text(json.dumps(theirs))
+    shutil.rmtree(folder.results)
+    run = Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False))
+    assert sorted(run.evals) == ["heldout-loss"] and "long-context.json was computed from other weights" in caplog.text
+    shutil.rmtree(folder.run_dir("transformer", 0, multi_seed=False).final)
+    assert Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False)).evals == {}
 
 
 def test_a_run_of_an_arms_earlier_recipe_is_never_written_up_under_its_new_one(data_dir, tmp_path):

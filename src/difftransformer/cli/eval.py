@@ -335,9 +335,10 @@ def _print_metrics(name: str, record: dict[str, Any]) -> None:
         print(f"  {key:<32} {value:.4g}" if isinstance(value, float) else f"  {key:<32} {value}")
 
 
-def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dict[str, Any]]:
-    """Every named task on one model; a task that cannot run on it (no held-out data, say) is named
-    and skipped, so that the others still run."""
+def _evaluate_all(model: _Model, names: list[str], force: bool,
+                  skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every named task on one model; a task that cannot run on it (no held-out data, say) is named,
+    recorded in `skipped` ({task: why}) and left out, so that the others still run."""
     out = {}
     for name in names:
         if not _reads_seq_len(name, model.cfg.seq_len, alone=False):
@@ -348,7 +349,18 @@ def _evaluate_all(model: _Model, names: list[str], force: bool) -> dict[str, dic
             raise
         except ValueError as e:
             print(f"{name}: skipped: {e}", file=sys.stderr)
+            skipped[name] = "; ".join(filter(None, [skipped.get(name), f"{model.path}: {e}"]))
     return out
+
+
+def _skipped_status(skipped: dict[str, str]) -> int:
+    """1 when a task was skipped (the run did not measure everything it was asked to), with one line naming
+    them; 0 otherwise."""
+    if not skipped:
+        return 0
+    print(f"skipped {len(skipped)} task(s): {', '.join(sorted(skipped))} (reasons above); exit status 1",
+          file=sys.stderr)
+    return 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -361,26 +373,28 @@ def run(args: argparse.Namespace) -> int:
         names = _task_names(args)
         if not (args.no_run or args.force):
             _refuse_replacing(a.conflicts(names) + b.conflicts(names), "--no-run to compare the stored results")
+        skipped: dict[str, str] = {}
         if args.no_run:
             ra, rb = a.stored(names), b.stored(names)
         else:
-            ra, rb = _evaluate_all(a, names, args.force), _evaluate_all(b, names, args.force)
+            ra, rb = _evaluate_all(a, names, args.force, skipped), _evaluate_all(b, names, args.force, skipped)
         table = compare_table(ra, rb, (args.model, args.model_b),
-                              (a.model.config.attention, b.model.config.attention))
+                              (a.model.config.attention, b.model.config.attention), skipped=skipped)
         print(table)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(args.out, table + "\n")
             print(f"wrote {args.out}", file=sys.stderr)
-        return 0
+        return _skipped_status(skipped)
     model = _Model(args.model, args)
     if args.task == ALL:
         names = _task_names(args)
         if not args.force:
             _refuse_replacing(model.conflicts(names), "--tasks to leave those tasks out")
-        for name, record in _evaluate_all(model, names, args.force).items():
+        skipped = {}
+        for name, record in _evaluate_all(model, names, args.force, skipped).items():
             _print_metrics(name, record)
-        return 0
+        return _skipped_status(skipped)
     record = model.evaluate(model.task(args.task, _options(args)), args.force)
     _print_metrics(args.task, record)
     return 0

@@ -30,8 +30,9 @@ def _fmt(value: Any) -> str:
 
 def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     sa, sb = comparable_settings(a.get("settings", {})), comparable_settings(b.get("settings", {}))
+    out = ["task_version"] if sa["task_version"] != sb["task_version"] else []
     keys = sorted({*sa["eval_config"], *sb["eval_config"]})
-    out = [k for k in keys if sa["eval_config"].get(k) != sb["eval_config"].get(k) and k != "data_dir"]
+    out += [k for k in keys if sa["eval_config"].get(k) != sb["eval_config"].get(k) and k != "data_dir"]
     okeys = sorted({*sa["options"], *sb["options"]})
     out += [k for k in okeys if sa["options"].get(k) != sb["options"].get(k)]
     # data_dir may differ (each run's own folder); the held-out text it holds may not
@@ -40,8 +41,9 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def compare_table(results_a: dict[str, dict[str, Any]], results_b: dict[str, dict[str, Any]],
-                  names: tuple[str, str], kinds: tuple[str, str]) -> str:
-    """A Markdown table of every metric both models have, with the paper's numbers beside them."""
+                  names: tuple[str, str], kinds: tuple[str, str], skipped: dict[str, str] | None = None) -> str:
+    """A Markdown table of every metric both models have, with the paper's numbers beside them; a note for
+    each task the two do not share and each task in `skipped` ({task: why it could not run})."""
     head = (f"| task | metric | A: {kinds[0]} | B: {kinds[1]} | B - A | paper T | paper DIFF | paper ref |\n"
             f"|---|---|---|---|---|---|---|---|")
     rows, notes = [], []
@@ -59,9 +61,10 @@ def compare_table(results_a: dict[str, dict[str, Any]], results_b: dict[str, dic
             rows.append(f"| {task} | {metric} | {_fmt(va)} | {_fmt(vb)} | {_fmt(delta)} | "
                         f"{_fmt(paper.transformer) if paper else ''} | {_fmt(paper.diff) if paper else ''} | "
                         f"{paper.ref if paper else ''} |")
-    only = sorted(set(results_a) ^ set(results_b))
+    only = sorted((set(results_a) ^ set(results_b)) - set(skipped or {}))
     if only:
         notes.append(f"- only one model has: {', '.join(only)}")
+    notes += [f"- {task}: skipped, {why}" for task, why in sorted((skipped or {}).items())]
     lines = [f"A = {names[0]} ({kinds[0]}), B = {names[1]} ({kinds[1]}); one model each, one seed: "
              f"a difference here is not yet a finding (studies over seeds give intervals).", "", head, *rows]
     if not rows:

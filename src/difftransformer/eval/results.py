@@ -6,12 +6,15 @@
     record, reused = evaluate_cached(task, model, tokenizer, cfg, results)   # both in one call
 
 A stored result is reused only when it belongs to the same weights (sha256 of every tensor), the
-same settings (the task's options and the EvalConfig fields that change numbers), the same
+same task version (Task.version), the same settings (the task's options and the EvalConfig fields that
+change numbers), the same
 prepared data (eval.task.data_identity: not just the same folder name) and its figure is the one
-saved with it (the JSON records the PNG's sha256). A file that cannot be read or does not have a
+saved with it (the JSON records the PNG's sha256), and the task does not refuse reuse (Task.reusable:
+an external judge's code may have changed behind its name). A file that cannot be read or does not have a
 result's shape (a hand edit, a foreign JSON), or one of other weights, means the task runs again;
 nothing is ever merged or guessed. A result of these weights with other settings is the user's
-work: it is never replaced without `force` (StoredResultError names the settings that differ).
+work: it is never replaced without `force` (StoredResultError names the settings that differ); one of
+an older task version measured with code that is gone, and is replaced.
 One writer at a time per folder: evaluate_cached holds the folder's lock (_io.folder_lock).
 """
 
@@ -33,9 +36,11 @@ FIGURE_HASH = "figure_sha256"  # provenance key: the sha256 of the PNG saved wit
 
 
 def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The part of a result's settings that decides its numbers (the run's own bookkeeping left out)."""
+    """The part of a result's settings that decides its numbers (the run's own bookkeeping left out); a result
+    stored before task versions were recorded is version 1."""
     cfg = {k: v for k, v in settings.get("eval_config", {}).items() if k not in UNSCORED}
-    return {"eval_config": cfg, "options": settings.get("options", {}), "data": settings.get("data")}
+    return {"task_version": settings.get("task_version", 1), "eval_config": cfg,
+            "options": settings.get("options", {}), "data": settings.get("data")}
 
 
 def is_result_record(data: Any, task: str) -> bool:
@@ -140,8 +145,9 @@ class ResultsDir:
         file and the settings that differ: a result for these very weights with other settings (the task's
         options and the EvalConfig, the user's choices), or, in a folder that is not one model's own (`own`),
         a result of other weights (another model's). None when there is none: no result, a broken one, one
-        with these settings, or, in a model's own folder, one of other weights or of a data folder prepared
-        again since (it measured a model or text that is gone)."""
+        with these settings or of another task version (it measured with code that is gone), or, in a model's
+        own folder, one of other weights or of a data folder prepared again since (it measured a model or text
+        that is gone)."""
         stored = self.load(task)
         if stored is None:
             return None
@@ -151,7 +157,8 @@ class ResultsDir:
                 return None
             return f"{self.json_path(task)} holds {task}'s result for other weights ({str(theirs)[:12]}), " \
                    f"perhaps another model's"
-        chosen = lambda d: {k: v for k, v in comparable_settings(d).items() if k != "data"}  # noqa: E731
+        chosen = lambda d: {k: v for k, v in comparable_settings(d).items()  # noqa: E731
+                            if k not in ("data", "task_version")}
         old, new = chosen(stored.get("settings", {})), chosen(settings)
         if old == new:
             return None
@@ -216,7 +223,10 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
     settings = task_settings(task, cfg)
     with folder_lock(results.path, purpose="wait for it to finish, or keep these results in another folder "
                                            "(eval --out-dir DIR)"):
-        cached = None if force else results.cached(task.name, digest, settings)
+        refused = task.reusable()
+        cached = None if force or refused else results.cached(task.name, digest, settings)
+        if refused and log and results.load(task.name) is not None:
+            log(f"{task.name}: not reusing {results.json_path(task.name)}: {refused}")
         if cached is not None:
             if log:
                 log(f"{task.name}: reusing {results.json_path(task.name)} (same weights and settings)")

@@ -134,13 +134,18 @@ class Task(abc.ABC):
     black-box tasks see logits only and run on any causal LM with the `eval/lm.py` interface.
     reads_seq_len: the task's window or prompt length follows EvalConfig.seq_len (`eval --seq-len`); tasks
     that size their prompts themselves say False, so a --seq-len given to them is refused or noted, not
-    silently ignored."""
+    silently ignored.
+    version: the version of what the task measures, recorded in every result (settings["task_version"]). Raise
+    it whenever a change can alter a metric's value on the same weights and settings (a fixed metric, another
+    rule), so that results stored before it are computed again rather than reused; results stored before
+    versions were recorded read as version 1."""
 
     name: ClassVar[str]
     description: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     white_box: ClassVar[bool] = False
     reads_seq_len: ClassVar[bool] = True
+    version: ClassVar[int] = 1
 
     def __init__(self, options: Any = None, **overrides: Any):
         """`options`: an instance of `Options` (default: its defaults); `overrides`: fields to change."""
@@ -166,6 +171,11 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         """Evaluate `model` (in eval mode, on cfg.device) and return its result."""
+
+    def reusable(self) -> str | None:
+        """Why a stored result of this task may not be reused although its weights and settings match (None: it
+        may). A task whose result depends on code its settings only name (an external judge) says so here."""
+        return None
 
     def plot(self, result: TaskResult, path: Path) -> bool:
         """Draw the result as the paper's figure into the PNG `path`; False when the task has none."""
@@ -209,10 +219,10 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def task_settings(task: Task, cfg: EvalConfig) -> dict[str, Any]:
-    """The settings every result records besides the task's own: the EvalConfig, the task's options, and
-    which prepared data cfg.data_dir held (`data_identity`: a folder prepared again with other text under
-    the same name gives other numbers, so a stored result is not reused for it)."""
-    settings: dict[str, Any] = {"eval_config": dataclasses.asdict(cfg)}
+    """The settings every result records besides the task's own: the task's version, the EvalConfig, the
+    task's options, and which prepared data cfg.data_dir held (`data_identity`: a folder prepared again with
+    other text under the same name gives other numbers, so a stored result is not reused for it)."""
+    settings: dict[str, Any] = {"task_version": task.version, "eval_config": dataclasses.asdict(cfg)}
     if task.Options is not NoOptions:
         settings["options"] = task.options_dict()
     if cfg.data_dir is not None:

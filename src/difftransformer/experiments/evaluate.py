@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer.data import Tokenizer
-from difftransformer.eval import EvalConfig, Task, get_task
+from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.results import ResultsDir, StoredResultError, differing_keys, evaluate_cached
 from difftransformer.eval.task import weights_hash
 from difftransformer.train import RunDir, load_model
@@ -89,5 +89,33 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
 
 
 def stored_results(run: RunDir) -> dict[str, dict[str, Any]]:
-    """The evaluation results stored for a run, by task (for reports: nothing is computed)."""
-    return ResultsDir(run.evals).all()
+    """The evaluation results stored for the run's final model, by task (for reports: nothing is computed).
+    A result of other weights in its eval/ folder (of an earlier final model, or copied in) is logged and left
+    out, never reported as this run's; without a final model none can be told to be its: {}."""
+    found = ResultsDir(run.evals).all()
+    if not found or not run.has_final():
+        return {}
+    digest = weights_hash(load_model(run.final, "cpu").model)
+    own = {}
+    for name, record in found.items():
+        if record.get("provenance", {}).get("weights_sha256") == digest:
+            own[name] = record
+        else:
+            log.warning("%s: %s was computed from other weights than %s; left out", run.path,
+                        ResultsDir(run.evals).json_path(name), run.final)
+    return own
+
+
+def outdated_evaluations(evals: dict[str, Any], tasks: list[str]) -> dict[str, str]:
+    """{task: "version 1, now 2"} for each of `tasks` whose stored result in `evals` was computed by an older
+    version of the task (Task.version): code that has changed since measured it. Results stored before
+    versions were recorded are version 1; a task this package no longer has is left out."""
+    out = {}
+    for name in tasks:
+        settings = (evals.get(name) or {}).get("settings")
+        if not isinstance(settings, dict) or name not in TASKS:
+            continue
+        stored, now = settings.get("task_version", 1), get_task(name).version
+        if stored != now:
+            out[name] = f"version {stored}, now {now}"
+    return out

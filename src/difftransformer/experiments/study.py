@@ -33,7 +33,7 @@ from difftransformer._io import atomic_write_text, folder_lock
 from difftransformer.data import DataConfig, PreparedData, ensure_data
 from difftransformer.experiments.ablations import Arm, parse_arm
 from difftransformer.experiments.config import Size, StudyConfig, baseline_arm
-from difftransformer.experiments.evaluate import stale_evaluations
+from difftransformer.experiments.evaluate import outdated_evaluations, stale_evaluations
 from difftransformer.experiments.pairing import paired_init
 from difftransformer.experiments.provenance import hardware, invocation
 from difftransformer.experiments.report.runs import Run
@@ -377,12 +377,21 @@ class _Cell:
         tasks = self.study.compare.eval_tasks
         stale = frozenset(self._stale(path)) if done and self.replace else frozenset()
         if done:
-            missing = sorted(set(tasks) - set((read_result(path) or {}).get("evals", {})))
-            if not (missing or stale) or not run.has_final():
+            evals = (read_result(path) or {}).get("evals") or {}
+            missing = sorted(set(tasks) - set(evals))
+            outdated = outdated_evaluations(evals, tasks)
+            if not (missing or stale or outdated) or not run.has_final():
                 if missing:
                     log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
                                 ", ".join(missing))
+                if outdated:
+                    log.warning("%s: %s computed by an older version of the task (%s) and no final model here to "
+                                "evaluate again; the report marks these results", unit.label(),
+                                ", ".join(outdated), "; ".join(outdated.values()))
                 return
+            if outdated:
+                log.info("%s: evaluating %s again: computed by an older version of the task (%s)", unit.label(),
+                         ", ".join(outdated), "; ".join(outdated.values()))
         if not run.is_finished(train_cfg.max_steps):
             return
         from difftransformer.experiments.evaluate import evaluate_run
@@ -395,8 +404,7 @@ class _Cell:
                              options=self.study.compare.eval_options, replace=stale)
         rep = self.study.compare
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
-        result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps)
-        result.evals = evals  # this model's results of the study's tasks, not whatever else lies in its eval/
+        result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps, evals=evals)  # the study's tasks only
         result.parameters = DiffTransformerLM(config, device="meta").num_parameters()
         arm = self.study.arm(unit.arm)
         write_result(path, result.to_record(unit, identity, arm=arm.to_dict(), train_config=_recipe(train_cfg),

@@ -62,7 +62,8 @@ class LogitQuantOptions:
                                                                            "reference"})
     granularity: tuple[str, ...] = field(default=GRANULARITIES, metadata={
         "help": "scale per 'tensor' (sequence, layer, map) and/or per 'row' (query row of a head)"})
-    windows: int = field(default=32, metadata={"help": "held-out windows (of the model's context) for the loss"})
+    windows: int = field(default=32, metadata={"help": "held-out windows (of the model's context) for the loss; "
+                                                       "EvalConfig.max_windows caps it too"})
     needle_samples: int = field(default=40, metadata={
         "help": "forced-choice needle prompts for the accuracy (0: loss only)"})
     needle_length: int = field(default=0, metadata={"help": "needle prompt length in tokens (0: the model's "
@@ -76,6 +77,7 @@ class LogitQuant(Task):
                    "16/8/6/4 bits (dynamic absmax, per tensor and per row)")
     Options = LogitQuantOptions
     white_box = True
+    version = 2  # 2: EvalConfig.max_windows caps the loss windows, as in heldout-loss (version 1 ignored it)
 
     def check_options(self) -> None:
         o = self.options
@@ -96,7 +98,7 @@ class LogitQuant(Task):
         o = self.options
         held = heldout_split(cfg, tokenizer, self.name)  # read (and re-tokenised) once for every cell
         seq_len = window_length(model, cfg)
-        windows = loss_windows(held, seq_len, o.windows)
+        windows = loss_windows(held, seq_len, min(o.windows, cfg.max_windows or o.windows))
         text = (held.tokens, seq_len, windows)
         samples = self._needle_samples(model, tokenizer, cfg) if o.needle_samples else None
         cells: dict[str, dict[str, float]] = {}
@@ -115,7 +117,8 @@ class LogitQuant(Task):
         return TaskResult(
             task=self.name, metrics=metrics,
             settings={"formula": "s = max|x| / (2^(b-1) - 1) over visible entries; x_hat = round(x / s) * s",
-                      "unquantised_bits": UNQUANTISED_BITS, "data_dir": cfg.data_dir, "split": cfg.split,
+                      "unquantised_bits": UNQUANTISED_BITS, **held.settings(), "seq_len": seq_len,
+                      "windows": windows, "tokens": windows * seq_len,
                       "needle": None if samples is None else {"prompts": len(samples), "length": self._length(model)}},
             details={"cells": cells, "reference": reference})
 

@@ -181,6 +181,7 @@ class Outliers(Task):
     description = "top-1/2/3/10/100 and median of |attention logits| and |hidden states| on held-out text (Table 5)"
     Options = OutlierOptions
     white_box = True
+    version = 2  # 2: NaN counts are metrics (`<kind>_nans`); version 1 left NaNs out of every metric silently
 
     def check_options(self) -> None:
         if self.options.tokens < 1:

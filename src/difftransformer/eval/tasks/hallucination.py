@@ -315,6 +315,7 @@ class HallucinationOptions:
 class Hallucination(Task):
     name = "hallucination"
     reads_seq_len = False  # prompt lengths come from its own options and the model's context
+    version = 2  # 2: a k-way tie at the top of a forced choice earns 1/k (version 1 counted it as wrong)
     description = ("contextual hallucination: fraction of greedy answers judged faithful to facts inserted in "
                    "held-out text (QA, counterfactual, summary), plus a forced choice")
     Options = HallucinationOptions
@@ -331,6 +332,13 @@ class Hallucination(Task):
     def judge(self):
         """The judge the options name (or the callable given)."""
         return self._judge or make_judge(self.options.judge, self.options.judge_timeout)
+
+    def reusable(self) -> str | None:
+        """Only the built-in matching judge is fixed by its name: a Python function or a command may give other
+        verdicts tomorrow under the same name, so their results are judged again, never reused."""
+        if self._judge is None and self.options.judge == "match":
+            return None
+        return f"the judge {self.options.judge!r} may give other verdicts under the same name"
 
     def check_options(self) -> None:
         o = self.options

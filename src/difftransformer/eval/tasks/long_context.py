@@ -136,16 +136,17 @@ class LongContext(Task):
                              f"(the longest has {longest}; shorter documents are skipped); use --length {longest} "
                              f"or less")
         cap = min(self.options.documents or len(chosen), cfg.max_windows or len(chosen))
-        chosen = chosen[:cap]
+        long_enough, chosen = len(chosen), chosen[:cap]
         totals = _Totals(torch.zeros(length, dtype=torch.float64))
         for i in range(0, len(chosen), cfg.batch_size):
             seqs = np.stack([np.concatenate(([split.eos_id], docs[j][:length])) for j in chosen[i:i + cfg.batch_size]])
             seqs = torch.from_numpy(seqs.astype(np.int64))
             totals.add(token_nll(model, seqs.to(cfg.device)).double().cpu(), ar_hits(seqs)[:, 1:])
-        return self._result(totals, length, chosen, [len(docs[i]) for i in chosen], split, cfg)
+        counts = {"documents_in_split": len(docs), "documents_long_enough": long_enough}
+        return self._result(totals, length, chosen, [len(docs[i]) for i in chosen], split, cfg, counts)
 
     def _result(self, totals: _Totals, length: int, chosen: list[int], doc_lengths: list[int],
-                split: HeldOutSplit, cfg: EvalConfig) -> TaskResult:
+                split: HeldOutSplit, cfg: EvalConfig, counts: dict[str, int]) -> TaskResult:
         per_position = totals.position_sum / totals.documents  # (L,)
         cumulative = per_position.cumsum(0) / torch.arange(1, length + 1, dtype=torch.float64)
         buckets = [{"first": lo, "last": hi, "nll": float(per_position[lo - 1:hi].mean())}
@@ -170,7 +171,7 @@ class LongContext(Task):
             metrics=metrics,
             settings={**split.settings(), "length": length, "documents": len(chosen),
                       "tokens": totals.documents * length, "train_length": train_length or None,
-                      "short_documents": "skipped"},
+                      "short_documents": "skipped", **counts},
             details={"positions_nll": per_position.tolist(), "cumulative_nll": cumulative.tolist(),
                      "buckets": buckets, "slices": slices,
                      "documents": [{"index": i, "tokens": n} for i, n in zip(chosen, doc_lengths)]},

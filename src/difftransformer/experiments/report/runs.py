@@ -41,14 +41,18 @@ class Run:
     record: dict[str, Any] | None = None  # the result file it was read from
 
     @classmethod
-    def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None) -> Run:
+    def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None, *,
+             evals: dict[str, dict[str, Any]] | None = None) -> Run:
+        """The run in `run_dir`; `evals`: its evaluation results when the caller has them (a study that has
+        just evaluated it), else those stored for its final model (`stored_results`)."""
         series = run_dir.metric_series()
         max_steps = run_dir.max_steps()
         max_steps = max_steps if max_steps is not None else default_max_steps
         last = run_dir.last_step(series)
         cached = run_dir.read_json(run_dir.samples)
         return cls(arm, seed, run_dir, series.train, series.val, max_steps, run_dir.read_json(run_dir.model_config),
-                   last, max_steps is not None and last >= max_steps, stored_results(run_dir),
+                   last, max_steps is not None and last >= max_steps,
+                   stored_results(run_dir) if evals is None else dict(evals),
                    cached.get("samples"))
 
     @classmethod

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from difftransformer.eval.paper import paper_number
+from difftransformer.experiments.evaluate import outdated_evaluations
 from difftransformer.experiments.report.fmt import (
     Lines,
     code_span,
@@ -283,7 +284,7 @@ def evaluation(ctx: Context) -> Lines:
          "seeds both have, with its interval and the paired t-test. Holm p adjusts an arm's p-values over its rows: "
          "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests. "
          "The paper's values (3B-13B models, long "
-         "contexts) are a reference for direction, not a target at this scale.", ""]
+         "contexts) are a reference for direction, not a target at this scale.", "", *_outdated(ctx)]
     for arm in ctx.others:
         found = []
         for task, metric in metrics:
@@ -314,11 +315,26 @@ def _evaluation_one_seed(ctx: Context) -> Lines:
     L = ["## Evaluation", "",
          f"The paper's measurements on each arm's final model (seed {seed}; `difftransformer eval`, results in each "
          f"run's eval/ folder and its result file, protocols in docs/evaluation.md), beside the paper's numbers for "
-         f"its 3B models. One model per arm: these are observations, not verdicts.", ""]
+         f"its 3B models. One model per arm: these are observations, not verdicts.", "", *_outdated(ctx)]
     for arm in ctx.others:
         names = (f"{ctx.study.path.name}/{ctx.baseline}", f"{ctx.study.path.name}/{arm}")
         L += [compare_table(found.get(ctx.baseline, {}), found.get(arm, {}), names, (ctx.baseline, arm)), ""]
     return L
+
+
+def _outdated(ctx: Context) -> Lines:
+    """A note per task whose stored results some units got from an older version of the task (Task.version):
+    their numbers are shown, but may differ from what the task measures now."""
+    found: dict[str, list[str]] = {}
+    for (arm, seed), run in sorted(ctx.runs.items()):
+        for task, what in outdated_evaluations(run.evals, list(run.evals)).items():
+            found.setdefault(f"{task} ({what})", []).append(f"{arm} seed {seed}")
+    if not found:
+        return []
+    return [*(f"- **{task}** was computed by an older version of the task for {len(units)} of {len(ctx.runs)} "
+              f"units ({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}): docs/evaluation.md (task versions) "
+              f"says what changed; `compare` evaluates them again where their models are." for task, units in
+              found.items()), ""]
 
 
 def _eval_metrics(ctx: Context) -> list[tuple[str, str]]:
