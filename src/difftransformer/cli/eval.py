@@ -206,7 +206,7 @@ class _Model:
         weights (an earlier final/, another model sharing the folder) is named and left out, never shown
         as this model's."""
         out = {}
-        for name in names:  # a broken file is named, not taken for a missing one (EC08, EC12)
+        for name in names:  # a broken file is named, not taken for a missing one
             problem = self.results.problem(name)
             if problem is not None:
                 print(f"{name}: {self.results.json_path(name)} is not a readable result ({problem}); delete it or "

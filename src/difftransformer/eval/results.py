@@ -95,7 +95,7 @@ class ResultsDir:
         return self._read(task)[0]
 
     def problem(self, task: str) -> str | None:
-        """Why the stored `<task>.json` is not a readable result (EC08, EC12: a hand edit, broken JSON), for
+        """Why the stored `<task>.json` is not a readable result (a hand edit, broken JSON), for
         a caller that must name the file rather than treat it as absent; None when it is one or is absent."""
         return self._read(task)[1]
 

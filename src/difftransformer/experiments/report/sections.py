@@ -333,7 +333,8 @@ def _outdated(ctx: Context) -> Lines:
         return []
     return [*(f"- **{task}** was computed by an older version of the task for {len(units)} of {len(ctx.runs)} "
               f"units ({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}): docs/evaluation.md (task versions) "
-              f"says what changed; `compare` evaluates them again where their models are." for task, units in
+              f"says what changed and which results it cannot change; `compare` evaluates them again where their "
+              f"models are." for task, units in
               found.items()), ""]
 
 
