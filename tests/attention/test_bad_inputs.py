@@ -23,8 +23,8 @@ def _mha_inputs(B=2, T=8, d=4):
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 @pytest.mark.parametrize("which", [1, 2])
 def test_differential_attention_refuses_k_or_v_on_another_device(backend, which):
-    """k or v on another device than q ('meta' here) gave finite garbage under 'auto' and 'cpp'
-    (the C++ kernel read their data pointers as CPU memory); now one error names the devices."""
+    """k or v on another device than q ('meta' here) is refused by every backend in one error naming the devices and
+    the fix: no kernel reads another device's data pointers as CPU memory."""
     q, k, v = _diff_inputs()
     args = [q, k, v]
     args[which] = args[which].to("meta")
@@ -35,7 +35,8 @@ def test_differential_attention_refuses_k_or_v_on_another_device(backend, which)
 
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_multihead_attention_refuses_k_on_another_device(backend):
-    """multihead_attention with k on 'meta' and backend 'cpp' returned garbage (off by 3.7)."""
+    """multihead_attention with k on another device than q ('meta' here) gets the same one-device error on every
+    backend."""
     q, k, v = _mha_inputs()
     with pytest.raises(ValueError, match=r"q, k, v must be on one device; got cpu, meta, cpu"):
         multihead_attention(q, k.to("meta"), v, backend=backend)
@@ -43,8 +44,8 @@ def test_multihead_attention_refuses_k_on_another_device(backend):
 
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_attention_refuses_a_key_padding_mask_on_another_device(backend):
-    """A key_padding_mask on 'meta' with q on CPU was read as garbage by the C++ kernel
-    (off by 1.9e34 under 'auto'); now the same one-device error, naming the mask."""
+    """A key_padding_mask on another device than q ('meta' here) gets the one-device error, naming the mask, from
+    both functions on every backend."""
     q, k, v = _diff_inputs()
     mask = torch.ones(2, 8, dtype=torch.bool, device="meta")
     with pytest.raises(ValueError,
@@ -57,8 +58,8 @@ def test_attention_refuses_a_key_padding_mask_on_another_device(backend):
 
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_attention_refuses_integer_tensors(backend):
-    """int64 q, k, v gave torch's "expected m1 and m2 to have the same dtype" from inside the
-    backend; now the error names the dtypes and asks for floating point."""
+    """Integer q, k, v (int64) are refused on every backend, naming the dtypes and asking for floating point
+    (`.float()`)."""
     q, k, v = _diff_inputs()
     with pytest.raises(TypeError, match=r"q, k, v must be floating point; got torch.int64, torch.int64, "
                                         r"torch.int64.*\.float\(\)"):
@@ -70,8 +71,7 @@ def test_attention_refuses_integer_tensors(backend):
 
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_multihead_attention_batch_mismatch_names_the_shapes(backend):
-    """k, v of batch 1 with q of batch 2 gave the kernel's "flash_cpu: expected k (B, C h_kv, S, d)"
-    without shapes; now the error names the three shapes."""
+    """k, v of batch 1 with q of batch 2: the error names the same-batch rule and the three shapes."""
     q, k, v = _mha_inputs()
     with pytest.raises(ValueError, match=r"same batch.*\(2, 4, 8, 4\), \(1, 2, 8, 4\), \(1, 2, 8, 4\)"):
         multihead_attention(q, k[:1], v[:1], backend=backend)

@@ -109,8 +109,8 @@ def test_kernel_times_counts_each_operator_per_call():
 
 
 def test_kernel_times_silences_the_profilers_start_warning(monkeypatch, recwarn):
-    """torch 2.10-2.11 warn "Profiler clears events at the end of each cycle" as the profiler starts
-    (the H100 logs of 2026-11-24 carry it): the filter must be in place before the profiler is entered."""
+    """torch 2.10-2.11 warn "Profiler clears events at the end of each cycle" as the profiler starts: the filter must
+    be in place before the profiler is entered."""
     import warnings
 
     from torch.profiler import profiler

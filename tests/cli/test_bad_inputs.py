@@ -107,8 +107,8 @@ def test_a_read_only_out_dir(workdir, tmp_path, capsys):
 
 
 def test_weights_of_a_wrong_dtype_are_one_line_for_every_command(compared, tmp_path, capsys):
-    """Integer or bool "weights" were cast silently (generate, eval, train --init-from ran on them) and convert
-    printed a traceback: refused at load, naming the file, the tensor and its dtype."""
+    """Integer or bool "weights" are refused at load by generate, eval and convert, in one line naming the file, the
+    tensor and its dtype: never cast silently and run on, and convert writes nothing."""
     from safetensors.torch import load_file, save_file
 
     final = shutil.copytree(compared / "diff" / "final", tmp_path / "final")
@@ -123,8 +123,8 @@ def test_weights_of_a_wrong_dtype_are_one_line_for_every_command(compared, tmp_p
 
 
 def test_a_second_conversion_into_one_destination_fails_at_once(compared, tmp_path, capsys):
-    """A conversion into DST holds the flock of its `.DST.converting-PID` folder; a second one into DST is
-    refused before reading anything (it failed only at the end, after all the work)."""
+    """A conversion into DST holds the flock of its `.DST.converting-PID` folder; a second one into DST is refused at
+    once, before reading anything, not at the end after all its work."""
     import subprocess
     import sys
 

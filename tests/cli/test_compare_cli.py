@@ -42,9 +42,10 @@ def test_bad_compare_arguments_leave_nothing_behind(workdir, tmp_path, capsys, a
     ('results_dir = "{tmp}"\n', ["holds the study folder"]),
 ])
 def test_study_settings_refused_before_anything_is_written(workdir, tmp_path, capsys, extra, needles):
-    """Each was accepted: an empty seed list, a size name that wrote its runs outside the study
-    ('../escape') or into the no-size layout, a mistyped reuse folder skipped without a word, and a
-    results folder holding the study, refused only after training, naming a checkpoint's JSON file."""
+    """An empty seed list, a size name that is no plain folder name ('../escape' would put its runs outside the
+    study, '' would mix them into the no-size layout), a reuse folder that does not exist, and a results folder that
+    holds the study (its JSON files would be read as result files): each is refused before anything is written, not
+    after training."""
     config = tmp_path / "study.toml"
     config.write_text((workdir / "tiny.toml").read_text() + extra.replace("{tmp}", str(tmp_path)))
     cli_fails(capsys, ["compare", "--config", str(config), "--out-dir", str(tmp_path / "study")], *needles)
@@ -52,9 +53,9 @@ def test_study_settings_refused_before_anything_is_written(workdir, tmp_path, ca
 
 
 def test_seeds_added_to_a_one_seed_study_are_trained_and_seed_0_is_not(workdir, compared, tmp_path, capsys):
-    """`--seeds 5` on a one-seed study found <arm>.json (seed 0's) and skipped seed 5 without training it,
-    while the manifest claimed seeds [0, 5]; `--seeds 0,1` trained seed 0 a second time (hours on a
-    real study) because its result was in the one-seed layout."""
+    """Seeds added to a one-seed study are trained, and its seed 0 is not trained again (hours on a real study):
+    `--seeds 0,1` keeps seed 0's result where it is and trains seed 1 into the seed layout; `--seeds 5` trains seed 5
+    rather than reading seed 0's <arm>.json as its result, and the report counts 3 seeds."""
     study = tmp_path / "study"
     shutil.copytree(compared, study)
     argv = ["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(study)]
@@ -67,8 +68,9 @@ def test_seeds_added_to_a_one_seed_study_are_trained_and_seed_0_is_not(workdir, 
 
 
 def test_a_recipe_recorded_before_a_setting_existed_is_the_same_experiment():
-    """A training setting added later (init_from) made every committed result "another experiment":
-    `compare` refused to continue the study, and compare.reuse silently retrained the shared units."""
+    """A recipe recorded before a training setting existed (trainable, init_from) lacks that key: at the setting's
+    default it is the same experiment, so `compare` continues the study and compare.reuse takes its units rather than
+    training them again. A real difference (lr) still counts."""
     from difftransformer.experiments.units import identity_differences
     from difftransformer.train import TrainConfig
 

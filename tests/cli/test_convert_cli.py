@@ -16,7 +16,9 @@ from tests.helpers import cli_fails
 
 @pytest.mark.skipif(signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, reason="SIGTERM is handled here")
 def test_sigterm_during_convert_leaves_nothing_half_written(compared, tmp_path, capsys, monkeypatch):
-    """SIGTERM once killed the process where it stood: `.DST.converting-PID` (the model's size) stayed."""
+    """SIGTERM during a conversion ends the command with 128 + SIGTERM and one line saying nothing half-written was
+    kept: the `.DST.converting-PID` folder (as large as the model) is removed. The handler lives only while a command
+    runs."""
     import difftransformer.cli.convert as convert
 
     def write_then_get_killed(fmt, folder, *args):
@@ -33,8 +35,8 @@ def test_sigterm_during_convert_leaves_nothing_half_written(compared, tmp_path, 
 
 
 def test_a_killed_conversions_folder_is_swept_by_the_next(compared, tmp_path, capsys):
-    """A SIGKILLed `convert` left its `.DST.converting-PID` folder, and the next `convert` into DST
-    (which succeeded) kept it forever. A folder of a process still running is not touched."""
+    """The `.DST.converting-PID` folder a SIGKILLed `convert` leaves is removed by the next `convert` into DST. A
+    folder of a process still running, or of another destination, is not touched."""
     import subprocess
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -52,13 +54,13 @@ def test_a_killed_conversions_folder_is_swept_by_the_next(compared, tmp_path, ca
 
 
 @pytest.mark.parametrize("name, needles", [
-    ("dangling", ["is a symbolic link", "does not exist"]),  # was "…/.dangling.converting-PID: Not a directory"
-    ("to_empty", ["is a symbolic link", "empty"]),  # was "…/to_empty: Not a directory", after converting
-    ("loopA", ["is a symbolic link", "loop"]),  # was RuntimeError: Symlink loop (Path.resolve)
+    ("dangling", ["is a symbolic link", "does not exist"]),  # to a missing path: no temporary folder is made there
+    ("to_empty", ["is a symbolic link", "empty"]),  # to an empty folder: refused before converting, not after
+    ("loopA", ["is a symbolic link", "loop"]),  # loopA -> loopB -> loopA: no traceback
 ])
 def test_convert_into_a_symlink_is_refused_up_front(compared, links, capsys, name, needles):
-    """`convert RUN DST --to diffllama` with DST a dangling symlink, a symlink to an empty folder,
-    or a symlink loop: a late 'Not a directory' naming a temporary folder, or a RuntimeError traceback."""
+    """`convert RUN DST --to diffllama` with DST a dangling symlink, a symlink to an empty folder, or a symlink loop
+    is refused before converting, in one line naming DST, and leaves nothing behind."""
     dst = links / name
     line = cli_fails(capsys, ["convert", str(compared / "diff" / "final"), str(dst), "--to", "diffllama"],
                      f"DST {dst}", *needles)
@@ -67,7 +69,8 @@ def test_convert_into_a_symlink_is_refused_up_front(compared, links, capsys, nam
 
 
 def test_convert_under_a_looping_folder_is_refused_up_front(compared, links, capsys):
-    """DST inside a symlink loop (LOOP/out): Path.resolve raised RuntimeError."""
+    """DST inside a symlink loop (LOOP/out) is one line naming LOOP and the loop, not a traceback from Path.resolve;
+    nothing is left behind."""
     cli_fails(capsys, ["convert", str(compared / "diff" / "final"), str(links / "loopA" / "out"), "--to", "llama"],
               str(links / "loopA"), "loop")
     no_work_left(links)

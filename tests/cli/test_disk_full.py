@@ -48,9 +48,9 @@ def study(compared, tmp_path) -> Path:
 
 
 def test_a_failed_plot_write_leaves_the_old_plot_byte_identical(study, monkeypatch, capsys):
-    """`report STUDY` on a full disk truncated the existing loss_curves.png in place (savefig wrote
-    straight onto it); with no plot before, a 0-byte loss_curves.png was left. A plot is now written
-    to a temporary file beside it and renamed, so the old file survives byte for byte."""
+    """`report STUDY` on a full disk names the plot it was writing and the file system to free space on. A plot is
+    written to a temporary file beside it and renamed: the existing loss_curves.png survives byte for byte, a plot
+    that did not exist (lambda.png) is not left as a truncated file, and no temporary file stays."""
     old = study / "loss_curves.png"
     before = old.read_bytes()
     (study / "lambda.png").unlink()  # a plot that did not exist must not appear half-written
@@ -66,9 +66,9 @@ def test_a_failed_plot_write_leaves_the_old_plot_byte_identical(study, monkeypat
 
 
 def test_a_full_disk_without_a_file_name_names_the_output_folder_and_the_fix(study, monkeypatch, capsys):
-    """`report` on a full disk said only "[Errno 28] No space left on device": a failed write()
-    raises an OSError without a file name, and the CLI's no-space line needed one. The file being written
-    is named (atomic writes attach it)."""
+    """`report` on a full disk: a failed write() raises an OSError without a file name, yet the line names the file
+    being written (atomic writes attach it) and the file system to free space on, with no "[Errno" text. The old
+    report.md is kept."""
     real_write_text = Path.write_text
 
     def full(self, *args, **kwargs):
@@ -88,9 +88,9 @@ def test_a_full_disk_without_a_file_name_names_the_output_folder_and_the_fix(stu
 
 
 def test_os_error_message_names_the_commands_output_when_the_error_names_no_file(tmp_path):
-    """An OSError(ENOSPC) without a file name (a write() deep in a library) gave
-    "[Errno 28] No space left on device"; the line now names the command's output folder, the file system
-    to free space on, and the option that chooses another folder."""
+    """An OSError(ENOSPC) without a file name (a write() deep in a library) is a line naming the command's output
+    folder, the file system to free space on, and the option that chooses another folder, never a bare "[Errno 28] No
+    space left on device"; with no output folder on the command line, it still names the option."""
     import argparse
 
     e = OSError(errno.ENOSPC, NO_SPACE)
@@ -107,8 +107,8 @@ def test_os_error_message_names_the_commands_output_when_the_error_names_no_file
 
 
 def test_convert_on_a_full_disk_names_the_destination(compared, tmp_path, monkeypatch, capsys):
-    """`convert RUN DST --to diffllama` on a full disk: "[Errno 28] No space left on device" (or
-    safetensors' "Error while serializing: I/O error: ... (os error 28)"), no path, no fix; nothing is left."""
+    """`convert RUN DST --to diffllama` on a full disk (safetensors' own error, whose text names no path) is one line
+    naming DST and the fix: free some space or choose another DST. Neither DST nor its temporary folder is left."""
     monkeypatch.setattr(safetensors.torch, "serialize_file", _full_disk_serialize)
     dst = tmp_path / "hf"
     capsys.readouterr()
@@ -119,9 +119,9 @@ def test_convert_on_a_full_disk_names_the_destination(compared, tmp_path, monkey
 
 
 def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, capsys):
-    """`eval outliers RUN --out-dir OUT` on a full disk: "[Errno 28] No space left on device"; now the
-    figure being written is named. A task's plot is drawn into a temporary file that eval/results.py renames,
-    so an earlier plot stays intact."""
+    """`eval outliers RUN --out-dir OUT` on a full disk names the figure being written and --out-dir. A task's plot
+    is drawn into a temporary file that eval/results.py renames, so an earlier plot stays intact and no temporary
+    file is left."""
     out = tmp_path / "ev"
     out.mkdir()
     (out / "outliers.png").write_bytes(b"an earlier plot")
@@ -136,9 +136,10 @@ def test_eval_on_a_full_disk_names_its_out_dir(compared, tmp_path, monkeypatch, 
 
 
 def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdir, tmp_path, monkeypatch, capsys):
-    """`train` on a full disk at a checkpoint: "Error while serializing: I/O error: No space left on
-    device (os error 28)", safetensors' text with no path and no fix. The failed checkpoint's temporary
-    folder is removed (its space given back), the previous checkpoint stays, and the run resumes from it."""
+    """`train` on a full disk at a checkpoint (safetensors' error names no path and no fix) is one line naming the
+    checkpoint, the file system to free space on, and that the run continues from its last checkpoint. The failed
+    checkpoint's temporary folder is removed (its space given back), the previous checkpoint stays, and the run
+    resumes from it."""
     run = tmp_path / "run"
     config = tiny_run_config(workdir, tmp_path, max_steps=4, eval_interval=2, ckpt_interval=2)
     real = safetensors.torch.serialize_file
@@ -165,8 +166,8 @@ def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdi
 
 
 def test_the_lock_file_on_a_full_disk_is_named(workdir, tmp_path, monkeypatch, capsys):
-    """`compare` (and `train`) on a full disk failed first at the folder lock's holder line
-    (os.pwrite), an error with no file name."""
+    """`compare` (and `train`) on a full disk fail first at the folder lock's holder line (os.pwrite, an error with
+    no file name): the line names the lock file and --out-dir."""
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, NO_SPACE)
 

@@ -30,7 +30,7 @@ def test_version_and_a_debug_variable_set_to_zero_keep_one_line_errors(capsys, m
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("difftransformer ")
-    monkeypatch.setenv("DIFFTRANSFORMER_DEBUG", "0")  # was read as "on": a traceback for a user mistake
+    monkeypatch.setenv("DIFFTRANSFORMER_DEBUG", "0")  # "0" means off: a user mistake gets one line, no traceback
     cli_fails(capsys, ["report", "/nonexistent/study"], "is not a folder")
 
 

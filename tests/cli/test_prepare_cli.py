@@ -28,9 +28,8 @@ def test_an_empty_prepare_out_dir_is_not_the_default(workdir, tmp_path, capsys, 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS file systems refuse names that are not UTF-8")
 def test_a_corpus_file_name_that_is_not_utf8_is_read(workdir, tmp_path, capsys):
-    """`prepare CORPUS_DIR` with a file named b'n\\xe9\\xff.txt': "'utf-8' codec can't encode characters
-    in position 1-2: surrogates not allowed" (no file named). The file is a document like the others; its id
-    writes the bytes that are not UTF-8 as \\xNN."""
+    """`prepare CORPUS_DIR` with a file named b'n\\xe9\\xff.txt' (bytes that are not UTF-8) reads it as a document
+    like the others; its id writes those bytes as \\xNN."""
     from difftransformer.data import load_corpus
 
     corpus = tmp_path / "corpus"
@@ -45,7 +44,8 @@ def test_a_corpus_file_name_that_is_not_utf8_is_read(workdir, tmp_path, capsys):
 
 
 def test_a_mixture_fraction_under_half_a_document_is_refused(workdir, tmp_path, capsys):
-    """needle 0.1 with length 100000 (a target of a few thousand tokens) made no needle document, rc 0."""
+    """A mixture fraction under half a document (needle 0.1 of a few thousand tokens, with length 100000) would make
+    no needle document: it is refused, naming the fraction's tokens, the document length and the fix."""
     assert main(["prepare", str(workdir / "corpus"), "--out-dir", str(tmp_path / "data"), "--vocab-size", "300",
                  "--set", "data.mixture.needle=0.1", "--set", "data.mixture.length=100000"]) == 2
     line = last_error_line(capsys)

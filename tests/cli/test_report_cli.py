@@ -52,7 +52,7 @@ def test_report_on_edited_study_files(compared, tmp_path, capsys):
     ("val", [{"step": 1, "loss": "abc"}], "val is not a list"),
     ("train", [5], "train is not a list"),
     ("last_step", "x", "last_step is not an integer"),
-    ("finished", "no", "finished is not true or false"),  # was read as finished (bool("no"))
+    ("finished", "no", "finished is not true or false"),  # not read as finished (bool("no") is True)
     ("evals", {"heldout-loss": 5}, "evals is not a table of task results"),
 ])
 def test_report_on_a_hand_edited_result_file(compared, tmp_path, capsys, field, value, needle):
@@ -66,8 +66,8 @@ def test_report_on_a_hand_edited_result_file(compared, tmp_path, capsys, field, 
 
 
 def test_a_result_file_in_another_units_place_is_refused(compared, tmp_path, capsys):
-    """diff.json holding the transformer arm's unit was read as the transformer's result: the report
-    showed one arm's numbers under the other's name, without a word."""
+    """diff.json holding the transformer arm's unit is refused, naming the file, the unit it holds and the file that
+    unit belongs in (transformer.json): the report never shows one arm's numbers under the other's name."""
     study = tmp_path / "study"
     shutil.copytree(compared, study)
     path = study / "results" / "diff.json"
@@ -79,8 +79,8 @@ def test_a_result_file_in_another_units_place_is_refused(compared, tmp_path, cap
 
 
 def test_report_html_holds_no_tag_from_an_arm_name_or_a_prompt(workdir, tmp_path):
-    """An arm named `<img src=x onerror=alert(1)>` and a prompt holding a tag reached
-    report.html as live tags (the verdict, the wall-time list, "Prompt:"), and `*x*` became emphasis."""
+    """An arm named `<img src=x onerror=alert(1)>` and a prompt holding a tag reach report.html as text, never as
+    live tags (the verdict, the wall-time list, "Prompt:"), and `*x*` is not emphasis."""
     config = Path(tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2, warmup_steps=1))
     config.write_text(config.read_text() + "\n[compare]\n"
                       f"arms = [\"diff\", {{name = \"{TAG_ARM}\", attention = \"transformer\"}}]\n"
@@ -114,8 +114,8 @@ def test_code_span_survives_backticks():
 
 
 def test_a_missing_unit_outside_the_headline_cell_is_reported(tmp_path):
-    """A size-grid study with w32/seed1/transformer gone said nothing ("Incomplete" looked at the headline
-    cell only); the line names the cell."""
+    """A size-grid study with w32/seed1/transformer gone is incomplete though its headline cell (w64) is whole: the
+    "Incomplete" line names the cell and the missing unit."""
     full = {(a, s): _run(a, s) for a in ("diff", "transformer") for s in (0, 1)}
     small = {k: v for k, v in full.items() if k != ("transformer", 1)}
     text = "\n".join(header(_grid({("w32", None): small, ("w64", None): dict(full)}, ("w64", None))))
@@ -123,7 +123,8 @@ def test_a_missing_unit_outside_the_headline_cell_is_reported(tmp_path):
 
 
 def test_the_token_fit_uses_the_tokens_trained_not_the_budget():
-    """A 300-token budget at 128 tokens per step trains 3 steps = 384 tokens; the fit used x = 300."""
+    """A 300-token budget at 128 tokens per step trains 3 steps = 384 tokens: the fit's x is 384, the tokens trained,
+    not the budget."""
     runs = {(a, 0): _run(a, 0, max_steps=3) for a in ("diff", "transformer")}
     ctx = _grid({(None, 300): runs, (None, 256): {k: _run(k[0], 0, max_steps=2) for k in runs}}, (None, 300),
                 {"train": {"batch_size": 4, "seq_len": 32}})
@@ -132,8 +133,8 @@ def test_the_token_fit_uses_the_tokens_trained_not_the_budget():
 
 
 def test_the_scaling_claim_says_when_its_grid_lacks_a_seed():
-    """With one unit of a token grid gone, the claims table gave the fit as if every
-    cell held every seed; it now says some cells lack one (and nothing of the kind for a full grid)."""
+    """With one unit of a token grid gone, the claims table says some grid cells lack a seed, rather than giving the
+    fit as if every cell held every seed; for a full grid it says nothing of the kind."""
     from difftransformer.experiments.report.claims import _scaling_claims
 
     def cell(steps, base):

@@ -19,11 +19,11 @@ def _damaged(llama, tmp_path, content: bytes):
 
 
 @pytest.mark.parametrize("flags, needles", [
-    (["--check", "-1"], ["--check must be >= 0", "got -1"]),  # was a torch traceback after OUT was written
+    (["--check", "-1"], ["--check must be >= 0", "got -1"]),  # refused before torch runs or OUT is written
     (["--check", "100000"], ["--check 100000 is longer than the model's context", "--check <= 128"]),
     (["--calibrate-tokens", "0"], ["--calibrate-tokens must be a positive number", "got 0"]),
     (["--calibrate-tokens", "100"], ["--calibrate-tokens 100 is less than one calibration window of 128",
-                                     "--calibrate-tokens >= 128"]),  # was "the file has 100 tokens"
+                                     "--calibrate-tokens >= 128"]),  # the rule is one window, whatever the file holds
 ])
 def test_retrofit_flags_out_of_range_are_refused(llama, tmp_path, capsys, flags, needles):
     folder, text = llama
@@ -35,21 +35,21 @@ def test_retrofit_flags_out_of_range_are_refused(llama, tmp_path, capsys, flags,
 
 @pytest.mark.parametrize("name", ["dangling", "to_empty", "loopA"])
 def test_retrofit_into_a_symlink_is_refused_up_front(llama, links, capsys, name):
-    """`retrofit LLAMA LOOP` was a RuntimeError traceback (Path.resolve)."""
+    """`retrofit LLAMA DST` with DST a dangling symlink, a symlink to an empty folder or a symlink loop is refused up
+    front, in one line naming DST, and leaves nothing behind."""
     folder, _ = llama
     cli_fails(capsys, ["retrofit", str(folder), str(links / name)], f"DST {links / name}", "is a symbolic link")
     no_work_left(links)
 
 
 @pytest.mark.parametrize("content, calibrate, needle", [
-    (b'{"not":"a tokenizer"}\n', True, "line 1 column"),  # was tokenizers' bare Exception, a traceback
-    (b'{"not":"a tokenizer"}\n', False, "line 1 column"),  # was copied into OUT silently
-    (b"\xff\xfe\x00\x81", False, "not UTF-8"),  # was "'utf-8' codec can't decode byte 0xff" (no file)
+    (b'{"not":"a tokenizer"}\n', True, "line 1 column"),  # with --calibrate: one line, no traceback
+    (b'{"not":"a tokenizer"}\n', False, "line 1 column"),  # without it: refused, not copied into OUT
+    (b"\xff\xfe\x00\x81", False, "not UTF-8"),  # the line names the file
 ])
 def test_a_damaged_source_tokenizer_is_refused_by_name(llama, tmp_path, capsys, content, calibrate, needle):
-    """LLAMA/tokenizer.json that is not a tokenizer (or not UTF-8) was a bare tokenizers
-    Exception with --calibrate, a codec error naming no file, or copied into OUT, where only a later
-    `train --init-from OUT` found it."""
+    """LLAMA/tokenizer.json that is not a tokenizer (or not UTF-8) is refused by name before anything is written,
+    with or without --calibrate: copied into OUT, it would surface only at a later `train --init-from OUT`."""
     folder = _damaged(llama, tmp_path, content)
     flags = ["--calibrate", str(llama[1]), "--calibrate-tokens", "256"] if calibrate else []
     cli_fails(capsys, ["retrofit", str(folder), str(tmp_path / "out"), *flags],
@@ -58,7 +58,8 @@ def test_a_damaged_source_tokenizer_is_refused_by_name(llama, tmp_path, capsys, 
 
 
 def test_calibrate_given_a_folder_says_so(llama, tmp_path, capsys):
-    """`retrofit LLAMA OUT --calibrate CORPUS_DIR` said "no such text file" of a folder that exists."""
+    """`retrofit LLAMA OUT --calibrate CORPUS_DIR` says the path is a folder and that --calibrate takes one text
+    file."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "doc.txt").write_text(llama[1].read_text())

@@ -42,14 +42,13 @@ def _sha(path) -> str:
 
 
 def test_a_run_whose_checkpoints_were_deleted_is_not_overwritten_by_another_config(workdir, tmp_path, capsys):
-    """Started again in its own folder, a run ends bitwise equal to the first time: same seed, same
-    batches, nothing read from the metrics, lock or config files it finds there.
+    """Started again in its own folder, a run ends bitwise equal to the first time: same seed, same batches, nothing
+    read from the metrics, lock or config files it finds there.
 
-    The final weights were once compared as whole files and failed now and then: not the weights but
-    the header of model.safetensors differed, because safetensors writes its metadata map in the
-    order of a randomly seeded Rust HashMap (`safetensors.torch.save(t, metadata={"a": "1", "b": "2",
-    "c": "3"})` gives 6 distinct byte strings over 50 calls in one process). Checkpoints and final/
-    are now written canonical (_io.canonical_safetensors), so whole files are compared."""
+    Whole files are compared: checkpoints and final/ are written canonical (_io.canonical_safetensors). safetensors
+    alone writes its metadata map in the order of a randomly seeded Rust HashMap, so the header of model.safetensors
+    can differ between equal weights (`safetensors.torch.save(t, metadata={"a": "1", "b": "2", "c": "3"})` gives 6
+    distinct byte strings over 50 calls in one process)."""
     run = tmp_path / "run"
     assert main(train_argv(workdir, run, "train.max_steps=4")) == 0
     first_ckpt = tmp_path / "first_checkpoint"
@@ -110,10 +109,10 @@ def test_an_edited_state_file_is_called_corrupt(workdir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("sets, needle", [
-    (["train.lr=inf"], "lr must be a finite number > 0, got inf"),  # was reported as divergence, "lower the lr"
-    (["train.lr=1e300"], "lr must be a finite number > 0"),  # was a traceback from the optimizer's float32
+    (["train.lr=inf"], "lr must be a finite number > 0, got inf"),  # a setting error, not a divergence ("lower the lr")
+    (["train.lr=1e300"], "lr must be a finite number > 0"),  # past float32: refused before the optimizer sees it
     (["train.weight_decay=1e300"], "weight_decay must be a finite number >= 0"),
-    (["data.vocab_size=1000000000"], "vocab_size must be at most 1,048,576"),  # the BPE trainer aborted the process
+    (["data.vocab_size=1000000000"], "vocab_size must be at most 1,048,576"),  # the BPE trainer would abort the process
 ])
 def test_train_numbers_out_of_range_are_refused(workdir, tmp_path, capsys, sets, needle):
     cli_fails(capsys, train_argv(workdir, tmp_path / "run", *sets), needle)
@@ -121,9 +120,9 @@ def test_train_numbers_out_of_range_are_refused(workdir, tmp_path, capsys, sets,
 
 
 @pytest.mark.parametrize("entry, needle", [
-    ("checkpoints", "checkpoints is not a folder"),  # was found at the first checkpoint, after training
+    ("checkpoints", "checkpoints is not a folder"),  # found before training, not at the first checkpoint
     ("checkpoints/latest", "latest is a folder"),  # idem, at the `latest` pointer
-    ("metrics.jsonl", "metrics.jsonl is a folder"),  # was "[Errno 21] Is a directory"
+    ("metrics.jsonl", "metrics.jsonl is a folder"),  # named with the fix, not a bare errno
 ])
 def test_a_run_folder_with_an_entry_of_the_wrong_kind_is_refused_before_training(workdir, tmp_path, capsys, entry,
                                                                                     needle):
@@ -157,8 +156,8 @@ def test_a_metrics_log_with_undecodable_or_foreign_rows_still_resumes(workdir, t
 
 
 def test_a_byte_order_mark_is_read_and_identical_greedy_samples_named(workdir, compared, tmp_path, capsys):
-    """A BOM (some Windows editors write one) was a parse error at line 1, column 1; several greedy
-    samples were printed identical without a word."""
+    """A config file starting with a BOM (some Windows editors write one) is read, not a parse error at line 1,
+    column 1. Several greedy samples are identical, and generate says so."""
     bom = tmp_path / "bom.toml"
     bom.write_bytes(b"\xef\xbb\xbf" + (workdir / "tiny.toml").read_bytes())
     assert main(["train", "--config", str(bom), "--out-dir", str(tmp_path / "run"), "--set", "train.max_steps=2"]) == 0
@@ -168,8 +167,8 @@ def test_a_byte_order_mark_is_read_and_identical_greedy_samples_named(workdir, c
 
 
 def test_init_from_the_runs_own_final_folder_is_refused_and_kept(compared, workdir, tmp_path, capsys):
-    """`train --init-from rf/final --out-dir rf` trained, then wrote its final weights over rf/final: the
-    model it started from (a retrofit, a conversion) was gone."""
+    """`train --init-from rf/final --out-dir rf` is refused before training: its final weights would replace
+    rf/final, the model it starts from (a retrofit, a conversion). Nothing is written beside rf/final."""
     run = tmp_path / "rf"
     shutil.copytree(compared / "diff" / "final", run / "final")
     before = _sha(run / "final" / "model.safetensors")
@@ -180,7 +179,8 @@ def test_init_from_the_runs_own_final_folder_is_refused_and_kept(compared, workd
 
 
 def test_resuming_an_init_from_run_without_it_names_the_flag(compared, workdir, tmp_path, capsys):
-    """Continuing a run started with --init-from, without the flag, advised `--no-resume`: starting over."""
+    """Continuing a run started with --init-from, without the flag, names the flag and its folder, not `--no-resume`,
+    which would start over."""
     config, out = _init_config(workdir, tmp_path), str(tmp_path / "run")
     source = str(compared / "diff" / "final")
     assert main(["train", "--config", config, "--init-from", source, "--out-dir", out]) == 0
@@ -191,7 +191,8 @@ def test_resuming_an_init_from_run_without_it_names_the_flag(compared, workdir, 
 
 
 def test_init_from_given_twice_is_refused(compared, workdir, tmp_path, capsys):
-    """--init-from A --set train.init_from=B trained from A without a word about B."""
+    """--init-from A with --set train.init_from=B is refused: both name the model folder, which is given once.
+    Nothing is written."""
     cli_fails(capsys, ["train", "--config", _init_config(workdir, tmp_path),
                        "--init-from", str(compared / "diff" / "final"),
                        "--set", f"train.init_from={json.dumps(str(compared / 'transformer' / 'final'))}",
@@ -201,7 +202,8 @@ def test_init_from_given_twice_is_refused(compared, workdir, tmp_path, capsys):
 
 def test_init_from_a_folder_without_a_tokenizer_says_the_data_is_unchecked(compared, workdir, tmp_path, capsys,
                                                                           caplog):
-    """A model folder without tokenizer.json trained on data of any tokenizer of a fitting size, without a word."""
+    """A model folder without tokenizer.json trains, and says that the data's tokenizer cannot be checked against it:
+    data of any tokenizer of a fitting size would be taken."""
     source = tmp_path / "model"
     shutil.copytree(compared / "diff" / "final", source)
     (source / "tokenizer.json").unlink()
@@ -212,8 +214,9 @@ def test_init_from_a_folder_without_a_tokenizer_says_the_data_is_unchecked(compa
 
 
 def test_running_a_finished_run_again_keeps_its_done_record(workdir, tmp_path, capsys):
-    """`train` run again on a finished run (the advice after any interruption) rewrote done.json with
-    tokens_per_s 0.0 and the no-op's wall time: the run's throughput (and on CUDA its peak memory) was lost."""
+    """`train` run again on a finished run (the advice after any interruption) keeps done.json as it is, with the
+    run's throughput (and on CUDA its peak memory), and says there is nothing left to train, not a no-op's tokens/s.
+    Training further writes a new record."""
     config, out = tiny_run_config(workdir, tmp_path, max_steps=4, ckpt_interval=2), tmp_path / "run"
     assert main(["train", "--config", config, "--out-dir", str(out)]) == 0
     before = json.loads((out / "done.json").read_text())
@@ -240,8 +243,8 @@ def test_an_unreadable_manifest_does_not_advise_preparing_the_default_corpus(wor
 
 
 def test_a_lock_file_on_a_read_only_file_system_is_named_as_such(workdir, tmp_path, capsys, monkeypatch):
-    """`train --out-dir D` on a read-only file system said D/.lock should be removed "if it is a link
-    or not a file": wrong advice for a file that is fine. Only link / not-a-file errors get that advice."""
+    """`train --out-dir D` on a read-only file system names the read-only file system, with no advice to remove
+    D/.lock: that advice is for a lock that is a link or not a file, not for a file that is fine."""
 
     from difftransformer import _io
 
@@ -262,8 +265,9 @@ def test_a_lock_file_on_a_read_only_file_system_is_named_as_such(workdir, tmp_pa
 
 
 def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
-    """`train --out-dir STUDY/diff` replaced the arm's final/ while compare then skipped the arm
-    ("result file exists") and report printed the old numbers. Arms, seeds and cells are compare's."""
+    """`train --out-dir` inside a study (an arm's folder, a new arm's, a folder below one) is refused naming the
+    study and `difftransformer compare`: arms, seeds and cells are compare's, and a run trained there would replace
+    an arm's final/ behind the back of compare and report. Outside the study, train runs."""
     config = tiny_run_config(workdir, tmp_path, max_steps=2, eval_interval=2)
     study = tmp_path / "study"
     assert main(["compare", "--config", config, "--out-dir", str(study)]) == 0
@@ -279,8 +283,8 @@ def test_training_into_a_study_is_refused(workdir, tmp_path, capsys):
 
 
 def test_an_unreadable_init_from_folder_is_not_blamed_on_the_run_config(workdir, tmp_path, capsys):
-    """An unreadable --init-from folder: the message named config.json but put the run config's name
-    in front, as if that file were at fault."""
+    """An unreadable --init-from folder: the message names its config.json without the run config's name in front, as
+    if that file were at fault."""
     model = trained_model(workdir, tmp_path, max_steps=2, eval_interval=2)
     (model / "config.json").write_bytes(b"\xff\xfe\x00")
     init = tmp_path / "init.toml"

@@ -178,10 +178,8 @@ def test_a_transformers_folder_gets_the_eos_token_of_our_tokenizer(tmp_path):
 
 
 def test_transformers_generate_stops_where_ours_does(tmp_path):
-    """A converted folder's config.json had eos_token_id null, so
-    transformers' generate never stopped at <|endoftext|> while `difftransformer generate` does. Now
-    config.json names our tokenizer's EOS (EOS at id 3 here, so it is not a default), also after a
-    round trip through ours."""
+    """A converted folder's config.json names our tokenizer's EOS (id 3 here, so it is not a default), also after a
+    round trip through ours: transformers' generate stops at <|endoftext|> where `difftransformer generate` does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from difftransformer.data.tokenizer import EOS_TOKEN

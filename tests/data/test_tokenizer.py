@@ -79,7 +79,7 @@ def test_train_tokenizer_caches_on_disk(tmp_path, monkeypatch):
 
 
 def test_a_path_given_to_the_constructor_names_from_file(tmp_path):
-    """Tokenizer(path) is a natural first guess; it says to use Tokenizer.from_file (it was an AttributeError)."""
+    """Tokenizer(path) is a natural first guess: a str or Path is a TypeError that says to use Tokenizer.from_file."""
     for path in (str(tmp_path / "tokenizer.json"), tmp_path / "tokenizer.json"):
         with pytest.raises(TypeError, match=r"got the path '.*tokenizer.json'; load .* Tokenizer.from_file\(path\)"):
             Tokenizer(path)

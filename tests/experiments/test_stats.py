@@ -115,7 +115,7 @@ def test_the_interval_is_where_the_verdict_turns():
     outside = [0.2 - 0.99 * s, 0.2, 0.2 + 0.99 * s]  # std 0.99 s: excludes 0
     assert "cannot separate" in verdict("diff", "transformer", inside)
     assert "transformer reaches the lower" in verdict("diff", "transformer", outside)
-    assert 0.2 >= 2 * np.std(inside, ddof=1)  # the old "|mean| >= 2 std" rule would have named a winner here
+    assert 0.2 >= 2 * np.std(inside, ddof=1)  # a "|mean| >= 2 std" rule would name a winner here
 
 
 def test_verdict_text():

@@ -341,7 +341,7 @@ def test_a_stored_result_is_never_replaced_by_another_training_length(data_dir, 
 
 def test_the_manifest_describes_every_arm_as_the_config_defines_it_now(data_dir, tmp_path):
     """An arm's own recipe edited in the config reaches the manifest and the report's recipe line even when the
-    invocation runs other arms only (the merged manifest kept the old spec, so the report said otherwise)."""
+    invocation runs other arms only: the merged manifest takes the config's spec, not the one it held."""
     base = _study(data_dir, tmp_path / "results")
     run_study(base, tmp_path / "a", arms=["transformer"], report=False)
     edited = dataclasses.replace(base, compare=dataclasses.replace(

@@ -491,8 +491,8 @@ def save_tokenizer_with_eos_at(folder: Path, eos: int) -> None:
 
 
 def test_a_final_folder_gives_generate_its_tokenizers_eos(tmp_path):
-    """A run's final/ holds config.json (no EOS: our config has none), the weights and the tokenizer: loaded
-    through transformers, generate() stops at that tokenizer's EOS (it ran to max_new_tokens before)."""
+    """A run's final/ holds config.json (no EOS: our config has none), the weights and the tokenizer: loaded through
+    transformers, generate() stops at that tokenizer's EOS rather than running to max_new_tokens."""
     lm, _ = pair("diff")
     ids = ids_of(PROMPTS[0])
     new = lm.generate(ids, 8, temperature=0)[0, 3:].tolist()

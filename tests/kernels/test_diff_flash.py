@@ -246,7 +246,7 @@ def test_far_negative_scores_with_ragged_keys(deterministic):
     ref = diff_attention_reference(qr, kr, vr, lr, causal=False)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr, lr), do.cpu().double())
     # fp32 rounds a score s to within |s| eps, which moves its probability by that much relatively:
-    # at scores near -140 that is 1.7e-5, past TOL (on an H100, 2026-11-24, dk came to 1.3e-5; the
+    # at scores near -140 that is 1.7e-5, past TOL (on an H100 dk reaches 1.3e-5; the
     # interpreter's numpy stays under 1e-5). The padded rows this test is about would cost O(1).
     smax = (q.detach().double().cpu().view(B, h, 2, T, d) @ k.detach().double().cpu().view(B, h, 2, S, d)
             .transpose(-1, -2)).abs().max().item() * d ** -0.5
@@ -535,8 +535,8 @@ def test_gpu_long_sequence_bf16(d, deterministic):
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
         err = ((got.float() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
         assert err < 3e-2, f"{name}: error {err:.1e}"
-    # dlam = -sum(dO * A2 V) over B*h*T*2d terms cancels to a small fraction of their size (on the H100,
-    # 2026-11-24, this test failed when dlam was held to its own size): measure it against the terms'.
+    # dlam = -sum(dO * A2 V) over B*h*T*2d terms cancels to a small fraction of their size (held to its own
+    # size, it fails on an H100): measure it against the terms'.
     terms = (do.float() * o2.detach()).abs().sum()
     err = ((grads[3].float() - ref_grads[3]).abs() / terms).item()
     assert err < 1e-3, f"dlam: error {err:.1e} of the terms' magnitude"

@@ -103,8 +103,8 @@ def test_a_decoding_step_with_odd_strides_is_read_right(decode_calls):
 
 @pytest.mark.parametrize("T", [1, 100], ids=["decode", "infer"])
 def test_no_cached_key_at_all_gives_zeros(T):
-    """S = 0 (an empty cache, full attention): every row sees no key, so the output is zeros, with the
-    fused head norm too (the DIFF decode path wrote through an unallocated buffer here: a crash)."""
+    """S = 0 (an empty cache, full attention): every row sees no key, so the output is zeros, with the fused head
+    norm too, where the DIFF decode path must not write through a buffer it never allocated."""
     q, k, v = random_inputs(2, 2, 1, T, 0, 32, seed=T)
     with torch.no_grad():
         diff = differential_attention(q, k, v, torch.tensor(0.5), causal=False, backend="cpp")
@@ -141,9 +141,9 @@ def test_modes_and_traces_see_the_decode_op():
 def test_a_plain_decoding_step_goes_straight_to_the_kernel_and_anything_else_takes_the_general_route(
         monkeypatch, decode_calls):
     """The public functions' short route for a decoding step (fp32 CPU, 'cpp' or 'auto', no grad, no padding, no
-    maps) reaches the kernel's decode function without resolving a backend, with the general route's result
-    and its errors; any call the rule leaves out (float λ, a strided norm weight, float64, padding, grad,
-    a backend other than cpp/auto) resolves a backend as before."""
+    maps) reaches the kernel's decode function without resolving a backend, with the general route's result and its
+    errors; any call the rule leaves out (float λ, a strided norm weight, float64, padding, grad, a backend other
+    than cpp/auto) resolves a backend on the general route."""
     from difftransformer.attention import functional
 
     resolved = []

@@ -21,7 +21,8 @@ def model() -> DiffTransformerLM:
 
 
 def test_generate_with_a_1d_prompt_says_add_a_batch_axis(model):
-    """`generate(ids[0], 2)` raised IndexError: tuple index out of range; now forward's message."""
+    """A 1-d prompt (`generate(ids[0], 2)`) gets forward's error: input_ids must be (batch, seq_len), with the fix
+    `input_ids[None]`."""
     ids = torch.randint(0, 300, (2, 10))
     with pytest.raises(ValueError,
                        match=r"input_ids must be \(batch, seq_len\); got shape \(10,\) .*input_ids\[None\]"):
@@ -29,8 +30,8 @@ def test_generate_with_a_1d_prompt_says_add_a_batch_axis(model):
 
 
 def test_generate_with_a_wrong_shape_attention_mask_names_it(model):
-    """An attention_mask of shape (2, 3) for (2, 10) prompts blamed position_ids, which the
-    caller never gave; now the error names attention_mask, both shapes and the rule."""
+    """An attention_mask of shape (2, 3) for (2, 10) prompts is refused naming attention_mask, both shapes and the
+    rule, not position_ids, which the caller never gave."""
     ids = torch.randint(0, 300, (2, 10))
     with pytest.raises(ValueError, match=r"attention_mask must have input_ids' shape \(2, 10\).*got \(2, 3\)"):
         model.generate(ids, 2, attention_mask=torch.ones(2, 3))
@@ -38,15 +39,15 @@ def test_generate_with_a_wrong_shape_attention_mask_names_it(model):
 
 @pytest.mark.parametrize("bad", [2.5, "2", True])
 def test_generate_max_new_tokens_must_be_an_int(model, bad):
-    """max_new_tokens=2.5 gave "'float' object cannot be interpreted as an integer"; now the
-    error names max_new_tokens, its value and type."""
+    """A float, a string or a bool as max_new_tokens (2.5, "2", True) is a TypeError naming max_new_tokens, its value
+    and its type."""
     ids = torch.randint(0, 300, (2, 10))
     with pytest.raises(TypeError, match=rf"max_new_tokens must be an int .*got {bad!r} \({type(bad).__name__}\)"):
         model.generate(ids, bad)
 
 
 def test_generate_still_takes_numpy_and_tensor_integers(model):
-    """The max_new_tokens check accepts any integer (numpy, a 0-d integer tensor), as range() did before."""
+    """The max_new_tokens check accepts any integer (a numpy integer, a 0-d integer tensor), as range() does."""
     import numpy as np
 
     ids = torch.randint(0, 300, (2, 10))
@@ -55,9 +56,8 @@ def test_generate_still_takes_numpy_and_tensor_integers(model):
 
 
 def test_kv_cache_used_with_a_model_of_other_head_sizes_names_both_shapes(model):
-    """A KVCache filled by one model, then used by a model with 4 heads, gave torch's "The expanded
-    size of the tensor (16) must match the existing size (8)"; now the error names the layer, both shapes
-    and the fix."""
+    """A KVCache filled by one model and then given to a model with other head sizes (4 heads) is refused by the
+    cache itself, naming the layer, both key shapes and the fix: a new KVCache per model and batch."""
     other = DiffTransformerLM(_config(num_attention_heads=4)).eval()
     ids = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
@@ -69,8 +69,8 @@ def test_kv_cache_used_with_a_model_of_other_head_sizes_names_both_shapes(model)
 
 
 def test_kv_cache_used_with_another_batch_size_names_both_shapes(model):
-    """A cache of batch 2 fed a batch of 1 was broadcast into it, and the error came later
-    from attention about k's batch; now the cache says so itself, also when gradients flow."""
+    """A cache of batch 2 fed a batch of 1 is refused by the cache itself, naming both key shapes, with and without
+    gradients: the new keys are never broadcast into it."""
     ids = torch.randint(0, 300, (2, 10))
     for grad in (False, True):
         cache = KVCache()
@@ -82,8 +82,7 @@ def test_kv_cache_used_with_another_batch_size_names_both_shapes(model):
 
 
 def test_from_pretrained_given_the_config_file_names_its_folder(tmp_path, model):
-    """from_pretrained("dir/config.json") said "no model config at dir/config.json/config.json";
-    now it says the path is a file and names the folder to give."""
+    """from_pretrained("dir/config.json") says the path is a file and names the folder to give."""
     model.save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=rf"{tmp_path}/m/config.json is a file; give the folder that holds "
                                          rf"config.json and model.safetensors \(this file's folder is {tmp_path}/m\)"):
@@ -92,8 +91,8 @@ def test_from_pretrained_given_the_config_file_names_its_folder(tmp_path, model)
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float16"])
 def test_from_pretrained_refuses_a_non_floating_dtype(tmp_path, model, dtype):
-    """from_pretrained(d, dtype=torch.int64) gave torch's "Only Tensors of floating point and complex
-    dtype can require gradients"; now the model names the dtype and the ones it takes."""
+    """A dtype that is not a floating-point torch.dtype (torch.int64, torch.bool, the string "float16") is a
+    TypeError naming it and the dtypes the model takes; a floating dtype loads."""
     model.save_pretrained(tmp_path / "m")
     with pytest.raises(TypeError, match=rf"dtype must be a floating-point torch.dtype .*got {dtype!r}"):
         DiffTransformerLM.from_pretrained(tmp_path / "m", dtype=dtype)

@@ -157,8 +157,8 @@ def test_a_fresh_start_never_deletes_what_it_has_not_replaced(data_dir, tmp_path
 
 
 def test_the_same_state_is_written_as_the_same_bytes(tmp_path):
-    """safetensors writes its metadata map in the order of a randomly seeded Rust HashMap, so equal
-    states gave files that differed in their header (and in their checksums); canonical_safetensors
+    """safetensors writes its metadata map in the order of a randomly seeded Rust HashMap, so equal states can give
+    files that differ in their header (and in their checksums); canonical_safetensors makes them the same bytes: it
     sorts the metadata keys in place, keeps the tensors and metadata readable, and touches no data."""
     import random
 

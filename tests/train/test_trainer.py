@@ -167,9 +167,9 @@ def test_the_weight_guard_can_be_switched_off_and_is_validated(data_dir, tmp_pat
 
 
 def test_the_weight_guard_measures_against_the_run_start_in_every_call(data_dir, tmp_path):
-    """The norm reference is the run's, kept in its checkpoints: the same command run again after a stop
-    resumes from the last good checkpoint and stops again at the same state (it measured against that
-    checkpoint's norm before, and went on to save the state it had refused)."""
+    """The norm reference is the run's, kept in its checkpoints: the same command run again after a stop resumes from
+    the last good checkpoint and stops again at the same state. Measured against that checkpoint's own norm instead,
+    the rerun would pass the step the guard refused and save it."""
     import math
 
     from difftransformer.model import DiffTransformerLM
