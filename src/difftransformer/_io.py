@@ -271,8 +271,9 @@ def folder_lock(folder: str | Path, *, purpose: str = "write elsewhere", kind: s
     host, command, start time). The lock is an advisory flock on `folder/.lock`: the operating
     system releases it when the holder exits or is killed, so a lock is never stale, whatever the
     file says. Re-entrant within one process. Where flock is missing (Windows) nothing is locked.
-    kind: what the holder writes ("prepared data", "a training run", "a study"): a folder that holds
-    another kind is refused first (check_folder_kind).
+    purpose: the way out besides waiting, as an imperative that ends the refusal ("wait for it to finish, or
+    {purpose}"). kind: what the holder writes ("prepared data", "a training run", "a study"): a folder that
+    holds another kind is refused first (check_folder_kind).
     """
     if kind is not None:
         check_folder_kind(folder, kind)

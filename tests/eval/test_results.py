@@ -194,7 +194,8 @@ def test_one_writer_at_a_time_per_results_folder(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", hold, str(results.path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
-        with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*--out-dir"):
+        with pytest.raises(FolderInUseError, match=f"pid {proc.pid}.*; wait for it to finish, or keep these results "
+                                                  f"in another folder \\(eval --out-dir DIR\\)$"):
             evaluate_cached(get_task("test-echo"), DiffTransformerLM(tiny()), None, EvalConfig(), results)
     finally:
         proc.kill()

@@ -381,3 +381,36 @@ def test_an_arm_is_differential_by_its_attention_kind_not_its_name():
     folders = "\n".join(ood_section(ctx))
     assert "### `v2` − each arm, accuracy (each arm with a single softmax map)" in folders
     assert "### `diffuse` − each arm" not in folders
+
+
+def test_each_differential_arm_shows_its_retrieving_heads_two_maps_per_seed():
+    """A1 and A2 of the head chosen at 1x, read at every reported condition (the farthest length here), each map's
+    mass on target / distractors / filler as stored; the other head's maps never appear, and an arm with one
+    softmax map has no such table."""
+    def masses(per_head):
+        return {m: [h[j] for h in per_head] for j, m in enumerate(MASSES)}
+
+    def layer(a1, a2, retrieving):
+        positive = masses([(0.1, 0.1, 0.1, 0.2), (0.4, 0.05, 0.05, 0.0)] if retrieving == 1 else
+                          [(0.4, 0.05, 0.05, 0.0), (0.1, 0.1, 0.1, 0.2)])
+        negative = masses([(0.0, 0.0, 0.0, 0.0)] * 2)
+        return {"diff_mass": positive, "diff_positive_mass": positive, "diff_negative_mass": negative,
+                "a1_mass": masses(a1), "a2_mass": masses(a2)}
+
+    decoy = (0.11, 0.22, 0.33, 0.34)
+    at_1x = layer([decoy, (0.97, 0.02, 0.01, 0.0)], [decoy, (0.05, 0.25, 0.66, 0.04)], retrieving=1)
+    at_16x = layer([decoy, (0.44, 0.17, 0.39, 0.0)], [decoy, (0.0, 0.04, 0.96, 0.0)], retrieving=0)  # decoy wins here
+    cells = [{"condition": "length1x-density1x", "length": 1.0, "density": 1.0, "accuracy": 0.999,
+              "attention": {"layers": [at_1x]}},
+             {"condition": "length16x-density1x", "length": 16.0, "density": 1.0, "accuracy": 0.45,
+              "attention": {"layers": [at_16x]}}]
+    runs = {("diff_v2", 3): Run("diff_v2", 3, None, evals={"ood": {"details": {"cells": cells}}}),
+            ("transformer", 3): Run("transformer", 3, None, evals={"ood": {"details": {"cells": [
+                _cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length16x-density1x", 16.0, 1.0, 0.5, 0.5)]}}})}
+    text = "\n".join(ood_section(_study(["transformer", "diff_v2"], [3], runs)))
+    part = text[text.index("**`diff_v2`: the retrieving head's two maps, per seed**"):]
+    rows = [r for r in part.splitlines() if r.startswith("| 3 |")]
+    head = "layer 0, head 1"
+    assert rows == [f"| 3 | `length1x-density1x` | 0.9990 | {head} | 0.97 / 0.02 / 0.01 | 0.05 / 0.25 / 0.66 |",
+                    f"| 3 | `length16x-density1x` | 0.4500 | {head} | 0.44 / 0.17 / 0.39 | 0.00 / 0.04 / 0.96 |"]
+    assert "**`transformer`: the retrieving head's two maps" not in text and "0.11 / 0.22" not in text

@@ -221,7 +221,7 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
     weights_sha256: the model's `weights_hash`, so that a caller running several tasks hashes once."""
     digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
     settings = task_settings(task, cfg)
-    with folder_lock(results.path, purpose="wait for it to finish, or keep these results in another folder "
+    with folder_lock(results.path, purpose="keep these results in another folder "
                                            "(eval --out-dir DIR)"):
         refused = task.reusable()
         cached = None if force or refused else results.cached(task.name, digest, settings)

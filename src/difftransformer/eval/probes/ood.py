@@ -294,6 +294,16 @@ def head_weights(layer: dict[str, Any], h: int) -> tuple[dict[str, float], dict[
     return None
 
 
+def map_masses(attention: dict[str, Any] | None, head: tuple[int, int] | None, which: str) -> dict[str, float] | None:
+    """Head `head`'s mass on each of MASSES in one softmax map of a `mechanism` record: `which` "a1" or "a2" (a
+    map's rows sum to 1, so these are its shares); None where the record has no such head or map."""
+    layers = (attention or {}).get("layers") or []
+    if head is None or head[0] >= len(layers) or f"{which}_mass" not in layers[head[0]]:
+        return None
+    masses = layers[head[0]][f"{which}_mass"]
+    return {m: masses[m][head[1]] for m in MASSES}
+
+
 def retrieving_head(attention: dict[str, Any] | None) -> tuple[int, int] | None:
     """The (layer, head) of a `mechanism` record at the training distribution whose positive attention weight
     puts the largest share on the target: the head that retrieves. Chosen once per model, so that every

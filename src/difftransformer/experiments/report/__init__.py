@@ -36,7 +36,7 @@ def write_report(study_dir: str | Path, *, samples: bool = True, html: bool = Tr
         raise ValueError("the study folder is empty ''; name it (e.g. runs/demo, or . for the current folder)")
     if not Path(study_dir).is_dir():
         raise FileNotFoundError(f"{study_dir} is not a folder; give the --out-dir of a `difftransformer compare` run")
-    with folder_lock(study_dir, purpose="wait for it to finish, then write the report again", kind="a study"):
+    with folder_lock(study_dir, purpose="report a copy of the folder", kind="a study"):
         return _write_report(StudyDir(study_dir), samples, html)
 
 

@@ -7,7 +7,8 @@ the verdict their interval supports (and each other differential arm − each ar
 same for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
 the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); where
 each model's retrieving head attends (chosen once at the training distribution, read as shares of its
-positive weight on the target, on distractors + filler, and its negative weight). A run below the
+positive weight on the target, on distractors + filler, and its negative weight; for a differential arm, per
+seed, where that head's two maps A1 and A2 each put their mass). A run below the
 in-distribution bar (< 99% accuracy at the training condition) has not learned the task, so a difference out
 of distribution says nothing about its attention: such runs are listed with their accuracy per condition and
 left out of every mean, difference and figure (paired differences use the seeds where both arms passed).
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer._io import atomic_path
-from difftransformer.eval.probes.ood import head_shares, retrieving_head, wilson_interval
+from difftransformer.eval.probes.ood import MASSES, head_shares, map_masses, retrieving_head, wilson_interval
 from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, holm_readings, table
 from difftransformer.experiments.stats import compare_paired, t_interval
 from difftransformer.model import ATTENTION_KINDS
@@ -164,6 +165,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
     L += _mechanism(arms, cells, conditions)
+    L += _two_maps(_differential(ctx, arms), cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
         L += [f"![accuracy and target share against the length and density factors]({PLOT_FILE})", ""]
     return L
@@ -187,6 +189,31 @@ def _mechanism(arms, cells, conditions) -> Lines:
             L += [f"**{title}**", ""] + _table(title, arms, cells, conditions, _share(part))[2:]
             shown += 1
     return L if shown else []
+
+
+def _two_maps(arms, cells, conditions) -> Lines:
+    """Per differential arm and seed, where the retrieving head's two softmax maps A1 and A2 put their mass, at
+    the training distribution and the farthest length and density: whether a model that holds up out of
+    distribution keeps A1 itself on the target, or lets A1 spread and cancels the spread by subtracting A2."""
+    where = [c for c in (TRAIN_CONDITION, _farthest(conditions, "length"), _farthest(conditions, "density")) if c]
+    L = []
+    for arm in arms:
+        rows = []
+        for seed, by_condition in sorted(cells[arm].items()):
+            head = retrieving_head((by_condition.get(TRAIN_CONDITION) or {}).get("attention"))
+            for c in where:
+                maps = [map_masses((by_condition.get(c) or {}).get("attention"), head, m) for m in ("a1", "a2")]
+                if head is None or None in maps:
+                    continue
+                rows.append([str(seed), code_span(c), _fmt(by_condition[c].get("accuracy")),
+                             f"layer {head[0]}, head {head[1]}",
+                             *(" / ".join(f"{m[part]:.2f}" for part in MASSES[:3]) for m in maps)])
+        if rows:
+            L += [f"**{code_span(arm)}: the retrieving head's two maps, per seed**", "",
+                  "Mass of each softmax map of the retrieving head on target / distractors / filler (the rest is "
+                  "on other tokens); the head's output is A1 − λA2.", ""]
+            L += table(["seed", "condition", "accuracy", "retrieving head", "A1", "A2"], rows) + [""]
+    return L
 
 
 def _passed(by_condition: dict[str, dict[str, Any]]) -> bool:
