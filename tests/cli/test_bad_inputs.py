@@ -107,7 +107,7 @@ def test_a_read_only_out_dir(workdir, tmp_path, capsys):
 
 
 def test_weights_of_a_wrong_dtype_are_one_line_for_every_command(compared, tmp_path, capsys):
-    """Integer or bool "weights" are refused at load by generate, eval and convert, in one line naming the file, the
+    """Integer "weights" (int64) are refused at load by generate, eval and convert, in one line naming the file, the
     tensor and its dtype: never cast silently and run on, and convert writes nothing."""
     from safetensors.torch import load_file, save_file
 

@@ -54,7 +54,7 @@ def test_compare_puts_both_arms_in_one_table(compared, capsys, tmp_path):
     assert f"| {b - a:.4g} |" in table
 
 
-def test_a_task_skipped_in_all_or_compare_is_named_and_exits_1(compared, capsys, tmp_path, monkeypatch):
+def test_a_task_that_could_not_run_in_all_or_compare_is_named_and_exits_3(compared, capsys, tmp_path, monkeypatch):
     """`eval all` and `eval compare` go on past a task that cannot run on a model, but such a run has not measured
     what it was asked to: the output names the skipped task and why, and the exit code is 1."""
     from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
@@ -63,15 +63,46 @@ def test_a_task_skipped_in_all_or_compare_is_named_and_exits_1(compared, capsys,
         raise ValueError("no held-out text here")
 
     monkeypatch.setattr(HeldOutLoss, "run", cannot)
-    assert main(["eval", "all", str(compared / "diff"), "--tasks", "heldout-loss", "--out-dir", str(tmp_path)]) == 1
+    assert main(["eval", "all", str(compared / "diff"), "--tasks", "heldout-loss", "--out-dir", str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert "heldout-loss: skipped: no held-out text here" in err[-2] and "skipped 1 task(s): heldout-loss" in err[-1]
+    assert "heldout-loss: skipped: no held-out text here" in err[-2]
+    assert "could not run 1 task(s): heldout-loss" in err[-1]
     out = tmp_path / "cmp.md"
     assert main(["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks", "heldout-loss",
-                 "--force", "--out", str(out)]) == 1
+                 "--force", "--out", str(out)]) == 3
     table = out.read_text()
-    assert "- heldout-loss: skipped, " in table and "no held-out text here" in table
-    assert str(compared / "transformer") in table.split("- heldout-loss: skipped, ")[1]
+    assert "- heldout-loss: could not run, " in table and "no held-out text here" in table
+    assert str(compared / "transformer") in table.split("- heldout-loss: could not run, ")[1]
+
+
+def test_a_task_that_does_not_apply_to_a_model_is_named_and_no_failure(compared, capsys, tmp_path):
+    """`ood` measures models trained on a synthetic task: on a model trained on text it does not apply, so
+    `eval all` and `eval compare` with it in their list name it and still succeed (the default list holds it)."""
+    argv = ["eval", "all", str(compared / "diff"), "--tasks", "ood,heldout-loss", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "ood: does not apply to this model: " in err and "holds a corpus, not a synthetic task" in err
+    assert "could not run" not in err
+    out = tmp_path / "cmp.md"
+    assert main(["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks",
+                 "ood,heldout-loss", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "- ood: does not apply, " in table and "| heldout-loss | loss |" in table and "only one model" not in table
+    assert main(["eval", "ood", str(compared / "diff")]) == 2  # asked for alone, it is an error
+
+
+def test_no_run_names_a_result_of_another_task_version_and_leaves_it_out(compared, capsys, tmp_path, monkeypatch):
+    from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+    argv = ["eval", "compare", str(compared / "transformer"), str(compared / "diff"), "--tasks", "heldout-loss"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(HeldOutLoss, "version", HeldOutLoss.version + 1)
+    assert main([*argv, "--no-run", "--out", str(tmp_path / "t.md")]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"was computed by version {HeldOutLoss.version - 1} of the task, this package's is "
+                     f"{HeldOutLoss.version}") == 2 and "run without --no-run to compute it again" in err
+    assert "| heldout-loss |" not in (tmp_path / "t.md").read_text()
 
 
 def test_every_task_has_help_with_its_options(capsys):

@@ -275,9 +275,9 @@ def test_an_empty_task_list_is_refused_not_read_as_all(workdir, tmp_path, capsys
 
 
 def test_logit_quant_names_the_window_count_it_refuses(compared, tmp_path, capsys):
-    run = compared / "diff"
     """`eval logit-quant RUN --windows 0` and `--needle-length -3` are refused naming the option, its rule and
     the value given, like every other eval option."""
+    run = compared / "diff"
     capsys.readouterr()
     assert main(["eval", "logit-quant", str(run), "--windows", "0", "--needle-samples", "0",
                  "--out-dir", str(tmp_path / "ev")]) == 2

@@ -229,6 +229,10 @@ def test_a_result_of_an_older_task_version_is_computed_again_and_replaced(tmp_pa
     assert not reused and record["metrics"]["value"] == -1.0 and record["settings"]["task_version"] == 2
     assert json.loads(results.json_path("test-echo").read_text())["settings"]["task_version"] == 2
     assert evaluate_cached(get_task("test-echo"), model, None, cfg, results)[1]
+    monkeypatch.setattr(_Echo, "version", 1)  # an older checkout never overwrites a newer version's result
+    with pytest.raises(StoredResultError, match="result of version 2 of the task, newer than this package's \\(1\\)"):
+        evaluate_cached(get_task("test-echo"), model, None, cfg, results)
+    assert json.loads(results.json_path("test-echo").read_text())["settings"]["task_version"] == 2
 
 
 def test_a_task_that_refuses_reuse_runs_again(tmp_path, monkeypatch):
@@ -244,4 +248,4 @@ def test_compare_table_names_results_of_other_task_versions_and_skipped_tasks():
     b = {"x": {**_record("x", {"acc": 0.75}), "settings": {**_record("x", {})["settings"], "task_version": 2}}}
     table = compare_table(a, b, ("a", "b"), ("t", "d"), skipped={"z": "runs/b: no held-out data"})
     assert "x: not compared, the two results differ in task_version" in table and "| x | acc" not in table
-    assert "- z: skipped, runs/b: no held-out data" in table and "only one model has" not in table
+    assert "- z: could not run, runs/b: no held-out data" in table and "only one model has" not in table

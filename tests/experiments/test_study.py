@@ -274,6 +274,29 @@ def test_a_study_reuses_another_studys_identical_units(data_dir, tmp_path, caplo
         StudyConfig(reuse="results/paper-cpu")
 
 
+def test_a_copied_unit_of_an_older_task_version_follows_its_source(data_dir, tmp_path, caplog, monkeypatch):
+    """A unit copied from another study (compare.reuse) has no model here to evaluate again: while its source is
+    outdated too, the warning names the source; once the source study has evaluated it again, the next compare
+    copies the new result."""
+    from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_study(_study(data_dir, first, eval_tasks=["heldout-loss"]), tmp_path / "a", report=False)
+    reusing = _study(data_dir, second, eval_tasks=["heldout-loss"], reuse=[str(first)])
+    run_study(reusing, tmp_path / "b", report=False)
+    version = lambda folder: json.loads(result_path(folder, Unit(None, None, 0, "diff"), False).read_text())[  # noqa
+        "evals"]["heldout-loss"]["settings"]["task_version"]
+    monkeypatch.setattr(HeldOutLoss, "version", 2)
+    caplog.clear()
+    run_study(reusing, tmp_path / "b", report=False)
+    assert version(second) == 1 and f"copied from {first}: evaluate it again there" in caplog.text
+    run_study(_study(data_dir, first, eval_tasks=["heldout-loss"]), tmp_path / "a", report=False)
+    assert version(first) == 2
+    caplog.clear()
+    run_study(reusing, tmp_path / "b", report=False)
+    assert version(second) == 2 and "older version" not in caplog.text
+
+
 def test_a_result_evaluated_with_other_options_is_not_reused(data_dir, tmp_path, caplog):
     """compare.reuse takes another study's unit only where its evaluations used this study's eval options: one
     made with others is skipped with a warning naming its file and what differs (copied, it would enter this
@@ -623,6 +646,12 @@ def test_units_evaluated_by_an_older_task_version_are_evaluated_again_or_marked(
     run_study(study, out)
     assert "diff: heldout-loss computed by an older version of the task (version 2, now 3)" in caplog.text
     assert version("diff") == 2 and version("transformer") == 3
+    from difftransformer.experiments.evaluate import outdated_evaluations
+
+    evals = json.loads((folder.results / "transformer.json").read_text())["evals"]
+    monkeypatch.setattr(HeldOutLoss, "version", 2)  # an older checkout: version 3 is not "older"
+    assert outdated_evaluations(evals, ["heldout-loss"]) == {}
+    monkeypatch.setattr(HeldOutLoss, "version", 3)
     report = folder.report.read_text()
     assert "**heldout-loss (version 2, now 3)** was computed by an older version of the task for 1 of 2 units " \
            "(diff seed 0)" in report
@@ -643,6 +672,12 @@ def test_a_report_from_run_folders_leaves_out_results_of_other_weights(data_dir,
     shutil.rmtree(folder.results)
     run = Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False))
     assert sorted(run.evals) == ["heldout-loss"] and "long-context.json was computed from other weights" in caplog.text
+    weights = folder.run_dir("transformer", 0, multi_seed=False).final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a final model that does not load
+    caplog.clear()
+    assert Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False)).evals == {}
+    assert "does not load, so they cannot be told to be its" in caplog.text
+    assert write_report(out, samples=False).is_file()  # the report is still written
     shutil.rmtree(folder.run_dir("transformer", 0, multi_seed=False).final)
     assert Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False)).evals == {}
 

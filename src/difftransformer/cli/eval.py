@@ -37,7 +37,7 @@ from difftransformer.eval.results import (
     differing_keys,
     evaluate_cached,
 )
-from difftransformer.eval.task import OPTION_LIMIT, option_kind, shown, task_settings, weights_hash
+from difftransformer.eval.task import OPTION_LIMIT, TaskNotApplicable, option_kind, shown, task_settings, weights_hash
 from difftransformer.experiments.evaluate import task_for_run
 from difftransformer.run_config import ConfigError
 from difftransformer.train import RunDir
@@ -77,14 +77,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         _add_options(tp, cls)
     ap = sub.add_parser(ALL, formatter_class=Formatter, help="run every task with its defaults",
                         description="Run every evaluation task on MODEL with its default options; results "
-                                    "already there for these weights and settings are reused.")
+                                    "already there for these weights and settings are reused. A task that does "
+                                    "not apply to MODEL (ood on a model trained on text) is named and left out; "
+                                    "one that applies but could not run is named, the others still run, and the "
+                                    "exit status is 3.")
     ap.add_argument("model", metavar="MODEL", help="run folder, final/ folder or checkpoint folder")
     ap.add_argument("--tasks", metavar="LIST", help="comma-separated subset of the tasks (default: all)")
     _add_shared(ap)
     cp = sub.add_parser(COMPARE, formatter_class=Formatter, help="two models side by side, beside the paper",
                         description="Evaluate MODEL_A and MODEL_B with every task (reusing stored results) and "
                                     "print one Markdown table: each metric for both, B - A, and the paper's "
-                                    "Transformer and DIFF numbers where it has them. Put the baseline first.")
+                                    "Transformer and DIFF numbers where it has them. Put the baseline first. "
+                                    "Tasks that do not apply or could not run are noted under the table; exit "
+                                    "status 3 when one that applies could not run.")
     cp.add_argument("model", metavar="MODEL_A", help="the baseline, e.g. runs/demo/transformer")
     cp.add_argument("model_b", metavar="MODEL_B", help="e.g. runs/demo/diff")
     cp.add_argument("--tasks", metavar="LIST", help="comma-separated subset of the tasks (default: all)")
@@ -92,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cp.add_argument("--no-run", action="store_true",
                     help="only read stored results; run nothing. A stored result is shown only when it was computed "
                          "from these weights with the settings the other flags ask for (--split, --seq-len, "
-                         "--data-dir, --eval-seed, the tasks' default options); any other is named and left out")
+                         "--data-dir, --eval-seed, the tasks' default options) by this package's version of the "
+                         "task; any other is named and left out")
     _add_shared(cp)
 
 
@@ -218,6 +224,12 @@ class _Model:
                 print(f"{name}: {self.results.json_path(name)} was computed from other weights than {self.path}'s; "
                       f"left out (run without --no-run to evaluate this model)", file=sys.stderr)
                 continue
+            theirs, ours = record.get("settings", {}).get("task_version", 1), TASKS[name].version
+            if theirs != ours:
+                print(f"{name}: {self.results.json_path(name)} was computed by version {theirs} of the task, this "
+                      f"package's is {ours} (docs/evaluation.md, task versions); left out (run without --no-run to "
+                      f"compute it again)", file=sys.stderr)
+                continue
             differ = self._other_settings(name, record)
             if differ:
                 print(f"{name}: {self.results.json_path(name)} was computed with other settings than these flags "
@@ -257,7 +269,7 @@ class _Model:
     def evaluate(self, task: Task, force: bool) -> dict[str, Any]:
         """The task's result for this model: stored if it matches, else run now and saved."""
         if task.white_box and self.foreign:
-            raise ConfigError(f"{task.name} looks inside attention and runs on this package's models only; "
+            raise TaskNotApplicable(f"{task.name} looks inside attention and runs on this package's models only; "
                               f"{self.path} is a transformers folder. Black-box tasks run on it: "
                               f"{', '.join(sorted(n for n, t in TASKS.items() if not t.white_box))}")
         print(f"{task.name}: {self.path} ...", file=sys.stderr)
@@ -335,10 +347,11 @@ def _print_metrics(name: str, record: dict[str, Any]) -> None:
         print(f"  {key:<32} {value:.4g}" if isinstance(value, float) else f"  {key:<32} {value}")
 
 
-def _evaluate_all(model: _Model, names: list[str], force: bool,
-                  skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Every named task on one model; a task that cannot run on it (no held-out data, say) is named,
-    recorded in `skipped` ({task: why}) and left out, so that the others still run."""
+def _evaluate_all(model: _Model, names: list[str], force: bool, skipped: dict[str, str],
+                  inapplicable: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every named task on one model. A task that does not apply to it (TaskNotApplicable: `ood` on a model
+    trained on text) is named and recorded in `inapplicable`; one that could not run (no held-out data, a
+    context too short for its prompts) in `skipped` ({task: why}); either way the others still run."""
     out = {}
     for name in names:
         if not _reads_seq_len(name, model.cfg.seq_len, alone=False):
@@ -348,19 +361,24 @@ def _evaluate_all(model: _Model, names: list[str], force: bool,
         except StoredResultError:
             raise
         except ValueError as e:
-            print(f"{name}: skipped: {e}", file=sys.stderr)
-            skipped[name] = "; ".join(filter(None, [skipped.get(name), f"{model.path}: {e}"]))
+            applies = not isinstance(e, TaskNotApplicable)
+            print(f"{name}: {'skipped' if applies else 'does not apply to this model'}: {e}", file=sys.stderr)
+            into = skipped if applies else inapplicable
+            into[name] = "; ".join(filter(None, [into.get(name), f"{model.path}: {e}"]))
     return out
 
 
+PARTIAL = 3  # `all` / `compare` when a task that applies could not run: not a crash (1), not bad input (2)
+
+
 def _skipped_status(skipped: dict[str, str]) -> int:
-    """1 when a task was skipped (the run did not measure everything it was asked to), with one line naming
-    them; 0 otherwise."""
+    """PARTIAL when a task that applies to a model could not run on it (the command did not measure what it was
+    asked to), with one line naming them; 0 otherwise (tasks that do not apply to a model are no failure)."""
     if not skipped:
         return 0
-    print(f"skipped {len(skipped)} task(s): {', '.join(sorted(skipped))} (reasons above); exit status 1",
-          file=sys.stderr)
-    return 1
+    print(f"could not run {len(skipped)} task(s): {', '.join(sorted(skipped))} (reasons above); exit status "
+          f"{PARTIAL}", file=sys.stderr)
+    return PARTIAL
 
 
 def run(args: argparse.Namespace) -> int:
@@ -374,12 +392,14 @@ def run(args: argparse.Namespace) -> int:
         if not (args.no_run or args.force):
             _refuse_replacing(a.conflicts(names) + b.conflicts(names), "--no-run to compare the stored results")
         skipped: dict[str, str] = {}
+        inapplicable: dict[str, str] = {}
         if args.no_run:
             ra, rb = a.stored(names), b.stored(names)
         else:
-            ra, rb = _evaluate_all(a, names, args.force, skipped), _evaluate_all(b, names, args.force, skipped)
-        table = compare_table(ra, rb, (args.model, args.model_b),
-                              (a.model.config.attention, b.model.config.attention), skipped=skipped)
+            ra = _evaluate_all(a, names, args.force, skipped, inapplicable)
+            rb = _evaluate_all(b, names, args.force, skipped, inapplicable)
+        table = compare_table(ra, rb, (args.model, args.model_b), (a.model.config.attention, b.model.config.attention),
+                              skipped=skipped, inapplicable=inapplicable)
         print(table)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -391,8 +411,8 @@ def run(args: argparse.Namespace) -> int:
         names = _task_names(args)
         if not args.force:
             _refuse_replacing(model.conflicts(names), "--tasks to leave those tasks out")
-        skipped = {}
-        for name, record in _evaluate_all(model, names, args.force, skipped).items():
+        skipped: dict[str, str] = {}
+        for name, record in _evaluate_all(model, names, args.force, skipped, {}).items():
             _print_metrics(name, record)
         return _skipped_status(skipped)
     record = model.evaluate(model.task(args.task, _options(args)), args.force)

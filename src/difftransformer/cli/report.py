@@ -20,7 +20,9 @@ EXAMPLES = """
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="the compare output folder")
-    p.add_argument("--no-samples", action="store_true", help="skip the sample generations (no model loading)")
+    p.add_argument("--no-samples", action="store_true",
+                   help="skip the sample generations (a unit without a result file still has its final weights "
+                        "read, to tell which stored evaluation results are its)")
 
 
 def run(args: argparse.Namespace) -> int:

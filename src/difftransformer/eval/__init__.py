@@ -14,11 +14,21 @@ from difftransformer.eval.lm import (
     new_token_budget,
     token_nll,
 )
-from difftransformer.eval.task import TASKS, EvalConfig, Task, TaskResult, get_task, register_task, run_task
+from difftransformer.eval.task import (
+    TASKS,
+    EvalConfig,
+    Task,
+    TaskNotApplicable,
+    TaskResult,
+    get_task,
+    register_task,
+    run_task,
+)
 from difftransformer.eval.tasks import HeldOutLoss  # registers the built-in tasks
 
 __all__ = [
-    "TASKS", "probes", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskResult",
+    "TASKS", "probes", "ContinuationScore", "EvalConfig", "Generation", "HeldOutLoss", "Task", "TaskNotApplicable",
+    "TaskResult",
     "continuation_logprob",
     "encode_prompt", "generate_text", "get_task", "new_token_budget", "register_task", "run_task", "token_nll",
 ]

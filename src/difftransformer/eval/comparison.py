@@ -41,9 +41,11 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def compare_table(results_a: dict[str, dict[str, Any]], results_b: dict[str, dict[str, Any]],
-                  names: tuple[str, str], kinds: tuple[str, str], skipped: dict[str, str] | None = None) -> str:
+                  names: tuple[str, str], kinds: tuple[str, str], skipped: dict[str, str] | None = None,
+                  inapplicable: dict[str, str] | None = None) -> str:
     """A Markdown table of every metric both models have, with the paper's numbers beside them; a note for
-    each task the two do not share and each task in `skipped` ({task: why it could not run})."""
+    each task the two do not share, each task in `skipped` ({task: why it could not run}) and each in
+    `inapplicable` ({task: why it does not apply to a model})."""
     head = (f"| task | metric | A: {kinds[0]} | B: {kinds[1]} | B - A | paper T | paper DIFF | paper ref |\n"
             f"|---|---|---|---|---|---|---|---|")
     rows, notes = [], []
@@ -61,10 +63,11 @@ def compare_table(results_a: dict[str, dict[str, Any]], results_b: dict[str, dic
             rows.append(f"| {task} | {metric} | {_fmt(va)} | {_fmt(vb)} | {_fmt(delta)} | "
                         f"{_fmt(paper.transformer) if paper else ''} | {_fmt(paper.diff) if paper else ''} | "
                         f"{paper.ref if paper else ''} |")
-    only = sorted((set(results_a) ^ set(results_b)) - set(skipped or {}))
+    only = sorted((set(results_a) ^ set(results_b)) - set(skipped or {}) - set(inapplicable or {}))
     if only:
         notes.append(f"- only one model has: {', '.join(only)}")
-    notes += [f"- {task}: skipped, {why}" for task, why in sorted((skipped or {}).items())]
+    notes += [f"- {task}: could not run, {why}" for task, why in sorted((skipped or {}).items())]
+    notes += [f"- {task}: does not apply, {why}" for task, why in sorted((inapplicable or {}).items())]
     lines = [f"A = {names[0]} ({kinds[0]}), B = {names[1]} ({kinds[1]}); one model each, one seed: "
              f"a difference here is not yet a finding (studies over seeds give intervals).", "", head, *rows]
     if not rows:

@@ -14,7 +14,8 @@ an external judge's code may have changed behind its name). A file that cannot b
 result's shape (a hand edit, a foreign JSON), or one of other weights, means the task runs again;
 nothing is ever merged or guessed. A result of these weights with other settings is the user's
 work: it is never replaced without `force` (StoredResultError names the settings that differ); one of
-an older task version measured with code that is gone, and is replaced.
+an older task version measured with code that is gone, and is replaced (one of a newer version than this
+package's is refused: an older checkout must not overwrite it).
 One writer at a time per folder: evaluate_cached holds the folder's lock (_io.folder_lock).
 """
 
@@ -145,9 +146,9 @@ class ResultsDir:
         file and the settings that differ: a result for these very weights with other settings (the task's
         options and the EvalConfig, the user's choices), or, in a folder that is not one model's own (`own`),
         a result of other weights (another model's). None when there is none: no result, a broken one, one
-        with these settings or of another task version (it measured with code that is gone), or, in a model's
+        with these settings or of an older task version (it measured with code that is gone), or, in a model's
         own folder, one of other weights or of a data folder prepared again since (it measured a model or text
-        that is gone)."""
+        that is gone). A result of a newer task version than this package's is refused too."""
         stored = self.load(task)
         if stored is None:
             return None
@@ -157,6 +158,12 @@ class ResultsDir:
                 return None
             return f"{self.json_path(task)} holds {task}'s result for other weights ({str(theirs)[:12]}), " \
                    f"perhaps another model's"
+        version, ours = comparable_settings(stored.get("settings", {}))["task_version"], settings.get("task_version", 1)
+        if version < ours:
+            return None
+        if version > ours:
+            return f"{self.json_path(task)} holds {task}'s result of version {version} of the task, newer than this " \
+                   f"package's ({ours})"
         chosen = lambda d: {k: v for k, v in comparable_settings(d).items()  # noqa: E731
                             if k not in ("data", "task_version")}
         old, new = chosen(stored.get("settings", {})), chosen(settings)

@@ -86,6 +86,11 @@ class TaskResult:
         return dataclasses.asdict(self)
 
 
+class TaskNotApplicable(ValueError):
+    """The task does not apply to this model (a white-box probe on another library's model, `ood` on a model
+    trained on text): nothing failed, there is nothing to measure. `eval all` names it and goes on."""
+
+
 @dataclass
 class NoOptions:
     """The options of a task that has none of its own."""

@@ -16,6 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from difftransformer.data import Tokenizer
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.results import ResultsDir, StoredResultError, differing_keys, evaluate_cached
@@ -89,13 +91,19 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
 
 
 def stored_results(run: RunDir) -> dict[str, dict[str, Any]]:
-    """The evaluation results stored for the run's final model, by task (for reports: nothing is computed).
-    A result of other weights in its eval/ folder (of an earlier final model, or copied in) is logged and left
-    out, never reported as this run's; without a final model none can be told to be its: {}."""
+    """The evaluation results stored for the run's final model, by task (for reports: nothing is computed; the
+    final weights are read to hash them). A result of other weights in its eval/ folder (of an earlier final
+    model, or copied in) is logged and left out, never reported as this run's; without a final model that loads,
+    none can be told to be its: {} (logged)."""
     found = ResultsDir(run.evals).all()
     if not found or not run.has_final():
         return {}
-    digest = weights_hash(load_model(run.final, "cpu").model)
+    try:
+        digest = weights_hash(load_model(run.final, "cpu").model)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # CheckpointError is a RuntimeError
+        log.warning("%s: its evaluation results are left out: the final model %s does not load, so they cannot be "
+                    "told to be its (%s)", run.path, run.final, e)
+        return {}
     own = {}
     for name, record in found.items():
         if record.get("provenance", {}).get("weights_sha256") == digest:
@@ -115,7 +123,7 @@ def outdated_evaluations(evals: dict[str, Any], tasks: list[str]) -> dict[str, s
         settings = (evals.get(name) or {}).get("settings")
         if not isinstance(settings, dict) or name not in TASKS:
             continue
-        stored, now = settings.get("task_version", 1), get_task(name).version
-        if stored != now:
+        stored, now = settings.get("task_version", 1), TASKS[name].version
+        if stored < now:
             out[name] = f"version {stored}, now {now}"
     return out

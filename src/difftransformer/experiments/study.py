@@ -377,17 +377,23 @@ class _Cell:
         tasks = self.study.compare.eval_tasks
         stale = frozenset(self._stale(path)) if done and self.replace else frozenset()
         if done:
-            evals = (read_result(path) or {}).get("evals") or {}
-            missing = sorted(set(tasks) - set(evals))
-            outdated = outdated_evaluations(evals, tasks)
+            record = read_result(path) or {}
+            outdated = outdated_evaluations(record.get("evals") or {}, tasks)
+            if outdated and record.get("reused_from") and self._reuse(unit, identity, path):
+                record = read_result(path) or {}  # copied again: the source study may have evaluated it since
+                outdated = outdated_evaluations(record.get("evals") or {}, tasks)
+            missing = sorted(set(tasks) - set(record.get("evals") or {}))
             if not (missing or stale or outdated) or not run.has_final():
                 if missing:
                     log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
                                 ", ".join(missing))
                 if outdated:
-                    log.warning("%s: %s computed by an older version of the task (%s) and no final model here to "
-                                "evaluate again; the report marks these results", unit.label(),
-                                ", ".join(outdated), "; ".join(outdated.values()))
+                    source = record.get("reused_from")
+                    fix = (f"copied from {source}: evaluate it again there (`compare` where its models are), and "
+                           f"the next compare here copies it again" if source else
+                           "no final model here to evaluate again")
+                    log.warning("%s: %s computed by an older version of the task (%s); %s; the report marks these "
+                                "results", unit.label(), ", ".join(outdated), "; ".join(outdated.values()), fix)
                 return
             if outdated:
                 log.info("%s: evaluating %s again: computed by an older version of the task (%s)", unit.label(),

@@ -29,15 +29,16 @@ from difftransformer.attention import (
     QueryHook,
     ScoreHook,
 )
+from difftransformer.eval.task import TaskNotApplicable
 from difftransformer.model import DiffTransformerLM
 
 _ATTENTION_LAYERS = (MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2)
 
 
 def require_own_model(model: nn.Module, task: str) -> DiffTransformerLM:
-    """`model` if this package built it; else a ValueError: a white-box probe cannot open other models."""
+    """`model` if this package built it; else TaskNotApplicable: a white-box probe cannot open other models."""
     if not isinstance(model, DiffTransformerLM):
-        raise ValueError(f"{task} looks inside attention and needs one of this package's models (a run folder, "
+        raise TaskNotApplicable(f"{task} looks inside attention and needs one of this package's models (a run folder, "
                          f"final/ folder or checkpoint); got a {type(model).__name__}. Black-box tasks (needle, "
                          f"long-context, icl, hallucination) run on other causal LMs")
     return model

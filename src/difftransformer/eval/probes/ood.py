@@ -55,7 +55,7 @@ from difftransformer.data.ood import TRAIN, Condition, Episodes, Family
 from difftransformer.data.ood.episodes import FILLER, ITEM
 from difftransformer.data.ood.sampler import eval_set
 from difftransformer.eval.probes.hooks import inspect_attention, probe_batch, require_own_model, rescale_queries
-from difftransformer.eval.task import EvalConfig, Task, TaskResult, register_task
+from difftransformer.eval.task import EvalConfig, Task, TaskNotApplicable, TaskResult, register_task
 from difftransformer.norm import compute_dtype
 
 log = logging.getLogger("difftransformer.eval")
@@ -152,7 +152,7 @@ def task_family(cfg: EvalConfig) -> Family:
                          "and its settings")
     family = PreparedData.load(cfg.data_dir).family()
     if family is None:
-        raise ValueError(f"{cfg.data_dir} holds a corpus, not a synthetic task (data.task); ood tests a model "
+        raise TaskNotApplicable(f"{cfg.data_dir} holds a corpus, not a synthetic task (data.task); ood tests a model "
                          f"trained on one, with that task's prepared-data folder as --data-dir")
     return family
 
