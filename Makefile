@@ -30,12 +30,15 @@ lint: venv
 
 ## make test: the linter, then the suite on CPU (GPU-only tests skip). TRITON_INTERPRET runs kernels on CPU.
 ## The tests marked slow (the benchmark scripts' end-to-end smoke runs) are left to make test-slow.
+## pytest-xdist runs one worker per core (each on one torch thread, tests/conftest.py); PYTEST_ARGS="-n 0" runs
+## the suite in this process instead (for a debugger, or -x on the first failure in order).
+XDIST ?= -n auto
 test: venv lint
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 ## make test-slow: the tests marked slow (a few minutes); CI runs them after make test.
 test-slow: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m slow $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m slow $(XDIST) $(PYTEST_ARGS)
 
 ## make test-interop-latest: tests/hf against the newest transformers and peft that pip resolves now, installed into
 ## the git-ignored .hf-latest/ in front of the venv's pinned ones (only dependencies the venv lacks are added there).
@@ -48,7 +51,7 @@ test-interop-latest: venv
 	  if [ -n "$$reqs" ]; then $(PY) -m pip install -q --no-deps --target $(HF_LATEST) $$reqs; fi
 	PYTHONPATH=$(HF_LATEST) $(PY) -c "import peft, transformers as t; assert t.__file__.startswith('$(HF_LATEST)/'), \
 	  t.__file__; print('tests/hf with transformers', t.__version__, 'and peft', peft.__version__)"
-	PYTHONPATH=$(HF_LATEST) TRITON_INTERPRET=1 $(PY) -m pytest tests/hf $(PYTEST_ARGS)
+	PYTHONPATH=$(HF_LATEST) TRITON_INTERPRET=1 $(PY) -m pytest tests/hf $(XDIST) $(PYTEST_ARGS)
 
 ## make demo: the main job. Prepares the bundled corpus, trains DIFF and the matched Transformer,
 ## writes runs/demo/report.md; then the out-of-distribution cell (flip-flop, 1x-8x the training length),

@@ -376,28 +376,8 @@ class _Cell:
         path = self._result_file(unit)
         tasks = self.study.compare.eval_tasks
         stale = frozenset(self._stale(path)) if done and self.replace else frozenset()
-        if done:
-            record = read_result(path) or {}
-            outdated = outdated_evaluations(record.get("evals") or {}, tasks)
-            if outdated and record.get("reused_from") and self._reuse(unit, identity, path):
-                record = read_result(path) or {}  # copied again: the source study may have evaluated it since
-                outdated = outdated_evaluations(record.get("evals") or {}, tasks)
-            missing = sorted(set(tasks) - set(record.get("evals") or {}))
-            if not (missing or stale or outdated) or not run.has_final():
-                if missing:
-                    log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
-                                ", ".join(missing))
-                if outdated:
-                    source = record.get("reused_from")
-                    fix = (f"copied from {source}: evaluate it again there (`compare` where its models are), and "
-                           f"the next compare here copies it again" if source else
-                           "no final model here to evaluate again")
-                    log.warning("%s: %s computed by an older version of the task (%s); %s; the report marks these "
-                                "results", unit.label(), ", ".join(outdated), "; ".join(outdated.values()), fix)
-                return
-            if outdated:
-                log.info("%s: evaluating %s again: computed by an older version of the task (%s)", unit.label(),
-                         ", ".join(outdated), "; ".join(outdated.values()))
+        if done and not self._evaluate_again(unit, run, identity, path, stale):
+            return
         if not run.is_finished(train_cfg.max_steps):
             return
         from difftransformer.experiments.evaluate import evaluate_run
@@ -417,6 +397,39 @@ class _Cell:
                                             wall_s=self.manifest["wall_s"].get(str(unit.rel(True))),
                                             hardware=self.manifest.get("hardware"),
                                             run_dir=str(run.path)))
+
+    def _evaluate_again(self, unit: Unit, run: RunDir, identity: dict[str, Any], path: Path,
+                        stale: frozenset[str]) -> bool:
+        """Whether a unit that already has its result file is evaluated again: a task of the study is missing
+        from it, evaluated with other options (`stale`, under --replace-results) or by an older version of the
+        task, and its final model is here. A unit copied from another study (compare.reuse) is first copied
+        again, since the source may have been evaluated again since. What cannot be evaluated here is warned
+        about and left as it is (the report marks outdated results)."""
+        tasks = self.study.compare.eval_tasks
+        record = read_result(path) or {}
+        outdated = outdated_evaluations(record.get("evals") or {}, tasks)
+        if outdated and record.get("reused_from") and self._reuse(unit, identity, path):
+            record = read_result(path) or {}
+            outdated = outdated_evaluations(record.get("evals") or {}, tasks)
+        missing = sorted(set(tasks) - set(record.get("evals") or {}))
+        if not (missing or stale or outdated):
+            return False
+        if not run.has_final():
+            if missing:
+                log.warning("%s: %s not in its result file and no final model here to evaluate", unit.label(),
+                            ", ".join(missing))
+            if outdated:
+                source = record.get("reused_from")
+                fix = (f"copied from {source}: evaluate it again there (`compare` where its models are), and "
+                       f"the next compare here copies it again" if source else
+                       "no final model here to evaluate again")
+                log.warning("%s: %s computed by an older version of the task (%s); %s; the report marks these "
+                            "results", unit.label(), ", ".join(outdated), "; ".join(outdated.values()), fix)
+            return False
+        if outdated:
+            log.info("%s: evaluating %s again: computed by an older version of the task (%s)", unit.label(),
+                     ", ".join(outdated), "; ".join(outdated.values()))
+        return True
 
 
 def unit_identity(config: DiffTransformerConfig, train_cfg: TrainConfig, data: PreparedData) -> dict[str, Any]:

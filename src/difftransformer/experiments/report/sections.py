@@ -489,7 +489,7 @@ def _provenance(ctx: Context) -> Lines:
               f"{hw.get('python')}; {hw.get('platform')}.", ""]
     walls = m.get("wall_s") or {}
     if walls:
-        L += ["Wall time per run (training, evaluation and checkpoints): "
+        L += ["Training wall time per run (with its validation passes and checkpoints, not the evaluations): "
               + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
