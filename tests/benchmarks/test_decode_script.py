@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import benchmark_script
+
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = 18  # prompt, batch, 5 prefill times, 1 ratio, 5 decode rates, 5 ratios
 
@@ -31,15 +33,6 @@ def test_decode_benchmark_prints_a_row_per_prompt_and_batch():
     rows = [line.split("|")[1:-1] for line in lines if line[:5] in ("| 8 |", "| 16 ")]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("8", "1"), ("8", "2"), ("16", "1"), ("16", "2")]
     assert all(len(r) == COLUMNS for r in rows), run.stdout
-
-
-def _decode_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return decode
 
 
 class _SleepyLM(torch.nn.Module):
@@ -64,7 +57,7 @@ class _SleepyLM(torch.nn.Module):
 
 @pytest.mark.parametrize("streams", [True, False], ids=["at the first token", "at the second forward"])
 def test_one_generate_call_is_split_where_the_first_token_is_known(streams):
-    decode = _decode_module()
+    decode = benchmark_script("decode")
     lm = _SleepyLM(first=0.2, step=0.1)
     arm = decode.Arm("x", lm, lm.generate, torch.device("cpu"), streams=streams)
     prefill, rest = arm.timed(torch.zeros(1, 3), 4)  # a split one step late or early would be off by 0.1 s
