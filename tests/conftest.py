@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 # two threads each on two cores would fight for them. A test that needs more threads sets them itself.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # and the commands and scripts the tests start in subprocesses
 
 
 @pytest.fixture(scope="session")
