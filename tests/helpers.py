@@ -110,11 +110,12 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def benchmark_script(name: str):
     """Import benchmarks/<name>.py as a module, for tests of its functions. The folder is on sys.path only during
     the import (the scripts import their sibling `common` by name), so no test sees it afterwards."""
+    saved = list(sys.path)
     sys.path.insert(0, str(BENCHMARKS))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path[:] = saved  # the scripts that add their folder themselves leave nothing behind either
 
 
 _rng = random.Random(1234)
