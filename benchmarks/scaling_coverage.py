@@ -10,7 +10,7 @@ Coverage is the share of simulated studies whose interval holds f, with its Wils
     python benchmarks/scaling_coverage.py                       # 3, 5 and 8 seeds, 200 studies each
     python benchmarks/scaling_coverage.py --seeds 3 5 --trials 400 --n-boot 1000
 
-The report's warning below `FEW_SEEDS` seeds (experiments/scaling.py) rests on this table (docs/studies.md).
+The report's warning at `FEW_SEEDS` seeds or fewer (experiments/scaling.py) rests on this table (docs/studies.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,27 @@ def test_decode_benchmark_prints_a_row_per_prompt_and_batch():
     assert all(len(r) == COLUMNS for r in rows), run.stdout
 
 
-class _SleepyLM(torch.nn.Module):
-    """A model whose first forward takes `first` s and every later one `step` s; generate makes n forwards
-    (or `extra` more), the way a library's greedy loop does."""
+class _Clock:
+    """A stand-in for the benchmark's `time` module: perf_counter reads a clock that only the model advances,
+    so the split is checked exactly, whatever the machine's load."""
 
-    def __init__(self, first: float, step: float, extra: int = 0):
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _SleepyLM(torch.nn.Module):
+    """A model whose first forward takes `first` s and every later one `step` s of `clock`; generate makes n
+    forwards (or `extra` more), the way a library's greedy loop does."""
+
+    def __init__(self, clock: _Clock, first: float, step: float, extra: int = 0):
         super().__init__()
-        self.first, self.step, self.extra, self.calls = first, step, extra, 0
+        self.clock, self.first, self.step, self.extra, self.calls = clock, first, step, extra, 0
 
     def forward(self, ids):
-        time.sleep(self.first if self.calls == 0 else self.step)
+        self.clock.now += self.first if self.calls == 0 else self.step
         self.calls += 1
 
     def generate(self, prompt, n, on_token=None):
@@ -56,13 +66,15 @@ class _SleepyLM(torch.nn.Module):
 
 
 @pytest.mark.parametrize("streams", [True, False], ids=["at the first token", "at the second forward"])
-def test_one_generate_call_is_split_where_the_first_token_is_known(streams):
+def test_one_generate_call_is_split_where_the_first_token_is_known(streams, monkeypatch):
     decode = benchmark_script("decode")
-    lm = _SleepyLM(first=0.2, step=0.1)
+    clock = _Clock()
+    monkeypatch.setattr(decode, "time", clock)
+    lm = _SleepyLM(clock, first=0.2, step=0.1)
     arm = decode.Arm("x", lm, lm.generate, torch.device("cpu"), streams=streams)
     prefill, rest = arm.timed(torch.zeros(1, 3), 4)  # a split one step late or early would be off by 0.1 s
-    assert 0.2 <= prefill < 0.29 and 0.3 <= rest < 0.39, (prefill, rest)
-    lm2 = _SleepyLM(first=0.0, step=0.0, extra=1)
+    assert (prefill, rest) == pytest.approx((0.2, 0.3), abs=1e-9)
+    lm2 = _SleepyLM(clock, first=0.0, step=0.0, extra=1)
     with pytest.raises(RuntimeError, match="generate of 4 tokens reported 5 steps, not 4"):
         decode.Arm("y", lm2, lm2.generate, torch.device("cpu"), streams=streams).timed(torch.zeros(1, 3), 4)
 

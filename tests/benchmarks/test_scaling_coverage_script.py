@@ -32,6 +32,26 @@ def test_noiseless_study_follows_the_power_laws_and_gives_the_true_fraction(scri
     assert scaling_fraction(points, "arm", "baseline", at=at, n_boot=0).fraction == pytest.approx(0.62, rel=1e-3)
 
 
+def test_coverage_counts_the_intervals_that_hold_the_true_fraction(script, monkeypatch):
+    """Stubbed fits with known intervals: one holds f, one misses it, one has none (left out of the count)."""
+    intervals = iter([(0.5, 0.7), (0.7, 0.9), None])
+    seen = []
+
+    def stub(points, arm, baseline, *, at, n_boot, seed, confidence):
+        seen.append((at, n_boot, confidence, sorted(points["arm"])))
+        return type("Result", (), {"interval": next(intervals)})()
+
+    monkeypatch.setattr(script, "scaling_fraction", stub)
+    args = script.parse_args(["--trials", "3", "--n-boot", "7", "--confidence", "0.9", "--fraction", "0.62",
+                              "--sizes", "3", "--smallest", "1e6", "--largest", "4e6"])
+    row = script.coverage(args, 4)
+    assert [s[1:] for s in seen] == [(7, 0.9, [0, 1, 2, 3])] * 3
+    assert all(s[0] == pytest.approx(2e6, rel=1e-12) for s in seen)  # the grid's geometric mean, not its mean
+    assert (row["seeds"], row["studies"], row["coverage"]) == (4, 2, 0.5)
+    assert (row["lo"], row["hi"]) == pytest.approx(script.wilson(1, 2))
+    assert row["width"] == pytest.approx(0.2)
+
+
 def test_table_has_a_row_per_seed_count(script, capsys):
     assert script.main(["--seeds", "2", "3", "--trials", "2", "--n-boot", "5"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line[:4] in ("| 2 ", "| 3 ")]

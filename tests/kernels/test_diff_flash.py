@@ -281,7 +281,7 @@ def test_output_layout_makes_head_merge_free():
 def test_no_buffer_is_read_before_a_kernel_writes_it(with_norm, deterministic, monkeypatch):
     """The ops allocate their outputs and scratch (row dots, weight-gradient rows) uninitialised: with every
     torch.empty / empty_like / empty_strided filled with NaN, the results are the same bits."""
-    q, k, v, do = make_inputs(2, 4, 2, 37, 45, 32, torch.float32, seed=19, strided=True)
+    q, k, v, do = make_inputs(1, 4, 2, 37, 45, 32, torch.float32, seed=19, strided=True)
     lam = torch.tensor(0.45, device=DEVICE, requires_grad=True)
     weight = torch.linspace(0.5, 1.5, 64, device=DEVICE).requires_grad_()
     norm = (weight, 1e-5) if with_norm else None
@@ -331,9 +331,9 @@ def test_deterministic_algorithms_mode_forces_the_two_pass_backward():
         assert torch.equal(a, b)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), h_kv=st.integers(1, 2), n_rep=st.sampled_from([1, 2, 4]),
-       T=st.integers(1, 70), S=st.integers(1, 70), d=st.sampled_from([32, 64, 96, 128]),
+       T=st.integers(1, 50), S=st.integers(1, 50), d=st.sampled_from([32, 64, 96, 128]),
        causal=st.booleans(), lam=st.floats(-1.5, 2.0), seed=st.integers(0, 2**31 - 1),
        deterministic=st.booleans())
 def test_random_shapes_match_reference(B, h_kv, n_rep, T, S, d, causal, lam, seed, deterministic):

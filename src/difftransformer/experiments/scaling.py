@@ -209,7 +209,10 @@ def _check_scaling_args(points: Points, arm: str, baseline: str, at: float, n_bo
 
 def scaling_fraction(points: Points, arm: str, baseline: str, *, at: float, n_boot: int = 1000, seed: int = 0,
                      confidence: float = 0.95, irreducible: bool | None = None) -> ScalingResult:
-    """Fraction of the baseline's x the arm needs for the same loss at x = `at`, with a paired seed bootstrap."""
+    """Fraction of the baseline's x the arm needs for the same loss at x = `at`, with a paired seed bootstrap.
+
+    Each resample draws len(seeds) seeds with replacement; resamples that draw the same multiset of seeds share
+    one fit (with 3 seeds there are only 10 multisets), so n_boot costs little beyond the distinct fits."""
     seeds = _check_scaling_args(points, arm, baseline, at, n_boot, confidence)
     if irreducible is None:
         irreducible = _auto_irreducible(points, (arm, baseline), seeds)
@@ -218,14 +221,16 @@ def scaling_fraction(points: Points, arm: str, baseline: str, *, at: float, n_bo
         return ScalingResult(fits, fraction, None, 0, 0, at, confidence, irreducible, tuple(seeds))
     rng = np.random.default_rng(seed)
     fracs: list[float] = []
+    fitted: dict[tuple[int, ...], float | None] = {}  # a resample is a multiset of seeds: few distinct, fit each once
     for _ in range(n_boot):
-        drawn = [seeds[i] for i in rng.integers(0, len(seeds), len(seeds))]
-        try:
-            f = _fraction(points, arm, baseline, drawn, at, irreducible)[1]
-        except ValueError:
-            f = None
-        if f is not None:
-            fracs.append(f)
+        drawn = tuple(sorted(seeds[i] for i in rng.integers(0, len(seeds), len(seeds))))
+        if drawn not in fitted:
+            try:
+                fitted[drawn] = _fraction(points, arm, baseline, drawn, at, irreducible)[1]
+            except ValueError:
+                fitted[drawn] = None
+        if fitted[drawn] is not None:
+            fracs.append(fitted[drawn])
     tail = 100 * (1 - confidence) / 2
     interval = (float(np.percentile(fracs, tail)), float(np.percentile(fracs, 100 - tail))) if fracs else None
     return ScalingResult(fits, fraction, interval, n_boot, n_boot - len(fracs), at, confidence, irreducible,

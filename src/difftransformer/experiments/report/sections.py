@@ -489,7 +489,8 @@ def _provenance(ctx: Context) -> Lines:
               f"{hw.get('python')}; {hw.get('platform')}.", ""]
     walls = m.get("wall_s") or {}
     if walls:
-        L += ["Training wall time per run (with its validation passes and checkpoints, not the evaluations): "
+        L += ["Training wall time per run (the train call: set-up, training, validation passes, checkpoints and "
+              "final weights; not the evaluations): "
               + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
