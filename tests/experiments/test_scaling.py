@@ -96,6 +96,28 @@ def test_bootstrap_interval_contains_the_true_fraction():
     assert set(res.fits) == {"diff", "transformer"}
 
 
+def test_bootstrap_is_the_plain_percentile_bootstrap_with_one_fit_per_multiset_of_seeds(monkeypatch):
+    """The interval equals a bootstrap written out here (every resample refitted, in the order drawn), and
+    resamples that draw the same seeds share a fit: 3 seeds have 10 multisets, so at most 10 + 1 fits per arm."""
+    points = _seeds(TRUE, seeds=3, noise=0.01, rng_seed=4)
+    seeds, at, n_boot = [0, 1, 2], 1e6, 300
+    rng = np.random.default_rng(7)
+    fracs = []
+    for _ in range(n_boot):
+        drawn = [seeds[i] for i in rng.integers(0, 3, 3)]
+        fits = {arm: fit_power_law([x for s in drawn for x, _ in points[arm][s]],
+                                   [y for s in drawn for _, y in points[arm][s]], irreducible=True)
+                for arm in ("diff", "transformer")}
+        fracs.append(equivalent_fraction(fits["diff"], fits["transformer"], at))
+    want = np.percentile(fracs, [2.5, 97.5])
+    calls = []
+    real = scaling._fraction
+    monkeypatch.setattr(scaling, "_fraction", lambda *a: calls.append(a[3]) or real(*a))
+    res = scaling_fraction(points, "diff", "transformer", at=at, n_boot=n_boot, seed=7)
+    assert res.irreducible and res.n_failed == 0 and res.interval == pytest.approx(tuple(want), rel=1e-6)
+    assert len(calls) <= 11 and len({tuple(c) for c in calls[1:]}) == len(calls) - 1
+
+
 def test_single_seed_has_no_interval_and_two_sizes_fit_without_floor():
     one = scaling_fraction(_seeds(TRUE, seeds=1, noise=0.0), "diff", "transformer", at=1e6)
     assert one.interval is None and one.n_boot == 0 and one.fraction == pytest.approx(0.6, rel=1e-5)
