@@ -9,8 +9,8 @@ RT_FILE := cache/labelled/rotten_tomatoes_corpus_full.csv.bz2
 
 venv: $(STAMP) $(RT_FILE)
 
-## make venv installs the pins, then, side by side: the fused CPU attention kernel is compiled (C++, 30-60 s on
-## one core; cached in TORCH_EXTENSIONS_DIR, else its first use would compile it), and the ~17,000 modules of the
+## make venv installs the pins, then, side by side: the fused CPU attention kernel is compiled (C++, tens of seconds
+## on one core; cached in TORCH_EXTENSIONS_DIR, else its first use would compile it), and the ~17,000 modules of the
 ## dependencies are byte-compiled on every core (pip alone compiles them one at a time: over a minute and a half on
 ## 2 cores). Neither can fail the set-up: without the kernel, attention falls back to PyTorch's SDPA (the message
 ## says why), and bytecode is a cache (a few packages ship files for newer Pythons, which pip skips too).

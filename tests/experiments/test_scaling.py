@@ -96,26 +96,51 @@ def test_bootstrap_interval_contains_the_true_fraction():
     assert set(res.fits) == {"diff", "transformer"}
 
 
-def test_bootstrap_is_the_plain_percentile_bootstrap_with_one_fit_per_multiset_of_seeds(monkeypatch):
-    """The interval equals a bootstrap written out here (every resample refitted, in the order drawn), and
-    resamples that draw the same seeds share a fit: 3 seeds have 10 multisets, so at most 10 + 1 fits per arm."""
-    points = _seeds(TRUE, seeds=3, noise=0.01, rng_seed=4)
-    seeds, at, n_boot = [0, 1, 2], 1e6, 300
-    rng = np.random.default_rng(7)
-    fracs = []
+def _plain_bootstrap(points, at: float, n_boot: int, seed: int, confidence: float):
+    """The percentile bootstrap over 3 paired seeds written out: every resample refitted, in the order drawn;
+    (the interval, the sorted draws)."""
+    seeds, rng, fracs, draws = [0, 1, 2], np.random.default_rng(seed), [], []
     for _ in range(n_boot):
         drawn = [seeds[i] for i in rng.integers(0, 3, 3)]
+        draws.append(tuple(sorted(drawn)))
         fits = {arm: fit_power_law([x for s in drawn for x, _ in points[arm][s]],
                                    [y for s in drawn for _, y in points[arm][s]], irreducible=True)
                 for arm in ("diff", "transformer")}
         fracs.append(equivalent_fraction(fits["diff"], fits["transformer"], at))
-    want = np.percentile(fracs, [2.5, 97.5])
+    tail = 100 * (1 - confidence) / 2
+    return tuple(np.percentile(fracs, [tail, 100 - tail])), draws
+
+
+def test_bootstrap_is_the_plain_percentile_bootstrap_with_one_fit_per_multiset_of_seeds(monkeypatch):
+    """The interval equals the bootstrap written out (a 50% interval: with 3 seeds the 95% one is two fits' values,
+    which other draws would give too), and resamples that draw the same seeds share one fit: each multiset drawn
+    is fitted exactly once."""
+    points = _seeds(TRUE, seeds=3, noise=0.01, rng_seed=4)
+    want, draws = _plain_bootstrap(points, 1e6, 300, seed=7, confidence=0.5)
     calls = []
     real = scaling._fraction
-    monkeypatch.setattr(scaling, "_fraction", lambda *a: calls.append(a[3]) or real(*a))
-    res = scaling_fraction(points, "diff", "transformer", at=at, n_boot=n_boot, seed=7)
-    assert res.irreducible and res.n_failed == 0 and res.interval == pytest.approx(tuple(want), rel=1e-6)
-    assert len(calls) <= 11 and len({tuple(c) for c in calls[1:]}) == len(calls) - 1
+    monkeypatch.setattr(scaling, "_fraction", lambda *a: calls.append(tuple(a[3])) or real(*a))
+    res = scaling_fraction(points, "diff", "transformer", at=1e6, n_boot=300, seed=7, confidence=0.5)
+    assert res.irreducible and res.n_failed == 0 and res.interval == pytest.approx(want, rel=1e-6)
+    assert sorted(calls[1:]) == sorted(set(draws))  # calls[0]: the point estimate on all seeds
+
+
+def test_bootstrap_counts_failed_resamples_not_failed_fits(monkeypatch):
+    """A multiset whose fit fails (ValueError) and one whose fraction is unreachable (None) are fitted once each,
+    and every resample that draws them counts as failed."""
+    points = _seeds(TRUE, seeds=3, noise=0.01, rng_seed=4)
+    _, draws = _plain_bootstrap(points, 1e6, 300, seed=7, confidence=0.95)
+    real = scaling._fraction
+
+    def flaky(points, arm, baseline, seeds, at, irreducible):
+        if tuple(seeds) == (0, 0, 1):
+            raise ValueError("no fit")
+        return ({}, None) if tuple(seeds) == (1, 2, 2) else real(points, arm, baseline, seeds, at, irreducible)
+
+    monkeypatch.setattr(scaling, "_fraction", flaky)
+    res = scaling_fraction(points, "diff", "transformer", at=1e6, n_boot=300, seed=7)
+    failed = sum(d in ((0, 0, 1), (1, 2, 2)) for d in draws)
+    assert failed > 2 and res.n_failed == failed and res.n_boot == 300
 
 
 def test_single_seed_has_no_interval_and_two_sizes_fit_without_floor():

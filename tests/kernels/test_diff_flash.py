@@ -281,7 +281,7 @@ def test_output_layout_makes_head_merge_free():
 def test_no_buffer_is_read_before_a_kernel_writes_it(with_norm, deterministic, monkeypatch):
     """The ops allocate their outputs and scratch (row dots, weight-gradient rows) uninitialised: with every
     torch.empty / empty_like / empty_strided filled with NaN, the results are the same bits."""
-    q, k, v, do = make_inputs(1, 4, 2, 37, 45, 32, torch.float32, seed=19, strided=True)
+    q, k, v, do = make_inputs(2, 2, 1, 37, 45, 32, torch.float32, seed=19, strided=True)  # batch, GQA, ragged
     lam = torch.tensor(0.45, device=DEVICE, requires_grad=True)
     weight = torch.linspace(0.5, 1.5, 64, device=DEVICE).requires_grad_()
     norm = (weight, 1e-5) if with_norm else None
