@@ -159,6 +159,8 @@ def test_headline_wording():
         "DIFF matches the Transformer with 62% (95% interval 55–70%, 1000 bootstrap resamples over 3 seeds) "
         "of the parameters at 1.2M parameters. With only 3 seeds a bootstrap interval is too narrow: read it as a "
         "lower bound on the uncertainty.")
+    five = ScalingResult(fits, 0.62, (0.55, 0.70), 1000, 0, 1.2e6, 0.95, True, tuple(range(5)))
+    assert "With only 5 seeds a bootstrap interval is too narrow" in headline(five, "DIFF", "Transformer")
     many = ScalingResult(fits, 0.62, (0.55, 0.70), 1000, 0, 1.2e6, 0.95, True, tuple(range(8)))
     assert headline(many, "DIFF", "Transformer").endswith("over 8 seeds) of the parameters at 1.2M parameters.")
     wide = ScalingResult(fits, 0.9, (0.7, 1.2), 200, 7, 3e9, 0.95, True, (0, 1))

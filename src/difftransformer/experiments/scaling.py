@@ -38,7 +38,8 @@ from scipy.optimize import OptimizeWarning, curve_fit, minimize_scalar
 MIN_POINTS_IRREDUCIBLE = 4
 MIN_DISTINCT_X_IRREDUCIBLE = 3
 MIN_DISTINCT_X_PURE = 2
-FEW_SEEDS = 4  # up to this many seeds the headline warns that the bootstrap interval is too narrow
+FEW_SEEDS = 5  # up to this many seeds the headline warns that the bootstrap interval is too narrow (measured:
+# the nominal 95% interval held the true fraction in 75% of synthetic studies at 3 seeds, 86% at 5; docs/studies.md)
 
 
 @dataclass(frozen=True)
