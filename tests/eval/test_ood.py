@@ -2,6 +2,7 @@
 cases whose answer is known by hand (an oracle, a guesser, attention planted on the target)."""
 
 import contextlib
+import json
 import math
 
 import numpy as np
@@ -343,3 +344,61 @@ def test_options_are_bounded():
     with pytest.raises(ValueError, match="factor"):
         get_task("ood", lengths=(0.0,))
     assert math.isfinite(get_task("ood").options.min_queries)
+
+
+def _fake_cells(accuracy: float) -> list[dict]:
+    return [{"condition": TRAIN.name, "accuracy": accuracy}]
+
+
+def test_min_accuracy_skips_every_condition_out_of_distribution_below_it_and_none_at_it():
+    family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
+    task = get_task("ood", min_accuracy=0.99)
+    far = Condition(length=2.0)
+    assert task._skip(family, far, 1024, _fake_cells(0.99)) is None  # reaching the bar is enough
+    skip = task._skip(family, far, 1024, _fake_cells(0.9899))
+    assert skip["cause"] == "min_accuracy" and "accuracy 0.9899 at the training condition is below" in skip["reason"]
+    assert task._skip(family, TRAIN, 1024, _fake_cells(0.5)) is None  # the training condition itself is scored
+    assert get_task("ood")._skip(family, far, 1024, _fake_cells(0.0)) is None  # 0: always
+    assert task._skip(family, far, 20, _fake_cells(1.0))["cause"] == "position_limit"
+    with pytest.raises(ValueError, match=r"min_accuracy is an accuracy in \[0, 1\]"):
+        get_task("ood", min_accuracy=1.5)
+
+
+def test_a_stored_result_serves_every_min_accuracy_whose_conditions_it_scored(tmp_path):
+    """min_accuracy only skips work: a result that scored every condition serves any threshold (also one stored
+    before the option existed); one that skipped them serves only a threshold that would skip them too."""
+    from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
+    from difftransformer.experiments.evaluate import stale_evaluations
+
+    family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
+    data = prepare_task(family, tmp_path / "data")
+    cfg = get_preset("tiny").config("transformer")
+    torch.manual_seed(0)
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size,
+                                           "max_position_embeddings": 64}))
+    small = dict(lengths=(1.0, 2.0), densities=(1.0,), min_queries=40, attention_sequences=0,
+                 adaptive_temperature=False)
+    results, ecfg = ResultsDir(tmp_path / "eval"), EvalConfig(data_dir=str(data.out_dir))
+    full, reused = evaluate_cached(get_task("ood", **small), model, data.tokenizer(), ecfg, results)
+    accuracy = full["metrics"]["accuracy"]
+    assert not reused and accuracy < 0.5
+    assert [c["condition"] for c in full["details"]["cells"]] == [TRAIN.name, "length2x-density1x"]
+    _, reused = evaluate_cached(get_task("ood", **small, min_accuracy=0.99), model, data.tokenizer(), ecfg, results)
+    assert reused
+    legacy = json.loads(json.dumps(full))
+    del legacy["settings"]["options"]["min_accuracy"]  # stored before the option existed
+    for record in (full, legacy):
+        assert stale_evaluations({"ood": record}, ["ood"], {"ood": {**small, "min_accuracy": 0.99}}) == {}
+    cut, _ = evaluate_cached(get_task("ood", **small, min_accuracy=0.99), model, data.tokenizer(), ecfg, results,
+                             force=True)
+    assert [c["condition"] for c in cut["details"]["cells"]] == [TRAIN.name]
+    assert {s["cause"] for s in cut["details"]["skipped"]} == {"min_accuracy"}
+    assert "accuracy_length2x-density1x" not in cut["metrics"]
+    assert stale_evaluations({"ood": cut}, ["ood"], {"ood": {**small, "min_accuracy": 0.6}}) == {}
+    stale = stale_evaluations({"ood": cut}, ["ood"], {"ood": small})
+    assert "min_accuracy: 0.99 before, 0.0 now" in stale["ood"]
+    assert stale_evaluations({"ood": cut}, ["ood"], {"ood": {**small, "min_accuracy": accuracy}})  # reaches it
+    with pytest.raises(StoredResultError, match="min_accuracy"):
+        evaluate_cached(get_task("ood", **small), model, data.tokenizer(), ecfg, results)
+    _, reused = evaluate_cached(get_task("ood", **small, min_accuracy=0.6), model, data.tokenizer(), ecfg, results)
+    assert reused

@@ -414,3 +414,20 @@ def test_each_differential_arm_shows_its_retrieving_heads_two_maps_per_seed():
     assert rows == [f"| 3 | `length1x-density1x` | 0.9990 | {head} | 0.97 / 0.02 / 0.01 | 0.05 / 0.25 / 0.66 |",
                     f"| 3 | `length16x-density1x` | 0.4500 | {head} | 0.44 / 0.17 / 0.39 | 0.00 / 0.04 / 0.96 |"]
     assert "**`transformer`: the retrieving head's two maps" not in text and "0.11 / 0.22" not in text
+
+
+def test_conditions_left_unscored_below_min_accuracy_are_dashes_below_the_bar_and_listed_above_it():
+    """A run cut by the evaluation's min_accuracy has only its training condition: below the bar its other
+    conditions read as dashes in its own table; a run past the bar but cut (a min_accuracy above the bar) is
+    never missing silently: its skipped conditions are listed."""
+    ctx = _ctx({"diff": {s: (1.0, 0.9) for s in range(3)}, "transformer": {s: (1.0, 0.8) for s in range(3)}})
+    cut = "accuracy 0.5000 at the training condition is below min_accuracy 0.99: the model has not learned the task"
+    for seed, accuracy in ((0, 0.5), (1, 0.992)):
+        details = ctx.runs["diff", seed].evals["ood"]["details"]
+        details["cells"] = details["cells"][:1]
+        details["cells"][0]["accuracy"] = accuracy
+        details["skipped"] = [{"condition": "length4x-density1x", "cause": "min_accuracy", "reason": cut}]
+    text = "\n".join(ood_section(ctx))
+    assert "| `diff` | 0 | 0.5000 | – |" in text and "– where a condition was not scored" in text
+    skipped = next(line for line in text.splitlines() if line.startswith("**Skipped conditions**"))
+    assert "`length4x-density1x` for `diff` seed 1 (accuracy 0.5000" in skipped and "seed 0" not in skipped

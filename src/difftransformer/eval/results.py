@@ -219,6 +219,20 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix or 'value'}: {cut(old)} before, {cut(new)} now"]
 
 
+def settings_served(task: Task, settings: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    """`settings` (task_settings) with the task's `skip_options` read as the stored result has them where that
+    result covers this task's work (Task.covers), so that it is reused and not refused: an `ood` result that
+    scored every condition serves any `min_accuracy`. Otherwise `settings` unchanged."""
+    if not task.skip_options or stored is None or not isinstance(stored.get("settings"), dict):
+        return settings
+    theirs = stored["settings"].get("options")
+    if not isinstance(theirs, dict) or not task.covers(stored):
+        return settings
+    options = {k: v for k, v in settings.get("options", {}).items() if k not in task.skip_options}
+    options.update({k: theirs[k] for k in task.skip_options if k in theirs})
+    return {**settings, "options": options}
+
+
 def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig, results: ResultsDir,
                     *, force: bool = False, log: Callable[[str], None] | None = None,
                     weights_sha256: str | None = None) -> tuple[dict[str, Any], bool]:
@@ -227,9 +241,9 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
 
     weights_sha256: the model's `weights_hash`, so that a caller running several tasks hashes once."""
     digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
-    settings = task_settings(task, cfg)
     with folder_lock(results.path, purpose="keep these results in another folder "
                                            "(eval --out-dir DIR)"):
+        settings = settings_served(task, task_settings(task, cfg), results.load(task.name))
         refused = task.reusable()
         cached = None if force or refused else results.cached(task.name, digest, settings)
         if refused and log and results.load(task.name) is not None:

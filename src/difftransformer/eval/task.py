@@ -143,7 +143,10 @@ class Task(abc.ABC):
     version: the version of what the task measures, recorded in every result (settings["task_version"]). Raise
     it whenever a change can alter a metric's value on the same weights and settings (a fixed metric, another
     rule), so that results stored before it are computed again rather than reused; results stored before
-    versions were recorded read as version 1."""
+    versions were recorded read as version 1.
+    skip_options: options that only choose which parts of the work are skipped, never how a part is computed
+    (ood's `min_accuracy`). A stored result computed with other values of them (or before they existed) still
+    serves where `covers` says it holds every part that these options would compute."""
 
     name: ClassVar[str]
     description: ClassVar[str]
@@ -151,6 +154,7 @@ class Task(abc.ABC):
     white_box: ClassVar[bool] = False
     reads_seq_len: ClassVar[bool] = True
     version: ClassVar[int] = 1
+    skip_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any = None, **overrides: Any):
         """`options`: an instance of `Options` (default: its defaults); `overrides`: fields to change."""
@@ -181,6 +185,12 @@ class Task(abc.ABC):
         """Why a stored result of this task may not be reused although its weights and settings match (None: it
         may). A task whose result depends on code its settings only name (an external judge) says so here."""
         return None
+
+    def covers(self, stored: dict[str, Any]) -> bool:
+        """Whether `stored`, a result record of this task whose settings differ from this task's at most in
+        `skip_options`, holds every part that this task's options would compute (then it serves as this task's
+        result). Only tasks with skip_options are asked."""
+        return False
 
     def plot(self, result: TaskResult, path: Path) -> bool:
         """Draw the result as the paper's figure into the PNG `path`; False when the task has none."""

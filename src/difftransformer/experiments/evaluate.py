@@ -45,16 +45,19 @@ def stale_evaluations(evals: dict[str, Any], tasks: list[str],
                       options: dict[str, dict[str, Any]] | None) -> dict[str, str]:
     """{task: what differs} for each of `tasks` whose stored result in `evals` (a unit's result record) was
     computed with other options than `options[task]` and the task's defaults give now ("densities: [1, 2]
-    before, [1, 2, 8] now"). An option the stored result lacks (added to the task since) counts as its default."""
+    before, [1, 2, 8] now"). An option the stored result lacks (added to the task since) counts as its default;
+    the task's `skip_options` are not compared where the stored result covers the work they ask for."""
     out = {}
     for name in tasks:
         stored = ((evals.get(name) or {}).get("settings") or {}).get("options")
         if not isinstance(stored, dict):
             continue
         chosen = (options or {}).get(name) or {}
-        now = json.loads(json.dumps(get_task(name, **chosen).options_dict()))
+        task = get_task(name, **chosen)
+        now = json.loads(json.dumps(task.options_dict()))
         defaults = json.loads(json.dumps(get_task(name).options_dict()))
-        keys = [k for k in now if k not in _FROM_RUN or k in chosen]
+        lenient = task.skip_options if task.covers(evals[name]) else ()
+        keys = [k for k in now if (k not in _FROM_RUN or k in chosen) and k not in lenient]
         differ = differing_keys({k: stored.get(k, defaults.get(k)) for k in keys}, {k: now[k] for k in keys})
         if differ:
             out[name] = "; ".join(differ[:3])

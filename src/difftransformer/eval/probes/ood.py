@@ -7,7 +7,9 @@ sequences never trained on) is scored:
 - Conditions: the training distribution scaled in context `lengths` (factors; the number of items
   unchanged, so the filler grows; flipflop has no filler and scales its instructions, so there the
   write-to-read distance hardly grows) and in distractor `densities` (more items at the training length).
-  A condition whose sequences exceed the model's position limit is skipped and listed as such.
+  A condition whose sequences exceed the model's position limit is skipped and listed as such, and so is
+  every condition out of distribution when the accuracy at the training condition is below `min_accuracy`
+  (a model that has not learned the task; a study's bar, which saves most of its evaluation time).
 - Accuracy: teacher-forced greedy prediction at every answer position; a query (one key's value, one
   read, one induction successor, the max) is right when all its answer tokens are. Error counts with
   95% Wilson intervals per condition; about `min_queries` queries per condition (10,000 by default: an error
@@ -132,6 +134,9 @@ class OODOptions:
     attention_sequences: int = field(default=64, metadata={"help": "sequences per condition whose maps are measured"})
     adaptive_temperature: bool = field(default=True, metadata={
         "help": "also score every condition with adaptive temperature at inference (Velickovic et al. 2024)"})
+    min_accuracy: float = field(default=0.0, metadata={
+        "help": "score the conditions out of distribution only when the accuracy at the training condition reaches "
+                "this (0: always): a model that has not learned the task has no out-of-distribution result to compare"})
 
 
 def conditions(options: OODOptions) -> list[Condition]:
@@ -339,6 +344,7 @@ def head_shares(attention: dict[str, Any] | None, head: tuple[int, int] | None) 
 @register_task
 class OOD(Task):
     name = "ood"
+    skip_options = ("min_accuracy",)
     description = ("a synthetic task out of distribution: accuracy with Wilson intervals at longer contexts and "
                    "denser distractors, and where each answer's attention goes (target, distractors, filler)")
     Options = OODOptions
@@ -354,6 +360,9 @@ class OOD(Task):
             raise ValueError(f"ood.min_queries must lie in [1, 10,000,000], got {o.min_queries}")
         if not 0 <= o.attention_sequences <= 100_000:
             raise ValueError(f"ood.attention_sequences must lie in [0, 100,000], got {o.attention_sequences}")
+        if not 0 <= o.min_accuracy <= 1:
+            raise ValueError(f"ood.min_accuracy is an accuracy in [0, 1] (0 scores every condition), "
+                             f"got {o.min_accuracy}")
 
     def run(self, model, tokenizer, cfg: EvalConfig) -> TaskResult:
         model = require_own_model(model, "ood")
@@ -362,16 +371,15 @@ class OOD(Task):
         limit = model.config.max_position_embeddings
         cells, skipped = [], []
         for c in conditions(o):
-            try:
-                family.check_condition(c)
-            except ValueError as e:
-                skipped.append({"condition": c.name, "reason": str(e)})
-                continue
-            if family.max_length(c) > limit:
-                skipped.append({"condition": c.name, "reason": f"{family.max_length(c)} tokens exceed the "
-                                f"model's max_position_embeddings {limit}"})
+            skip = self._skip(family, c, limit, cells)
+            if skip:
+                skipped.append({"condition": c.name, **skip})
                 continue
             cells.append(self._cell(model, family, c, cfg))
+        cut = [s["condition"] for s in skipped if s["cause"] == "min_accuracy"]
+        if cut:
+            log.info("ood: %d conditions not scored: %s", len(cut), next(s for s in skipped if s["cause"] ==
+                                                                          "min_accuracy")["reason"])
         base = cells[0]
         head = retrieving_head(base.get("attention"))  # the training condition's, read at every condition
         for cell in cells:
@@ -384,6 +392,32 @@ class OOD(Task):
             metrics[f"adaptive_accuracy_{cell['condition']}"] = cell["adaptive"]["accuracy"]
         settings = {"family": family.to_dict(), "position_limit": limit}
         return TaskResult(self.name, metrics, settings, {"cells": cells, "skipped": skipped})
+
+    def covers(self, stored: dict[str, Any]) -> bool:
+        """A stored result covers this task's work unless it left conditions unscored for `min_accuracy` that this
+        task's threshold would score (its training accuracy reaches this task's `min_accuracy`)."""
+        details = stored.get("details") if isinstance(stored, dict) else None
+        skipped = (details or {}).get("skipped") if isinstance(details, dict) else None
+        if not any(isinstance(s, dict) and s.get("cause") == "min_accuracy" for s in skipped or ()):
+            return True
+        accuracy = (stored.get("metrics") or {}).get("accuracy")
+        return isinstance(accuracy, (int, float)) and accuracy < self.options.min_accuracy
+
+    def _skip(self, family: Family, c: Condition, limit: int, cells: list[dict[str, Any]]) -> dict[str, str] | None:
+        """Why condition `c` is not scored ({"cause", "reason"}), or None: the family cannot build it, its
+        sequences exceed the model's positions, or (`min_accuracy`) the model failed the training condition."""
+        try:
+            family.check_condition(c)
+        except ValueError as e:
+            return {"cause": "condition", "reason": str(e)}
+        if family.max_length(c) > limit:
+            return {"cause": "position_limit",
+                    "reason": f"{family.max_length(c)} tokens exceed the model's max_position_embeddings {limit}"}
+        trained = next((cell for cell in cells if cell["condition"] == TRAIN.name), None)
+        if c != TRAIN and trained is not None and trained["accuracy"] < self.options.min_accuracy:
+            return {"cause": "min_accuracy", "reason": f"accuracy {trained['accuracy']:.4f} at the training condition "
+                    f"is below min_accuracy {self.options.min_accuracy:g}: the model has not learned the task"}
+        return None
 
     def _cell(self, model, family: Family, c: Condition, cfg: EvalConfig) -> dict[str, Any]:
         t0 = time.perf_counter()

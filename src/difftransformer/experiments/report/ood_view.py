@@ -138,7 +138,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
          "flip-flop: more instructions at the same ignore odds, so the distance from a write to its read hardly "
          "grows) and at denser distractors (more items at the training length); mean [95% interval] over seeds. "
          "Protocol: docs/evaluation.md, `ood`.", ""]
-    L += _bar(listed, every, conditions) + _skipped(ctx, listed)
+    L += _bar(listed, every, conditions) + _skipped(ctx, listed, every)
     if not arms:
         return L
     conditions = kept
@@ -240,19 +240,25 @@ def _bar(arms, every, conditions) -> Lines:
                         for arm, seed, by_condition in below)
             + ". A model that has not learned the task in distribution says nothing about attention noise out of "
             "it, so these runs are left out of every mean, difference and figure below (train them longer, or "
-            "report them as not learning the task). Their accuracy:", ""] \
+            "report them as not learning the task). Their accuracy (– where a condition was not scored: the "
+            "evaluation's `min_accuracy` skips every condition out of distribution of a model below it):", ""] \
         + table(["arm", "seed", *(code_span(c) for c in conditions)], rows) + [""]
 
 
-def _skipped(ctx, arms) -> Lines:
+def _skipped(ctx, arms, every) -> Lines:
     """The conditions an evaluation skipped (their sequences exceed the model's position limit), with the runs
-    and the reason, so a condition missing from the tables is never missing silently."""
+    and the reason, so a condition missing from the tables is never missing silently. Those skipped below the
+    evaluation's `min_accuracy` are listed only for a run that passed the bar (a `min_accuracy` above it); a run
+    below the bar has them as dashes in its own table (`_bar`)."""
     where: dict[str, list[str]] = {}
     reasons: dict[str, str] = {}
     for arm in arms:
         for seed in ctx.seeds:
             run = ctx.runs.get((arm, seed))
+            below = seed in every[arm] and not _passed(every[arm][seed])
             for item in (((run.evals.get(TASK) if run else None) or {}).get("details") or {}).get("skipped") or []:
+                if below and item.get("cause") == "min_accuracy":
+                    continue
                 where.setdefault(item["condition"], []).append(f"{code_span(arm)} seed {seed}")
                 reasons.setdefault(item["condition"], item.get("reason", ""))
     if not where:
