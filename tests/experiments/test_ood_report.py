@@ -431,3 +431,20 @@ def test_conditions_left_unscored_below_min_accuracy_are_dashes_below_the_bar_an
     assert "| `diff` | 0 | 0.5000 | – |" in text and "– where a condition was not scored" in text
     skipped = next(line for line in text.splitlines() if line.startswith("**Skipped conditions**"))
     assert "`length4x-density1x` for `diff` seed 1 (accuracy 0.5000" in skipped and "seed 0" not in skipped
+
+
+def test_each_control_is_set_against_the_transformer_on_its_own_recipe():
+    """The gated control on a recipe of its own is read against the Transformer on that recipe, not the other one;
+    the plain Transformers get no such table."""
+    ctx = _ctx({"diff": {s: (1.0, 0.70) for s in range(3)},
+                "transformer": {s: (1.0, 0.40 + s / 100) for s in range(3)},
+                "transformer_gated": {s: (1.0, 0.50 + s / 50) for s in range(3)},
+                "transformer_lr": {s: (1.0, 0.45) for s in range(3)}})
+    _with_recipes(ctx, {"diff": ("diff", 2000), "transformer": ("transformer", 2000),
+                        "transformer_gated": ("transformer_gated", 6000), "transformer_lr": ("transformer", 6000)})
+    text = "\n".join(ood_section(ctx))
+    gated = text.split("### `transformer_gated` − each arm, accuracy (a control against the Transformer")[1]
+    rows = [r for r in gated.split("###")[0].splitlines() if r.startswith("| `")]
+    assert [r.split(" | ")[0] for r in rows] == ["| `transformer_lr`"] * 2
+    assert "| `transformer_lr` | `length4x-density1x` | 3 | +0.0700 [" in gated  # 0.52 - 0.45: the seeds' mean
+    assert "### `transformer_lr` − each arm" not in text and "### `transformer` − each arm" not in text

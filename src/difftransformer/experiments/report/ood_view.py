@@ -113,6 +113,12 @@ def _differential(ctx, arms) -> list[str]:
     return [a for a in arms if getattr(ATTENTION_KINDS.get(_kind(ctx, a)), "differential", False)]
 
 
+def _controls(ctx, arms) -> list[str]:
+    """The arms with one softmax map that are not the plain Transformer (the gated control, scalable softmax, the
+    Transformer with DIFF's head norm), in `arms`' order."""
+    return [a for a in arms if a not in _differential(ctx, arms) and _kind(ctx, a) != "transformer"]
+
+
 def _matched_transformer(ctx, ref: str, arms) -> str | None:
     """The Transformer arm to set against `ref`: one on the same recipe and position encoding when there is one
     (`transformer_6k` beside DIFF's 6,000-step recipe), else `transformer`, else none."""
@@ -161,6 +167,12 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         for other in (a for a in differential if a != ref and a not in NOPE_PAIR):
             L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
                               "accuracy (each arm with a single softmax map)")
+        for control in _controls(ctx, arms):
+            base = _matched_transformer(ctx, control, arms)
+            if base:
+                L += _differences(ctx, control, [base], cells, conditions, _accuracy,
+                                  "accuracy (a control against the Transformer on its recipe: what it does "
+                                  "without a subtraction)")
     if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
         L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
                           "accuracy, both without position encoding")
