@@ -1,6 +1,7 @@
 """The report's out-of-distribution section: tables read from the runs' ood results, verdicts that follow
 their intervals, and the in-distribution bar."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -254,6 +255,18 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
     # and nothing else is said about them
     assert all(f"| `{arm}` | {seed} | " in text for arm in ("diff", "transformer") for seed in (0, 1))
     assert "In short" not in text and "### Accuracy" not in text
+    # min_accuracy only skips work: the stored results scored every condition, so they serve it as they are ...
+    strict = dataclasses.replace(compare, eval_options={"ood": {**options["ood"], "min_accuracy": 0.99}})
+    run_study(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, strict), tmp_path / "study")
+    assert find_results(study.results_dir()) == records
+    # ... and a new study with it scores the training condition alone of models below it
+    cut = StudyDir(run_study(Study(tiny(vocab_size=120, max_position_embeddings=64), recipe, data, strict),
+                             tmp_path / "strict"))
+    for record in find_results(cut.results_dir()).values():
+        ood = record["evals"]["ood"]
+        assert [c["condition"] for c in ood["details"]["cells"]] == ["length1x-density1x"]
+        assert [s["cause"] for s in ood["details"]["skipped"]] == ["min_accuracy"]
+    assert "– where a condition was not scored" in cut.report.read_text()
     with pytest.raises(ValueError, match="not in compare.eval_tasks"):
         StudyConfig(eval_options={"ood": {}})
     with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
