@@ -367,7 +367,9 @@ def test_min_accuracy_skips_every_condition_out_of_distribution_below_it_and_non
 def test_a_stored_result_serves_every_min_accuracy_whose_conditions_it_scored(tmp_path):
     """min_accuracy only skips work: a result that scored every condition serves any threshold (also one stored
     before the option existed); one that skipped them serves only a threshold that would skip them too."""
+    from difftransformer.eval.comparison import compare_table
     from difftransformer.eval.results import ResultsDir, StoredResultError, evaluate_cached
+    from difftransformer.eval.task import task_settings
     from difftransformer.experiments.evaluate import stale_evaluations
 
     family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
@@ -389,6 +391,13 @@ def test_a_stored_result_serves_every_min_accuracy_whose_conditions_it_scored(tm
     del legacy["settings"]["options"]["min_accuracy"]  # stored before the option existed
     for record in (full, legacy):
         assert stale_evaluations({"ood": record}, ["ood"], {"ood": {**small, "min_accuracy": 0.99}}) == {}
+    results.json_path("ood").write_text(json.dumps(legacy))
+    digest, asked = full["provenance"]["weights_sha256"], get_task("ood", **small, min_accuracy=0.99)
+    settings = task_settings(asked, ecfg)
+    assert results.conflict("ood", digest, settings) is None and results.cached("ood", digest, settings) == legacy
+    b = json.loads(json.dumps(full))
+    b["settings"]["options"]["min_accuracy"] = 0.5
+    assert "not compared" not in compare_table({"ood": legacy}, {"ood": b}, ("a", "b"), ("t", "d"))
     cut, _ = evaluate_cached(get_task("ood", **small, min_accuracy=0.99), model, data.tokenizer(), ecfg, results,
                              force=True)
     assert [c["condition"] for c in cut["details"]["cells"]] == [TRAIN.name]

@@ -461,3 +461,6 @@ def test_each_control_is_set_against_the_transformer_on_its_own_recipe():
     assert [r.split(" | ")[0] for r in rows] == ["| `transformer_lr`"] * 2
     assert "| `transformer_lr` | `length4x-density1x` | 3 | +0.0700 [" in gated  # 0.52 - 0.45: the seeds' mean
     assert "### `transformer_lr` − each arm" not in text and "### `transformer` − each arm" not in text
+    del ctx.runs["transformer_lr", 0], ctx.runs["transformer_lr", 1], ctx.runs["transformer_lr", 2]
+    ctx.arms.remove("transformer_lr")  # no Transformer on the control's recipe: no table against another recipe's
+    assert "a control against the Transformer" not in "\n".join(ood_section(ctx))

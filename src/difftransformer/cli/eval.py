@@ -36,6 +36,7 @@ from difftransformer.eval.results import (
     comparable_settings,
     differing_keys,
     evaluate_cached,
+    settings_served,
 )
 from difftransformer.eval.task import OPTION_LIMIT, TaskNotApplicable, option_kind, shown, task_settings, weights_hash
 from difftransformer.experiments.evaluate import task_for_run
@@ -243,7 +244,7 @@ class _Model:
         """Where a stored result's settings differ from what the flags ask (split, seq_len, data, eval seed, the
         task's default options); [] when they match or the task cannot say (it cannot run on this model)."""
         try:
-            wanted = comparable_settings(task_settings(self.task(name, {}), self.cfg))
+            wanted = comparable_settings(settings_served(name, task_settings(self.task(name, {}), self.cfg), record))
         except ValueError:
             return []
         stored = comparable_settings(record.get("settings", {}))

@@ -16,6 +16,7 @@ from typing import Any
 
 from difftransformer.eval.paper import paper_number
 from difftransformer.eval.results import comparable_settings
+from difftransformer.eval.task import TASKS
 
 
 def _fmt(value: Any) -> str:
@@ -33,8 +34,8 @@ def _settings_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     out = ["task_version"] if sa["task_version"] != sb["task_version"] else []
     keys = sorted({*sa["eval_config"], *sb["eval_config"]})
     out += [k for k in keys if sa["eval_config"].get(k) != sb["eval_config"].get(k) and k != "data_dir"]
-    okeys = sorted({*sa["options"], *sb["options"]})
-    out += [k for k in okeys if sa["options"].get(k) != sb["options"].get(k)]
+    okeys = sorted({*sa["options"], *sb["options"]} - set(getattr(TASKS.get(a.get("task")), "skip_options", ())))
+    out += [k for k in okeys if sa["options"].get(k) != sb["options"].get(k)]  # skip options: metrics both have agree
     # data_dir may differ (each run's own folder); the held-out text it holds may not
     ta, tb = a.get("settings", {}), b.get("settings", {})
     return out + [k for k in ("corpus_hash", "split") if k in ta and k in tb and ta[k] != tb[k]]

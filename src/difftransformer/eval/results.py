@@ -5,17 +5,18 @@
     results.save(result, png_writer)                                # atomic; the PNG when the task has a figure
     record, reused = evaluate_cached(task, model, tokenizer, cfg, results)   # both in one call
 
-A stored result is reused only when it belongs to the same weights (sha256 of every tensor), the
-same task version (Task.version), the same settings (the task's options and the EvalConfig fields that
-change numbers), the same
-prepared data (eval.task.data_identity: not just the same folder name) and its figure is the one
-saved with it (the JSON records the PNG's sha256), and the task does not refuse reuse (Task.reusable:
-an external judge's code may have changed behind its name). A file that cannot be read or does not have a
-result's shape (a hand edit, a foreign JSON), or one of other weights, means the task runs again;
-nothing is ever merged or guessed. A result of these weights with other settings is the user's
-work: it is never replaced without `force` (StoredResultError names the settings that differ); one of
-an older task version measured with code that is gone, and is replaced (one of a newer version than this
-package's is refused: an older checkout must not overwrite it).
+A stored result is reused only when it belongs to the same weights (sha256 of every tensor), the same
+task version (Task.version), the same settings (the task's options and the EvalConfig fields that change
+numbers), the same prepared data (eval.task.data_identity: not just the same folder name) and its figure is
+the one saved with it (the JSON records the PNG's sha256), and the task does not refuse reuse
+(Task.reusable: an external judge's code may have changed behind its name). Options that only skip work
+(Task.skip_options: ood's `min_accuracy`) are the one exception: a stored result that holds every part the
+asked-for values would compute serves them (`settings_served`), whatever values it was computed with.
+A file that cannot be read or does not have a result's shape (a hand edit, a foreign JSON), or one of other
+weights, means the task runs again; nothing is ever merged or guessed. A result of these weights with other
+settings is the user's work: it is never replaced without `force` (StoredResultError names the settings
+that differ); one of an older task version measured with code that is gone, and is replaced (one of a newer
+version than this package's is refused: an older checkout must not overwrite it).
 One writer at a time per folder: evaluate_cached holds the folder's lock (_io.folder_lock).
 """
 
@@ -29,7 +30,16 @@ from typing import Any, Callable
 import torch
 
 from difftransformer._io import atomic_path, atomic_write_text, folder_lock, writing
-from difftransformer.eval.task import EvalConfig, Task, TaskResult, run_task, task_settings, weights_hash
+from difftransformer.eval.task import (
+    TASKS,
+    EvalConfig,
+    Task,
+    TaskResult,
+    get_task,
+    run_task,
+    task_settings,
+    weights_hash,
+)
 
 # EvalConfig fields that cannot change a task's numbers (where it ran, how it was batched)
 UNSCORED = ("device", "batch_size")
@@ -128,6 +138,7 @@ class ResultsDir:
         stored = self.load(task)
         if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
             return None
+        settings = settings_served(task, settings, stored)
         if comparable_settings(stored.get("settings", {})) != comparable_settings(settings):
             return None
         return stored if self.figure_matches(stored) else None
@@ -166,7 +177,7 @@ class ResultsDir:
                    f"package's ({ours})"
         chosen = lambda d: {k: v for k, v in comparable_settings(d).items()  # noqa: E731
                             if k not in ("data", "task_version")}
-        old, new = chosen(stored.get("settings", {})), chosen(settings)
+        old, new = chosen(stored.get("settings", {})), chosen(settings_served(task, settings, stored))
         if old == new:
             return None
         return f"{self.json_path(task)} holds {task}'s result for these weights with other settings " \
@@ -219,17 +230,23 @@ def differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix or 'value'}: {cut(old)} before, {cut(new)} now"]
 
 
-def settings_served(task: Task, settings: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
-    """`settings` (task_settings) with the task's `skip_options` read as the stored result has them where that
-    result covers this task's work (Task.covers), so that it is reused and not refused: an `ood` result that
-    scored every condition serves any `min_accuracy`. Otherwise `settings` unchanged."""
-    if not task.skip_options or stored is None or not isinstance(stored.get("settings"), dict):
+def settings_served(task: str, settings: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    """`settings` (task_settings of the task called `task`) with the task's `skip_options` read as the stored
+    result has them, where that result covers what these settings ask for (Task.covers), so that it is reused
+    and not refused: an `ood` result that scored every condition serves any `min_accuracy`. Otherwise
+    `settings` unchanged (also for a task without skip_options, or options it cannot take)."""
+    skip = getattr(TASKS.get(task), "skip_options", ())
+    theirs = ((stored or {}).get("settings") or {}).get("options") if isinstance(stored, dict) else None
+    if not skip or not isinstance(theirs, dict):
         return settings
-    theirs = stored["settings"].get("options")
-    if not isinstance(theirs, dict) or not task.covers(stored):
+    try:
+        asked = get_task(task, **settings.get("options", {}))
+    except (TypeError, ValueError):
         return settings
-    options = {k: v for k, v in settings.get("options", {}).items() if k not in task.skip_options}
-    options.update({k: theirs[k] for k in task.skip_options if k in theirs})
+    if not asked.covers(stored):
+        return settings
+    options = {k: v for k, v in settings.get("options", {}).items() if k not in skip}
+    options.update({k: theirs[k] for k in skip if k in theirs})
     return {**settings, "options": options}
 
 
@@ -243,7 +260,7 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
     digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
     with folder_lock(results.path, purpose="keep these results in another folder "
                                            "(eval --out-dir DIR)"):
-        settings = settings_served(task, task_settings(task, cfg), results.load(task.name))
+        settings = task_settings(task, cfg)
         refused = task.reusable()
         cached = None if force or refused else results.cached(task.name, digest, settings)
         if refused and log and results.load(task.name) is not None:

@@ -189,7 +189,7 @@ class Task(abc.ABC):
     def covers(self, stored: dict[str, Any]) -> bool:
         """Whether `stored`, a result record of this task whose settings differ from this task's at most in
         `skip_options`, holds every part that this task's options would compute (then it serves as this task's
-        result). Only tasks with skip_options are asked."""
+        result). Callers ask only tasks that have skip_options."""
         return False
 
     def plot(self, result: TaskResult, path: Path) -> bool:

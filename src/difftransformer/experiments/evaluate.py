@@ -56,7 +56,7 @@ def stale_evaluations(evals: dict[str, Any], tasks: list[str],
         task = get_task(name, **chosen)
         now = json.loads(json.dumps(task.options_dict()))
         defaults = json.loads(json.dumps(get_task(name).options_dict()))
-        lenient = task.skip_options if task.covers(evals[name]) else ()
+        lenient = task.skip_options if task.skip_options and task.covers(evals[name]) else ()
         keys = [k for k in now if (k not in _FROM_RUN or k in chosen) and k not in lenient]
         differ = differing_keys({k: stored.get(k, defaults.get(k)) for k in keys}, {k: now[k] for k in keys})
         if differ:

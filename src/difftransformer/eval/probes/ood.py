@@ -376,10 +376,9 @@ class OOD(Task):
                 skipped.append({"condition": c.name, **skip})
                 continue
             cells.append(self._cell(model, family, c, cfg))
-        cut = [s["condition"] for s in skipped if s["cause"] == "min_accuracy"]
+        cut = [s for s in skipped if s["cause"] == "min_accuracy"]
         if cut:
-            log.info("ood: %d conditions not scored: %s", len(cut), next(s for s in skipped if s["cause"] ==
-                                                                          "min_accuracy")["reason"])
+            log.info("ood: %d conditions not scored: %s", len(cut), cut[0]["reason"])
         base = cells[0]
         head = retrieving_head(base.get("attention"))  # the training condition's, read at every condition
         for cell in cells:

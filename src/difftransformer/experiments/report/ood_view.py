@@ -5,7 +5,8 @@ For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy 
 pooled over seeds with their Wilson interval; the paired differences DIFF − each other arm per condition, with
 the verdict their interval supports (and each other differential arm − each arm with one softmax map); the
 same for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
-the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); where
+the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); each
+control with one softmax map (gated, scalable softmax, head norm) − the Transformer on its recipe; where
 each model's retrieving head attends (chosen once at the training distribution, read as shares of its
 positive weight on the target, on distractors + filler, and its negative weight; for a differential arm, per
 seed, where that head's two maps A1 and A2 each put their mass). A run below the
@@ -169,7 +170,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
                               "accuracy (each arm with a single softmax map)")
         for control in _controls(ctx, arms):
             base = _matched_transformer(ctx, control, arms)
-            if base:
+            if base and _recipe(ctx, base) == _recipe(ctx, control):  # another recipe's would mix the two
                 L += _differences(ctx, control, [base], cells, conditions, _accuracy,
                                   "accuracy (a control against the Transformer on its recipe: what it does "
                                   "without a subtraction)")
@@ -252,14 +253,15 @@ def _bar(arms, every, conditions) -> Lines:
                         for arm, seed, by_condition in below)
             + ". A model that has not learned the task in distribution says nothing about attention noise out of "
             "it, so these runs are left out of every mean, difference and figure below (train them longer, or "
-            "report them as not learning the task). Their accuracy (– where a condition was not scored: the "
-            "evaluation's `min_accuracy` skips every condition out of distribution of a model below it):", ""] \
+            "report them as not learning the task). Their accuracy (– where a condition was not scored: below "
+            "the evaluation's `min_accuracy`, or a skipped condition):", ""] \
         + table(["arm", "seed", *(code_span(c) for c in conditions)], rows) + [""]
 
 
 def _skipped(ctx, arms, every) -> Lines:
-    """The conditions an evaluation skipped (their sequences exceed the model's position limit), with the runs
-    and the reason, so a condition missing from the tables is never missing silently. Those skipped below the
+    """The conditions an evaluation skipped (the family cannot build them, their sequences exceed the model's
+    position limit, or the run was below `min_accuracy`), with the runs and the reason, so a condition missing
+    from the tables is never missing silently. Those skipped below the
     evaluation's `min_accuracy` are listed only for a run that passed the bar (a `min_accuracy` above it); a run
     below the bar has them as dashes in its own table (`_bar`)."""
     where: dict[str, list[str]] = {}
