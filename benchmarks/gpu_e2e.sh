@@ -3,7 +3,8 @@
 #   throughput  benchmarks/train_throughput.py: DIFF vs the matched Transformer at 160 M (preset
 #               gpu-small), full bf16 training steps interleaved step by step: tokens/s and peak memory
 #               ratios, then 3 profiled steps per arm (the kernels whose time differs most between the
-#               arms); the same with both arms under torch.compile; and the 337 M pair of
+#               arms); the same with both arms under torch.compile, and the kernels Inductor writes
+#               around the fused op (benchmarks/inductor_graph.py); and the 337 M pair of
 #               configs/gpu-350m.toml, eager (about 4 minutes);
 #   compare     `difftransformer compare --config configs/gpu-small.toml`: both arms trained on the
 #               bundled corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each
@@ -35,6 +36,9 @@ if [[ $STEPS == *" throughput "* ]]; then
     A="--device cuda --preset gpu-small --seq-len 2048 --batch 16 --precision bf16"
     timeout 110 $PY benchmarks/train_throughput.py $A --repeats 10 --trace 3 2>&1 | tee "$OUT/throughput.md"
     timeout 150 $PY benchmarks/train_throughput.py $A --repeats 8 --compile 2>&1 | tee "$OUT/throughput_compiled.md"
+    # What Inductor puts around the fused op in a compiled step (copy kernels, the op's arguments), 2 layers.
+    timeout 120 $PY benchmarks/inductor_graph.py --device cuda --preset gpu-small --layers 2 --seq-len 2048 \
+        --batch 2 --precision bf16 --out "$OUT/inductor" 2>&1 | tee "$OUT/inductor.md"
     # The 337 M pair of configs/gpu-350m.toml (24 layers, T = 1024; the tokenizer's 32k vocabulary), eager.
     timeout 90 $PY benchmarks/train_throughput.py --device cuda --config configs/gpu-350m.toml \
         --set model.vocab_size=32768 --seq-len 1024 --batch 16 --precision bf16 --repeats 6 2>&1 \
