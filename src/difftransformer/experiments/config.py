@@ -7,7 +7,7 @@ result file goes (results_dir, committable), and the settings of the report's sa
 
     arms = ["diff", "transformer", "diff_lambda_0.8"]    # named ablations or attention kinds, or tables
     seeds = [0, 1, 2]
-    sizes = ["cpu-xs-h8", {name = "w192", hidden_size = 192, num_hidden_layers = 4, diff_heads = 6}]
+    sizes = ["cpu-small-h8", {name = "w192", hidden_size = 192, num_hidden_layers = 4, diff_heads = 6}]
     tokens = [500_000, 1_000_000]                        # training tokens per run (max_steps derived)
 
 No sizes: the [model] section is the one size. No tokens: train.max_steps is the one budget.
