@@ -5,7 +5,8 @@
 #               ratios, then 3 profiled steps per arm (the kernels whose time differs most between the
 #               arms); the same with both arms under torch.compile, and the kernels Inductor writes
 #               around the fused op (benchmarks/inductor_graph.py); and the 337 M pair of
-#               configs/gpu-350m.toml, eager (about 4 minutes);
+#               configs/gpu-350m.toml, eager (about 4 minutes before the Inductor listing was added, which
+#               compiles two 2-layer models more: untimed);
 #   compare     `difftransformer compare --config configs/gpu-small.toml`: both arms trained on the
 #               bundled corpus for the same 8.2 M tokens (loss curves, tokens/s, peak memory in each
 #               done.json; about 3 minutes);

@@ -3,11 +3,12 @@
 For each arm (DIFF and its matched Transformer) one forward and backward of a model is compiled, and the code
 Inductor writes for the two graphs (TORCH_LOGS=output_code) is kept as `<out>/<arm>_output_code.py`. The
 table counts, per arm and graph, the kernels Inductor launches, the extern calls (matmuls, SDPA, our custom
-ops) and the copy kernels: those whose source nodes include `clone`, `copy` or `contiguous` (a layout change
-Inductor makes, not a computation of the model). Each copy kernel of the DIFF arm is listed with the ATen ops
-it was made from, and each call of `difftransformer::diff_flash_fwd/bwd` with its arguments (a
-`reinterpret_tensor` of a producer's buffer: read in place; a buffer of a copy kernel: copied first), so a
-layout copy that the custom ops force can be found and removed. Compiled DIFF trails compiled SDPA
+ops) and the copy kernels: those named for `clone`, `copy` or `contiguous` (in the kernel's name or its ATen
+ops) whose ATen ops only move data (a layout or dtype change Inductor makes, not a computation of the model).
+Each copy kernel of either arm is listed with the ATen ops it was made from, and each call of
+`difftransformer::diff_flash_fwd/bwd` with its arguments (a `reinterpret_tensor` of a producer's buffer: read in
+place; a buffer of a copy kernel: copied first), so a layout copy that the custom ops force can be found and
+removed. Compiled DIFF trails compiled SDPA
 (docs/benchmarks.md); this names the extra kernels behind it.
 
     python benchmarks/inductor_graph.py --device cuda --preset gpu-small --layers 2 --seq-len 2048 \
@@ -94,8 +95,8 @@ def kernel_calls(code: str) -> list[tuple[str, str]]:
 
 
 def is_copy(name: str, source: str) -> bool:
-    """A kernel that only moves data into another layout: one of COPY_WORDS in its name or its ATen ops, and
-    nothing else computed (a fused kernel that also adds or multiplies computes the model)."""
+    """A kernel that only moves data into another layout or dtype: one of COPY_WORDS in its name or its ATen
+    ops, and nothing else computed (a fused kernel that also adds or multiplies computes the model)."""
     ops = re.findall(r"aten\.(\w+)", source.split("Original ATen:", 1)[-1]) if "Original ATen" in source else []
     moves = {"clone", "copy", "copy_", "contiguous", "_to_copy", "view", "_unsafe_view", "permute", "transpose",
              "expand", "reshape", "t", "unsqueeze", "squeeze", "select", "slice", "as_strided"}
