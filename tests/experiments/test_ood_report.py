@@ -150,15 +150,46 @@ def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_w
     values = {"diff": (0.80, 0.70), "transformer": (0.60, 0.90), "diff_nope": (0.50, 0.50),
               "transformer_nope": (0.40, 0.40)}
     runs = {(a, s): run(a, s, acc + 0.01 * s * s, ad + 0.01 * s) for a, (acc, ad) in values.items() for s in (0, 1, 2)}
-    text = "\n".join(ood_section(_study(list(values), [0, 1, 2], runs)))
+    text = "\n".join(ood_section(_study(list(values), [0, 1, 2], runs, specs=_NOPE_SPECS)))
     control = text[text.index("`diff` as trained against each arm with adaptive temperature"):]
     # diff as trained (0.80 + 0.01 s^2) against the transformer with adaptive temperature (0.90 + 0.01 s)
     row = next(r for r in control.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
     # diffs -0.10, -0.10, -0.08: -0.0933 +- 4.303 * 0.01155 / sqrt(3)
     assert "-0.0933 [-0.1220, -0.0646]" in row and "`diff` lower" in row
-    nope = text[text.index("### `diff_nope` − each arm"):]
+    nope = _section(text, "### `diff_nope` − each arm, accuracy, both without position encoding")
     row = next(r for r in nope.splitlines() if r.startswith("| `transformer_nope` | `length4x-density1x` |"))
     assert "| 3 | +0.1000 [+0.1000, +0.1000] |" in row
+    assert "| `transformer` |" not in nope  # RoPE arms stay out of the position-encoding table
+
+
+def _section(text, heading):
+    """The report's lines from `heading` to the next heading."""
+    part = text[text.index(heading):]
+    end = part.find("\n#", 1)
+    return part if end < 0 else part[:end]
+
+
+_NOPE_SPECS = {"diff_nope": {"attention": "diff", "overrides": {"position_encoding": "none"}},
+               "transformer_nope": {"attention": "transformer", "overrides": {"position_encoding": "none"}},
+               "diff_no_headnorm_nope": {"attention": "diff_no_headnorm", "overrides": {"position_encoding": "none"}}}
+
+
+def test_every_differential_arm_without_position_encoding_is_set_against_the_transformer_without_it():
+    """Whatever its name: a task where DIFF V1 does not learn asks the question of DIFF without head norm. The
+    differences are taken from the first differential arm with RoPE, never from a NoPE arm listed first."""
+    values = {"diff_no_headnorm_nope": {0: (1.0, 0.50), 1: (1.0, 0.55), 2: (1.0, 0.60)},
+              "transformer": {0: (1.0, 0.60), 1: (1.0, 0.60), 2: (1.0, 0.60)},
+              "diff_no_headnorm": {0: (1.0, 0.70), 1: (1.0, 0.70), 2: (1.0, 0.70)},
+              "transformer_nope": {0: (1.0, 0.40), 1: (1.0, 0.40), 2: (1.0, 0.40)}}
+    ctx = _ctx(values)
+    ctx.spec = lambda arm: _NOPE_SPECS.get(arm) or {"name": arm, "attention": arm}
+    text = "\n".join(ood_section(ctx))
+    assert "### `diff_no_headnorm` − each arm, accuracy\n" in text
+    assert "### `diff_no_headnorm_nope` − each arm, accuracy (each arm" not in text
+    nope = _section(text, "### `diff_no_headnorm_nope` − each arm, accuracy, both without position encoding")
+    row = next(r for r in nope.splitlines() if r.startswith("| `transformer_nope` | `length4x-density1x` |"))
+    assert "| 3 | +0.1500 [+0.0258, +0.2742] |" in row  # diffs 0.10, 0.15, 0.20: 0.15 +- 4.303 * 0.05 / sqrt(3)
+    assert "| `transformer` |" not in nope
 
 def _mechanism_table(text, title):
     part = text[text.index(f"**{title}"):]
@@ -267,8 +298,9 @@ def test_a_study_on_a_synthetic_task_trains_evaluates_with_its_options_and_repor
         assert [c["condition"] for c in ood["details"]["cells"]] == ["length1x-density1x"]
         assert [s["cause"] for s in ood["details"]["skipped"]] == ["min_accuracy"]
     assert "– where a condition was not scored" in cut.report.read_text()
-    with pytest.raises(ValueError, match="not in compare.eval_tasks"):
+    with pytest.raises(ValueError, match="not in compare.eval_tasks.*--set compare.eval_options=null"):
         StudyConfig(eval_options={"ood": {}})
+    assert StudyConfig(eval_options=None).eval_options == {}  # a study's options dropped: training only
     with pytest.raises(ValueError, match="compare.eval_options.ood: .*min_queries"):
         StudyConfig(eval_tasks=["ood"], eval_options={"ood": {"min_queries": 0}})
 

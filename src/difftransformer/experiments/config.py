@@ -212,13 +212,16 @@ class StudyConfig:
                 get_task(name)
             except ValueError as e:
                 raise ValueError(f"compare.eval_tasks: {e}") from None
+        if self.eval_options is None:  # `--set compare.eval_options=null`: every task on its defaults
+            self.eval_options = {}
         if not isinstance(self.eval_options, dict) or not all(isinstance(v, dict) for v in self.eval_options.values()):
             raise ValueError(f"compare.eval_options must be a table of tables, one per task ([compare.eval_options."
                              f"ood] lengths = [1, 2]), got {self.eval_options!r}")
         for name, options in self.eval_options.items():
             if name not in self.eval_tasks:
                 raise ValueError(f"compare.eval_options.{name}: {name!r} is not in compare.eval_tasks "
-                                 f"{self.eval_tasks}; add it there or remove its options")
+                                 f"{self.eval_tasks}; add it there or remove its options (on the command line: "
+                                 f"--set compare.eval_options=null)")
             try:
                 get_task(name, **options)
             except (TypeError, ValueError) as e:

@@ -5,7 +5,8 @@ For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy 
 pooled over seeds with their Wilson interval; the paired differences DIFF − each other arm per condition, with
 the verdict their interval supports (and each other differential arm − each arm with one softmax map); the
 same for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
-the control without subtraction); `diff_nope` − `transformer_nope` (both without position encoding); each
+the control without subtraction); each differential arm without position encoding (NoPE) − the Transformer
+without it; each
 control with one softmax map (gated, scalable softmax, head norm) − the Transformer on its recipe; where
 each model's retrieving head attends (chosen once at the training distribution, read as shares of its
 positive weight on the target, on distractors + filler, and its negative weight; for a differential arm, per
@@ -31,7 +32,6 @@ TASK = "ood"
 IN_DISTRIBUTION_BAR = 0.99
 PLOT_FILE = "ood.png"
 TRAIN_CONDITION = "length1x-density1x"
-NOPE_PAIR = ("diff_nope", "transformer_nope")  # the position-encoding question: compared with each other too
 
 
 def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
@@ -103,10 +103,31 @@ def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
 
 def _reference_arm(ctx, arms) -> str | None:
     """The arm the differences are taken from: `diff` when any of its runs passed the bar, else the first
-    differential arm that has (DIFF V1 may not learn a task that DIFF V2 or DIFF without head norm learns)."""
+    differential arm with position encoding that has (DIFF V1 may not learn a task that DIFF V2 or DIFF without
+    head norm learns), else the first differential arm."""
     if "diff" in arms:
         return "diff"
-    return next(iter(_differential(ctx, arms)), None)
+    differential = _differential(ctx, arms)
+    return next((a for a in differential if not _unencoded(ctx, a)), next(iter(differential), None))
+
+
+def _unencoded(ctx, arm: str) -> bool:
+    """Whether the arm has no position encoding (NoPE), as its result files record, else as the manifest
+    defines the arm."""
+    recorded = {(i.get("model") or {}).get("position_encoding") for i in _identities(ctx, arm)} - {None}
+    if recorded:
+        return recorded == {"none"}
+    return (ctx.spec(arm).get("overrides") or {}).get("position_encoding") == "none"
+
+
+def _nope_pairs(ctx, arms) -> list[tuple[str, str]]:
+    """(differential arm, Transformer), both without position encoding: whether position encoding decides
+    what DIFF does out of distribution. The Transformer is the one on the same recipe when there is one."""
+    nope = [a for a in arms if _unencoded(ctx, a)]
+    transformers = [a for a in nope if _kind(ctx, a) == "transformer"]
+    pairs = [(arm, _matched_transformer(ctx, arm, nope) or next(iter(transformers), None))
+             for arm in _differential(ctx, nope)]
+    return [(arm, base) for arm, base in pairs if base is not None]
 
 
 def _differential(ctx, arms) -> list[str]:
@@ -165,7 +186,7 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
                               "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive)
         differential = _differential(ctx, arms)
         single = [a for a in arms if a not in differential]
-        for other in (a for a in differential if a != ref and a not in NOPE_PAIR):
+        for other in (a for a in differential if a != ref and not _unencoded(ctx, a)):
             L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
                               "accuracy (each arm with a single softmax map)")
         for control in _controls(ctx, arms):
@@ -174,9 +195,8 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
                 L += _differences(ctx, control, [base], cells, conditions, _accuracy,
                                   "accuracy (a control against the Transformer on its recipe: what it does "
                                   "without a subtraction)")
-    if all(a in arms for a in NOPE_PAIR) and len(ctx.seeds) > 1:
-        L += _differences(ctx, NOPE_PAIR[0], [NOPE_PAIR[1]], cells, conditions, _accuracy,
-                          "accuracy, both without position encoding")
+    for arm, base in _nope_pairs(ctx, arms) if len(ctx.seeds) > 1 else ():
+        L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding")
     L += _mechanism(arms, cells, conditions)
     L += _two_maps(_differential(ctx, arms), cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
