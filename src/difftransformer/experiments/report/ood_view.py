@@ -1,19 +1,18 @@
 """The report's out-of-distribution section: the `ood` probe's results over arms and seeds.
 
-For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy per test condition
-(context length and distractor density factors) per arm, mean [95% t-interval over seeds], and the errors
-pooled over seeds with their Wilson interval; the paired differences DIFF − each other arm per condition, with
-the verdict their interval supports (and each other differential arm − each arm with one softmax map); the
-same for adaptive temperature at inference (both arms with it, and DIFF as trained against each arm with it:
-the control without subtraction); each differential arm without position encoding (NoPE) − the Transformer
-without it; each
-control with one softmax map (gated, scalable softmax, head norm) − the Transformer on its recipe; where
-each model's retrieving head attends (chosen once at the training distribution, read as shares of its
-positive weight on the target, on distractors + filler, and its negative weight; for a differential arm, per
-seed, where that head's two maps A1 and A2 each put their mass). A run below the
-in-distribution bar (< 99% accuracy at the training condition) has not learned the task, so a difference out
-of distribution says nothing about its attention: such runs are listed with their accuracy per condition and
-left out of every mean, difference and figure (paired differences use the seeds where both arms passed).
+For a study whose runs were evaluated with `ood` (eval/probes/ood.py): accuracy per test condition (context length
+and distractor density factors) per arm, mean [95% t-interval over seeds], and the errors pooled over seeds with
+their Wilson interval; the paired differences DIFF − each other arm per condition, with the verdict their interval
+supports (and each other differential arm − each arm with one softmax map); the same for adaptive temperature at
+inference (both arms with it, and DIFF as trained against each arm with it: the control without subtraction); each
+differential arm without position encoding (NoPE) − the Transformer without it; each control with one softmax map
+(gated, scalable softmax, head norm) − the Transformer on its recipe; where each model's retrieving head attends
+(chosen once at the training distribution, read as shares of its positive weight on the target, on distractors +
+filler, and its negative weight; for a differential arm, per seed, where that head's two maps A1 and A2 each put
+their mass). A run below the in-distribution bar (< 99% accuracy at the training condition) has not learned the
+task, so a difference out of distribution says nothing about its attention: such runs are listed with their
+accuracy per condition and left out of every mean, difference and figure (paired differences use the seeds where
+both arms passed).
 """
 
 from __future__ import annotations
