@@ -496,3 +496,24 @@ def test_each_control_is_set_against_the_transformer_on_its_own_recipe():
     del ctx.runs["transformer_lr", 0], ctx.runs["transformer_lr", 1], ctx.runs["transformer_lr", 2]
     ctx.arms.remove("transformer_lr")  # no Transformer on the control's recipe: no table against another recipe's
     assert "a control against the Transformer" not in "\n".join(ood_section(ctx))
+
+
+def test_the_position_encoding_is_read_from_the_result_files_before_the_manifest():
+    """Result files record each unit's model: a NoPE record makes an arm NoPE whatever the manifest says (and a
+    RoPE record keeps an arm out of the position-encoding table even if the manifest says otherwise)."""
+    def run(arm, seed, acc4, attention, encoding):
+        cells = [_cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
+        record = {"identity": {"model": {"attention": attention, "position_encoding": encoding}, "train": {"lr": 5e-4}}}
+        return Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}}, record=record)
+
+    arms = {"diff": ("diff", "rope", 0.7), "transformer": ("transformer", "rope", 0.6),
+            "d_plain": ("diff", "none", 0.5), "t_plain": ("transformer", "none", 0.3),
+            "d_listed": ("diff", "rope", 0.9)}
+    runs = {(a, s): run(a, s, acc + 0.01 * s, kind, enc) for a, (kind, enc, acc) in arms.items() for s in (0, 1, 2)}
+    wrong = {"d_listed": {"attention": "diff", "overrides": {"position_encoding": "none"}}}
+    text = "\n".join(ood_section(_study(list(arms), [0, 1, 2], runs, specs=wrong)))
+    nope = _section(text, "### `d_plain` − each arm, accuracy, both without position encoding")
+    row = next(r for r in nope.splitlines() if r.startswith("| `t_plain` | `length4x-density1x` |"))
+    assert "| 3 | +0.2000 [+0.2000, +0.2000] |" in row
+    assert "### `d_listed` − each arm, accuracy, both without position encoding" not in text
+    assert "### `d_listed` − each arm, accuracy (each arm with a single softmax map)" in text
