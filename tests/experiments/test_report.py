@@ -146,3 +146,17 @@ def test_the_papers_loss_claim_is_not_set_against_a_synthetic_tasks_loss():
     ctx.arms.append("diff_v2")
     table = "\n".join(ablations(ctx))
     assert "| `diff` |" in table and "Table 6" not in table  # no LM-loss column beside a task's losses
+
+
+@pytest.mark.parametrize("mode", ["flushed", "kept", None])
+def test_hardware_line_says_how_subnormal_floats_were_computed(tmp_path, mode):
+    """A CPU step time means little without it (about 10x apart on a converged model); manifests written before
+    it was recorded say nothing rather than a guess."""
+    root = _synthetic(tmp_path, {"diff": [3.0], "transformer": [3.5]})
+    manifest = json.loads((root / "compare.json").read_text())
+    hw = {"cpu": "Some CPU", "cpu_count": 2, "torch_threads": 1, "torch": "9.9", "python": "3.11", "platform": "p"}
+    manifest["hardware"] = hw | ({"denormals": mode} if mode else {})
+    (root / "compare.json").write_text(json.dumps(manifest))
+    line = next(x for x in write_report(root, samples=False).read_text().splitlines() if x.startswith("Hardware:"))
+    assert ("1 torch threads, subnormal floats flushed)" in line) == (mode == "flushed")
+    assert ("subnormal floats kept" in line) == (mode == "kept") and ("subnormal" in line) == (mode is not None)

@@ -33,6 +33,7 @@ from difftransformer.cli import compare, convert, generate, prepare, report, ret
 from difftransformer.cli import eval as eval_cmd
 from difftransformer.cli.common import Formatter, epilog
 from difftransformer.data import CorpusError
+from difftransformer.numerics import denormals_flushed
 from difftransformer.run_config import SECTIONS, ConfigError
 from difftransformer.train import CheckpointError, TrainingDivergedError
 
@@ -212,6 +213,12 @@ def _interrupted(command: str, e: KeyboardInterrupt) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before torch starts its threads, so that they inherit it (difftransformer.numerics).
+    with denormals_flushed():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO if dist.is_main() else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

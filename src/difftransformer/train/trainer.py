@@ -31,6 +31,7 @@ from difftransformer.data.ood.sampler import TaskSampler, TaskValSet
 from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
+from difftransformer.numerics import denormals_flushed
 from difftransformer.train.checkpoint import (
     CheckpointError,
     find_latest,
@@ -216,6 +217,8 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     init_state: initial weights (e.g. from experiments.paired_init); ignored when resuming from a checkpoint.
     cfg.init_from names a model folder to start from instead (train/init.py); the two exclude each other.
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files.
+    On CPU it trains with subnormal floats flushed to zero (difftransformer.numerics: a converged model runs
+    about 10x slower without; DIFFTRANSFORMER_KEEP_DENORMALS=1 keeps them).
     """
     if init_state is not None and cfg.init_from is not None:
         raise ValueError(f"give either init_state or TrainConfig.init_from ({cfg.init_from}), not both")
@@ -229,7 +232,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
     lock = folder_lock(run.path, purpose="train into another out_dir", kind="a training run",
                        owns=(run.checkpoints.name, run.final.name))
-    with lock if env.is_main else contextlib.nullcontext():
+    with lock if env.is_main else contextlib.nullcontext(), denormals_flushed():
         run.check_layout()
         return _train(run, model_config, cfg, env, init_state, resume)
 

@@ -484,8 +484,9 @@ def _provenance(ctx: Context) -> Lines:
     hw = m.get("hardware") or {}
     if hw:
         dev = f"GPU {hw['gpu']} × {hw.get('gpu_count', 1)}" if hw.get("gpu") else "CPU only"
+        subnormals = f", subnormal floats {hw['denormals']}" if "denormals" in hw else ""  # recorded since 2026-11-29
         L += [f"Hardware: {dev}; CPU {hw.get('cpu')} ({hw.get('cpu_count')} logical cores, {hw.get('torch_threads')} "
-              f"torch threads); world size {hw.get('world_size', 1)}; torch {hw.get('torch')}, Python "
+              f"torch threads{subnormals}); world size {hw.get('world_size', 1)}; torch {hw.get('torch')}, Python "
               f"{hw.get('python')}; {hw.get('platform')}.", ""]
     walls = m.get("wall_s") or {}
     if walls:
