@@ -1,17 +1,17 @@
-"""Subnormal floats on CPU: flushed to zero in every process this package starts, unless asked to keep them.
+"""Subnormal floats on CPU: flushed to zero by the CLI and during `train()`, unless asked to keep them.
 
 A model that has learned a task sharply puts softmax weights of e^-88 and less on what it ignores; in
 float32 those are subnormal numbers (below 2^-126 = 1.2e-38), and x86 cores compute with them through a slow
-microcode assist. The Transformer of the max-retrieval study, converged, took 9.8x as long per training step
+microcode assist. The Transformer of the max-retrieval study, converged, took 10.7x as long per training step
 with them as without (docs/benchmarks.md, "Subnormal floats"). Flushing them (the FTZ and DAZ bits of MXCSR:
 results and inputs below 2^-126 read as 0) removes the assist. Added to a number above 2^-102 (2e-31) such a
 number changes nothing in float32, so only a computation made of such tiny numbers reads differently.
 
 The bits are per thread, and a thread inherits them from the thread that creates it: set before torch
-starts its intra-op threads they hold in all of them, set later in the calling thread only. So every entry
-point calls `flush_denormals()` first (the CLI before it parses a command), and `train()` runs inside
-`denormals_flushed()` for library callers (there it may reach the calling thread alone, and it restores the
-mode it found). CUDA is untouched: GPU kernels choose per instruction.
+starts its intra-op threads they hold in all of them, set later in the calling thread only. So the CLI runs
+every command inside `denormals_flushed()`, entered before anything else, and `train()` runs inside it for
+library callers (where torch's threads may exist already, it reaches the calling thread alone); each restores
+the mode it found. CUDA is untouched: GPU kernels choose per instruction.
 
 DIFFTRANSFORMER_KEEP_DENORMALS=1 keeps them (IEEE arithmetic, as results before 2026-11-29 were computed).
 Studies record the mode with the machine (`experiments.provenance.hardware`, key "denormals").
