@@ -3,6 +3,7 @@ naming the fix; sampling at numeric edges (a tiny top-p or temperature) gives th
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import shutil
@@ -14,6 +15,7 @@ import torch
 from difftransformer.cli import main
 from difftransformer.model import filter_logits, sample_next_token
 from difftransformer.model.generation import scale_logits
+from difftransformer.numerics import denormals_flushed
 from tests.cli.conftest import last_error_line, tiny_run_config, train_argv, trained_model
 from tests.helpers import cli_fails
 
@@ -123,11 +125,18 @@ def test_a_tiny_top_p_keeps_exactly_the_top_token(top_p):
         assert torch.equal(sample_next_token(x, temperature=0.8, top_p=top_p, generator=g), x.argmax(-1))
 
 
+@pytest.mark.parametrize("flushed", [False, True], ids=["subnormals-kept", "subnormals-flushed"])
 @pytest.mark.parametrize("temperature", [1e-40, 1e-46, 1e-320])
-def test_a_tiny_temperature_is_greedy(temperature):
+def test_a_tiny_temperature_is_greedy(temperature, flushed):
     """A tiny --temperature (1e-40, 1e-320) must not overflow logits / temperature to inf and the softmax to nan. The
     limit of softmax(x / t) as t -> 0 puts all the mass on the top logit: the argmax, and for tied top tokens each of
-    them, never another."""
+    them, never another. Also where subnormal floats are flushed, as the CLI runs (1e-40 reads as 0 in float32
+    there)."""
+    with denormals_flushed() if flushed else contextlib.nullcontext():
+        _check_tiny_temperature(temperature)
+
+
+def _check_tiny_temperature(temperature: float) -> None:
     x = _logits()
     g = torch.Generator().manual_seed(2)
     draws = torch.stack([sample_next_token(x, temperature=temperature, generator=g) for _ in range(40)])

@@ -54,12 +54,16 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def sample_next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) token ids. temperature 0 is greedy; so is one that float32 rounds to 0 (1e-320),
-    and any other temperature > 0 samples softmax(logits / temperature) without overflowing to nan."""
+    and any other temperature > 0 samples softmax(logits / temperature) without overflowing to nan. One that is
+    subnormal in float32 (1e-40) is applied in float64: a CPU that flushes subnormals (difftransformer.numerics)
+    would read it as 0 in float32."""
     if not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
     logits = logits.float()
     if temperature <= _ZERO_IN_FLOAT32:
         return logits.argmax(dim=-1)
+    if temperature < torch.finfo(torch.float32).tiny:
+        logits = logits.double()
     logits = filter_logits(scale_logits(logits, temperature), top_k, top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
