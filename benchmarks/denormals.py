@@ -2,7 +2,7 @@
 flushed to zero (what the CLI and `train()` do, difftransformer.numerics), on a trained model and on the same
 architecture freshly initialised, interleaved (kept, flushed, kept, ...) so machine load hits both alike.
 
-    python benchmarks/denormals.py --checkpoint runs/ood-maxret/seed1/transformer_lr5e-4/checkpoints/step_00002000 \\
+    python benchmarks/denormals.py --checkpoint runs/ood-maxret/seed1/transformer_lr5e-4/checkpoints/step_00003000 \\
         --data-dir cache/data/task-maxret-5da9ad75a05b
 
 --checkpoint: a run folder, its final/ or one checkpoint of a model trained on a synthetic task (data.task);

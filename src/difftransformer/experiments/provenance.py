@@ -20,8 +20,8 @@ from difftransformer.numerics import denormals_mode
 
 def hardware(device: torch.device | None = None) -> dict[str, Any]:
     """The machine a number was measured on (tokens/s means little without it): the CPU's model, cores and
-    torch threads, whether subnormal floats are flushed on CPU (difftransformer.numerics: about 10x the
-    step time of a converged model where they are kept), the torch and Python versions, the platform and
+    torch threads, whether subnormal floats are flushed on CPU (difftransformer.numerics: where they are
+    kept, a converged model's step can take 10x as long), the torch and Python versions, the platform and
     the world size; with a GPU visible also the GPU's name (`device`'s, default the first GPU), the GPU
     count and the CUDA version."""
     info: dict[str, Any] = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

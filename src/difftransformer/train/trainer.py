@@ -217,8 +217,8 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
     init_state: initial weights (e.g. from experiments.paired_init); ignored when resuming from a checkpoint.
     cfg.init_from names a model folder to start from instead (train/init.py); the two exclude each other.
     Under torchrun (WORLD_SIZE > 1) every rank calls this; only rank 0 writes files.
-    On CPU it trains with subnormal floats flushed to zero (difftransformer.numerics: a converged model runs
-    about 10x slower without; DIFFTRANSFORMER_KEEP_DENORMALS=1 keeps them).
+    On CPU it trains with subnormal floats flushed to zero (difftransformer.numerics: without it a converged model
+    can run 10x slower; DIFFTRANSFORMER_KEEP_DENORMALS=1 keeps them).
     """
     if init_state is not None and cfg.init_from is not None:
         raise ValueError(f"give either init_state or TrainConfig.init_from ({cfg.init_from}), not both")
