@@ -492,7 +492,8 @@ def test_each_control_is_set_against_the_transformer_on_its_own_recipe():
     rows = [r for r in gated.split("###")[0].splitlines() if r.startswith("| `")]
     assert [r.split(" | ")[0] for r in rows] == ["| `transformer_lr`"] * 2
     assert "| `transformer_lr` | `length4x-density1x` | 3 | +0.0700 [" in gated  # 0.52 - 0.45: the seeds' mean
-    assert "### `transformer_lr` − each arm" not in text and "### `transformer` − each arm" not in text
+    assert "### `transformer_lr` − each arm, accuracy (a control" not in text
+    assert "### `transformer` − each arm" not in text
     del ctx.runs["transformer_lr", 0], ctx.runs["transformer_lr", 1], ctx.runs["transformer_lr", 2]
     ctx.arms.remove("transformer_lr")  # no Transformer on the control's recipe: no table against another recipe's
     assert "a control against the Transformer" not in "\n".join(ood_section(ctx))
@@ -517,3 +518,32 @@ def test_the_position_encoding_is_read_from_the_result_files_before_the_manifest
     assert "| 3 | +0.2000 [+0.2000, +0.2000] |" in row
     assert "### `d_listed` − each arm, accuracy, both without position encoding" not in text
     assert "### `d_listed` − each arm, accuracy (each arm with a single softmax map)" in text
+
+
+def test_each_arm_on_another_recipe_is_set_against_the_same_architecture_on_the_first():
+    """What the recipe alone does: each arm against the arm named after its attention kind, of the same position
+    encoding, when their recorded recipes differ (in any order of the arms); never across kinds, across position
+    encodings, or between arms on one recipe."""
+    def run(arm, seed, acc4, attention, encoding, lr):
+        cells = [_cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
+        record = {"identity": {"model": {"attention": attention, "position_encoding": encoding},
+                               "train": {"lr": lr, "seed": seed}}}
+        return Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}}, record=record)
+
+    arms = {"diff": ("diff", "rope", 1e-3, 0.60), "transformer": ("transformer", "rope", 1e-3, 0.40),
+            "transformer_lr": ("transformer", "rope", 5e-4, 0.70), "diff_lr": ("diff", "rope", 5e-4, 0.50),
+            "transformer_again": ("transformer", "rope", 1e-3, 0.45),
+            "transformer_nope": ("transformer", "none", 5e-4, 0.20)}
+    runs = {(a, s): run(a, s, acc + 0.01 * s * (a == "transformer_lr"), kind, enc, lr)
+            for a, (kind, enc, lr, acc) in arms.items() for s in (0, 1, 2)}
+    order = ["transformer_lr", "diff_lr", "diff", "transformer_again", "transformer", "transformer_nope"]
+    text = "\n".join(ood_section(_study(order, [0, 1, 2], runs)))
+    what = "accuracy (the same architecture on another recipe: what the recipe alone does)"
+    lift = _section(text, f"### `transformer_lr` − each arm, {what}")
+    rows = [r for r in lift.splitlines() if r.startswith("| `")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| `transformer` (other recipe)", "`length1x-density1x`"],
+                                                  ["| `transformer` (other recipe)", "`length4x-density1x`"]]
+    assert "| 3 | +0.3100 [" in rows[1]  # 0.70 + 0.01 s - 0.40 over seeds 0-2: +0.31 on average
+    diff = _section(text, f"### `diff_lr` − each arm, {what}")
+    assert "| `diff` (other recipe) | `length4x-density1x` | 3 | -0.1000 [-0.1000, -0.1000] |" in diff
+    assert text.count(what) == 2  # not transformer_again (the same recipe), not the NoPE Transformer (no RoPE)

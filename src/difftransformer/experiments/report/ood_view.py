@@ -6,7 +6,8 @@ their Wilson interval; the paired differences DIFF − each other arm per condit
 supports (and each other differential arm − each arm with one softmax map); the same for adaptive temperature at
 inference (both arms with it, and DIFF as trained against each arm with it: the control without subtraction); each
 differential arm without position encoding (NoPE) − the Transformer without it; each control with one softmax map
-(gated, scalable softmax, head norm) − the Transformer on its recipe; where each model's retrieving head attends
+(gated, scalable softmax, head norm) − the Transformer on its recipe; each arm on another recipe − the arm of its
+architecture named after it (what the recipe alone does); where each model's retrieving head attends
 (chosen once at the training distribution, read as shares of its positive weight on the target, on distractors +
 filler, and its negative weight; for a differential arm, per seed, where that head's two maps A1 and A2 each put
 their mass). A run below the in-distribution bar (< 99% accuracy at the training condition) has not learned the
@@ -129,6 +130,21 @@ def _nope_pairs(ctx, arms) -> list[tuple[str, str]]:
     return [(arm, base) for arm, base in pairs if base is not None]
 
 
+def _recipe_pairs(ctx, arms) -> list[tuple[str, str]]:
+    """(arm, base): each arm against the arm of the same attention kind and position encoding that is named after
+    the kind (`transformer_lr5e-4` against `transformer`; the first such arm in `arms` when none is), where their
+    recorded recipes differ. Paired by seed, both start from the same weights and see the same batches, so the
+    difference is the recipe's alone: the yardstick for differences between architectures on different recipes."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for arm in arms:
+        groups.setdefault((_kind(ctx, arm), _unencoded(ctx, arm)), []).append(arm)
+    pairs = []
+    for (kind, _), members in groups.items():
+        base = kind if kind in members else members[0]
+        pairs += [(arm, base) for arm in members if arm != base and _recipe(ctx, arm) != _recipe(ctx, base)]
+    return pairs
+
+
 def _differential(ctx, arms) -> list[str]:
     """The arms whose attention is a difference of two maps (DIFF V1, V2, without head norm), in `arms`' order."""
     return [a for a in arms if getattr(ATTENTION_KINDS.get(_kind(ctx, a)), "differential", False)]
@@ -196,6 +212,9 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
                                   "without a subtraction)")
     for arm, base in _nope_pairs(ctx, arms) if len(ctx.seeds) > 1 else ():
         L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding")
+    for arm, base in _recipe_pairs(ctx, arms) if len(ctx.seeds) > 1 else ():
+        L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
+                          "accuracy (the same architecture on another recipe: what the recipe alone does)")
     L += _mechanism(arms, cells, conditions)
     L += _two_maps(_differential(ctx, arms), cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
