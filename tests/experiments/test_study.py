@@ -86,6 +86,7 @@ def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data
                     int(size[1:])
                 assert record["final_val_loss"] == run.metric_series().val[-1]["loss"]
                 assert record["samples"] and record["samples"][0]["prompt"] == "a"
+                assert record["identity"]["train"]["seed"] == record["train_config"]["seed"] == seed  # as trained
     # paired per (size, seed): both arms of a cell start from the same embedding
     assert (results / "compare.json").is_file()
     report = folder.report.read_text()
@@ -93,7 +94,12 @@ def test_a_grid_study_writes_result_files_and_continues_from_them_elsewhere(data
     html = folder.html.read_text()
     assert "data:image/png;base64," in html and 'src="loss_curves.png"' not in html
 
-    # another machine: only the committed result files; nothing is trained again
+    # another machine: only the committed result files; nothing is trained again, not even a unit whose file
+    # records the study's seed rather than its own (as older versions wrote every seed's)
+    older = result_path(results, Unit("s32", None, 1, "diff"), True)
+    record = json.loads(older.read_text())
+    record["identity"]["train"]["seed"] = record["train_config"]["seed"] = 0
+    older.write_text(json.dumps(record))
     caplog.clear()
     with caplog.at_level("INFO", logger="difftransformer.experiments"):
         run_study(study, tmp_path / "machine2")

@@ -209,12 +209,16 @@ class _Cell:
     def unit(self, arm: str) -> Unit:
         return Unit(self.size.name if self.size else None, self.tokens, self.seed, arm)
 
+    def recipe(self, arm: str) -> TrainConfig:
+        """The arm's recipe with this cell's seed: what its unit trains with and what its result file records."""
+        return dataclasses.replace(self.study.arm_train(arm, self.tokens), seed=self.seed)
+
     def check(self, arms: list[str]) -> None:
         """Refuse, before anything is written, a stored result or a run folder that this invocation would
         replace or mislabel: a result file of another recipe (check_identity), or a run trained past
         this recipe's max_steps or toward another one (its weights are not a result of this recipe)."""
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
-            unit, train_cfg = self.unit(arm), self.study.arm_train(arm, self.tokens)
+            unit, train_cfg = self.unit(arm), self.recipe(arm)
             run = self.folder.unit_dir(unit, self.multi)
             if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
                 self._check_evaluations(unit, run)
@@ -223,7 +227,7 @@ class _Cell:
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
-        recipes = [self.study.arm_train(a, self.tokens) for a in arms]
+        recipes = [self.recipe(a) for a in arms]
         units = [self.unit(a) for a in arms]
         identities = [unit_identity(c, r, self.data) for c, r in zip(configs, recipes)]
         done = [resume and self._has_result(u, ident) for u, ident in zip(units, identities)]
@@ -260,7 +264,7 @@ class _Cell:
         trained = run.has_metrics()
         before = run.read_json(run.train_config) if run.train_config.is_file() else None
         if before is not None:
-            now = dataclasses.replace(train_cfg, seed=self.seed).to_dict()
+            now = train_cfg.to_dict()
             changed = {k: (before.get(k, v), v) for k, v in now.items()
                        if k not in FREELY_CHANGEABLE and before.get(k, v) != v}
             if changed:
@@ -357,7 +361,7 @@ class _Cell:
 
     def _train(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir, state,
                resume: bool, n: int, total: int) -> None:
-        tcfg = dataclasses.replace(train_cfg, out_dir=str(run.path), seed=self.seed)
+        tcfg = dataclasses.replace(train_cfg, out_dir=str(run.path))
         log.info("%s (%d/%d): training into %s", unit.label(), n + 1, total, run.path)
         continued = resume and run.has_metrics()  # a run started before: its earlier time counts too
         t0 = time.perf_counter()

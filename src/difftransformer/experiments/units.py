@@ -161,9 +161,19 @@ def identity_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The parts (model, train, data) in which a recorded identity differs from `new`. A recipe recorded
     before a training setting existed is read with that setting at its default (a new field's default
     is what the code did before it: adding `init_from` must not make every committed result "another
-    experiment", retrained or refused)."""
+    experiment", retrained or refused). The training seed is left out (`_seedless`)."""
+    old, new = _seedless(old), _seedless(new)
     old = _with_defaults(old, new)
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def _seedless(identity: dict[str, Any]) -> dict[str, Any]:
+    """`identity` without its training seed, which the unit itself names (`Unit.seed`): records written by older
+    versions hold the study's `train.seed` for every seed, and they are results of the same unit all the same."""
+    train = identity.get("train")
+    if not isinstance(train, dict) or "seed" not in train:
+        return identity
+    return {**identity, "train": {k: v for k, v in train.items() if k != "seed"}}
 
 
 def _train_defaults() -> dict[str, Any]:
@@ -188,7 +198,7 @@ def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any],
     naming the steps, unless `replace` (then False: the unit is trained again and the file replaced);
     one for another model, recipe or data is a ResultFileError naming the keys that differ, whatever
     `replace` says (reusing it would report another experiment's numbers)."""
-    old = record.get("identity") or {}
+    old, identity = _seedless(record.get("identity") or {}), _seedless(identity)
     differ = identity_differences(old, identity)
     if not differ:
         return True
