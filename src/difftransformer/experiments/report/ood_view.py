@@ -214,7 +214,8 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
         L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding")
     for arm, base in _recipe_pairs(ctx, arms) if len(ctx.seeds) > 1 else ():
         L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
-                          "accuracy (the same architecture on another recipe: what the recipe alone does)")
+                          "accuracy (the same architecture on another recipe: what the recipe alone does)",
+                          same_architecture=True)
     L += _mechanism(arms, cells, conditions)
     L += _two_maps(_differential(ctx, arms), cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
@@ -434,26 +435,30 @@ def _rates(rate: float, low: float, high: float) -> str:
     return f"{rate:.{decimals}f} [{low:.{decimals}f}, {high:.{decimals}f}]"
 
 
-def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None) -> Lines:
+def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None,
+                 same_architecture: bool = False) -> Lines:
     """ref − each other arm per condition, paired by seed: `read` of ref against `read_other` (default `read`)
-    of the other arm. Each arm pair's conditions are one family for the Holm-adjusted p."""
+    of the other arm. Each arm pair's conditions are one family for the Holm-adjusted p. `same_architecture`:
+    the arms differ in their recipe alone, so an arm on other settings is not marked as mixing the two."""
     rows = []
     for other in (a for a in arms if a != ref):
         cmps = [compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
                                arm=ref, baseline=other, metric=f"ood {c}") for c in conditions]
         kept = [(c, cmp) for c, cmp in zip(conditions, cmps) if cmp.diffs]
-        name = code_span(other) + ("" if _recipe(ctx, other) == _recipe(ctx, ref) else " (other recipe)")
+        mixed = not same_architecture and _recipe(ctx, other) != _recipe(ctx, ref)
+        name = code_span(other) + (" (other recipe)" if mixed else "")
         for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
             rows.append([name, code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
                          fmt_p(cmp.p), adjusted, reading])
     if not rows:
         return []
+    recipes = "" if same_architecture else (
+        " \"(other recipe)\": trained on other settings than " + code_span(ref) + " (steps, learning rate or "
+        "position encoding), so its difference mixes recipe and architecture.")
     return [f"### {code_span(ref)} − each arm, {what}", "",
             "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate). "
             "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "
-            "may be one of the chance results expected among that many tests. \"(other recipe)\": trained on other "
-            f"settings than {code_span(ref)} (steps, learning rate or position encoding), so its difference mixes "
-            "recipe and architecture.", ""] \
+            "may be one of the chance results expected among that many tests." + recipes, ""] \
         + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "Holm p", "reading"], rows) + [""]
 
 
