@@ -253,7 +253,7 @@ class _Cell:
             for i in (i for i in range(len(arms)) if i not in finished):
                 self._finish(units[i], configs[i], recipes[i], dirs[i], identities[i], done[i])
 
-    def _paired_init(self, arms: list[str], configs: list[DiffTransformerConfig]) -> list:
+    def _paired_init(self, arms: list[str], configs: list[DiffTransformerConfig]) -> list[dict[str, Any] | None]:
         """Initial weights for `arms`: each built with this cell's seed, every tensor it shares with the study's
         first arm (the paired-initialisation reference) copied from that arm's model, whether or not this command
         names it, so a unit starts from the same weights whichever arms one command trains (`--arms`)."""
