@@ -338,6 +338,20 @@ def test_the_task_runs_on_a_model_of_its_task_folder(tmp_path, caplog):
         get_task("ood").run(model, None, EvalConfig())
 
 
+def test_a_model_that_cannot_hold_the_training_condition_is_an_error_not_a_shifted_baseline(tmp_path):
+    """Accuracy, the retrieving head and every other condition are read against the training condition: without
+    it the task stops with the reason, instead of treating the next condition as the baseline."""
+    family = MQAR(min_pairs=2, max_pairs=4, min_context=16, max_context=24, queries=2)
+    data = prepare_task(family, tmp_path / "data")
+    cfg = get_preset("tiny").config("transformer")
+    model = DiffTransformerLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": family.vocab_size,
+                                           "max_position_embeddings": family.max_length(TRAIN) - 1}))
+    task = get_task("ood", lengths=(1.0, 0.5), densities=(1.0,), min_queries=8, attention_sequences=0)
+    with pytest.raises(ValueError, match=r"cannot score the training condition: \d+ tokens exceed the model's "
+                                         r"max_position_embeddings"):
+        run_task(task, model, data.tokenizer(), EvalConfig(data_dir=str(data.out_dir)))
+
+
 def test_options_are_bounded():
     with pytest.raises(ValueError, match="min_queries"):
         get_task("ood", min_queries=0)

@@ -376,6 +376,9 @@ class OOD(Task):
                 skipped.append({"condition": c.name, **skip})
                 continue
             cells.append(self._cell(model, family, c, cfg))
+        if not cells or cells[0]["condition"] != TRAIN.name:  # every reading below is relative to it
+            raise ValueError(f"ood cannot score the training condition: {skipped[0]['reason']}; evaluate the model "
+                             f"on the task it was trained on, with its own prepared-data folder")
         cut = [s for s in skipped if s["cause"] == "min_accuracy"]
         if cut:
             log.info("ood: %d conditions not scored: %s", len(cut), cut[0]["reason"])
