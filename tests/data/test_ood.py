@@ -186,6 +186,9 @@ def test_conditions_scale_length_and_density():
         MQAR(num_keys=10).check_condition(Condition(density=2))
     with pytest.raises(ValueError, match="factor"):
         Condition(length=0)
+    for n, want in ((3, 5), (5, 8)):  # halves round up alike: 4.5 -> 5 and 7.5 -> 8
+        odd = MaxRetrieval(min_items=n, max_items=n).generate(rng, 4, Condition(density=1.5))
+        assert items(odd) == [want] * 4
 
 
 

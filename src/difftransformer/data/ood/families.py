@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,7 +71,8 @@ TRAIN = Condition()
 
 
 def _scaled(value: int, factor: float) -> int:
-    return max(1, int(round(value * factor)))
+    """A count times a condition's factor, halves rounded up (1.5x of 3 items is 5, of 5 is 8), at least 1."""
+    return max(1, math.floor(value * factor + 0.5))
 
 
 def _episodes(full: np.ndarray, role: np.ndarray, support: np.ndarray, answer_item: np.ndarray,
