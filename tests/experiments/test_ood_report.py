@@ -548,3 +548,18 @@ def test_each_arm_on_another_recipe_is_set_against_the_same_architecture_on_the_
     diff = _section(text, f"### `diff_lr` − each arm, {what}")
     assert "| `diff` | `length4x-density1x` | 3 | -0.1000 [-0.1000, -0.1000] |" in diff
     assert text.count(what) == 2  # not transformer_again (the same recipe), not the NoPE Transformer (no RoPE)
+
+
+def test_an_arm_whose_architecture_fails_on_the_first_recipe_says_the_recipe_is_not_measured():
+    """DIFF below the bar on every seed of lr 1e-3 and past it on lr 5e-4: no table, and a line that says why,
+    rather than silence or a difference against another architecture."""
+    ctx = _ctx({"diff": {s: (0.30, 0.10) for s in range(3)}, "diff_lr": {s: (1.0, 0.50) for s in range(3)},
+                "transformer": {s: (1.0, 0.40) for s in range(3)}})
+    _with_recipes(ctx, {"diff": ("diff", 4000), "diff_lr": ("diff", 4000), "transformer": ("transformer", 4000)})
+    for seed in range(3):
+        ctx.runs["diff_lr", seed].record["identity"]["train"]["lr"] = 5e-4
+    text = "\n".join(ood_section(ctx))
+    assert "what the recipe alone does)" not in text
+    assert ("What the recipe alone does to `diff_lr` is not measured: `diff`, the same architecture on the other "
+            "recipe, passed the in-distribution bar on none of its seeds.") in text
+    assert "to `transformer`" not in text and "to `diff`" not in text
