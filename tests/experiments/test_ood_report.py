@@ -560,6 +560,6 @@ def test_an_arm_whose_architecture_fails_on_the_first_recipe_says_the_recipe_is_
         ctx.runs["diff_lr", seed].record["identity"]["train"]["lr"] = 5e-4
     text = "\n".join(ood_section(ctx))
     assert "what the recipe alone does)" not in text
-    assert ("What the recipe alone does to `diff_lr` is not measured: `diff`, the same architecture on the other "
-            "recipe, passed the in-distribution bar on none of its seeds.") in text
+    assert ("What the recipe alone does to `diff_lr` is not measured: it and `diff`, the same architecture on the "
+            "other recipe, passed the in-distribution bar on no common seed.") in text
     assert "to `transformer`" not in text and "to `diff`" not in text

@@ -146,10 +146,10 @@ def _recipe_pairs(ctx, arms) -> list[tuple[str, str]]:
 
 
 def _unmeasured_recipe(arm: str, base: str) -> Lines:
-    """Why an arm on a recipe of its own has no table of what the recipe alone does: its architecture's arm on
-    the other recipe has no run past the bar on the seeds it has."""
-    return [f"What the recipe alone does to {code_span(arm)} is not measured: {code_span(base)}, the same "
-            "architecture on the other recipe, passed the in-distribution bar on none of its seeds.", ""]
+    """Why an arm on a recipe of its own has no table of what the recipe alone does: no seed on which both it
+    and its architecture's arm on the other recipe passed the bar (that arm failed on every seed, as a rule)."""
+    return [f"What the recipe alone does to {code_span(arm)} is not measured: it and {code_span(base)}, the same "
+            "architecture on the other recipe, passed the in-distribution bar on no common seed.", ""]
 
 
 def _differential(ctx, arms) -> list[str]:
