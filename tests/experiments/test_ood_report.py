@@ -563,3 +563,40 @@ def test_an_arm_whose_architecture_fails_on_the_first_recipe_says_the_recipe_is_
     assert ("What the recipe alone does to `diff_lr` is not measured: it and `diff`, the same architecture on the "
             "other recipe, passed the in-distribution bar on no common seed.") in text
     assert "to `transformer`" not in text and "to `diff`" not in text
+
+
+def _glance_rows(text):
+    """The verdicts-at-a-glance table: {comparison: [seeds, after Holm, before Holm only, at the farthest length]}."""
+    rows = [r for r in _section(text, "### Verdicts at a glance").splitlines() if r.startswith("| `")]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in r.split("|")[1:-1]] for r in rows)}
+
+
+def test_the_glance_table_has_one_row_per_comparison_on_a_common_recipe():
+    """DIFF on 6,000 steps against the Transformer on them (diffs +0.01, -0.01, +0.01 at 4x: no separation) and the
+    recipe alone (transformer_6k − transformer: +0.29, +0.31, +0.29, t = 44.5 on 2 df, the only test of its family);
+    DIFF against the 2,000-step Transformer mixes recipe and architecture, so it has no row."""
+    ctx = _ctx({"diff": {0: (1.0, 0.70), 1: (1.0, 0.72), 2: (1.0, 0.71)},
+                "transformer": {0: (1.0, 0.40), 1: (1.0, 0.42), 2: (1.0, 0.41)},
+                "transformer_6k": {0: (1.0, 0.69), 1: (1.0, 0.73), 2: (1.0, 0.70)}})
+    _with_recipes(ctx, {"diff": ("diff", 6000), "transformer": ("transformer", 2000),
+                        "transformer_6k": ("transformer", 6000)})
+    rows = _glance_rows("\n".join(ood_section(ctx)))
+    # 0.2967 +- t(0.975, 2) 4.303 * sd 0.01155 / sqrt(3)
+    assert rows["`transformer_6k` − `transformer` (the recipe alone)"] == [
+        "3", "higher at 4x length (+0.297)", "none", "4x length: +0.297 [+0.268, +0.325]"]
+    assert rows["`diff` − `transformer_6k`"][:3] == ["3", "none", "none"]
+    assert set(rows) == {"`diff` − `transformer_6k`", "`diff` − `transformer_6k` (both with adaptive temperature)",
+                         "`diff` − `transformer_6k` (the other with adaptive temperature)",
+                         "`transformer_6k` − `transformer` (the recipe alone)"}
+
+
+def test_the_glance_table_tells_a_separation_before_holm_and_one_without_a_test_from_one_after_it():
+    """The family of test_a_separation_among_several_tests_says_whether_it_survives_holm (p 0.035, Holm 0.070), and
+    one error more in 10,000 on every seed (a zero-width interval: no test)."""
+    ctx = _ctx({"diff": {0: (1.0, 0.700), 1: (1.0, 0.650), 2: (1.0, 0.675)},
+                "transformer": {0: (0.999, 0.600), 1: (1.0, 0.600), 2: (0.998, 0.600)}})
+    assert _glance_rows("\n".join(ood_section(ctx)))["`diff` − `transformer`"][1:3] == [
+        "none", "higher at 4x length (+0.075)"]
+    ctx = _ctx({"diff": {s: (1.0, 1.0) for s in range(3)}, "transformer": {s: (1.0, 0.9999) for s in range(3)}})
+    assert _glance_rows("\n".join(ood_section(ctx)))["`diff` − `transformer`"][1:3] == [
+        "none", "higher at 4x length (+1.0e-04)"]

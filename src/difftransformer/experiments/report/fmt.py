@@ -55,6 +55,23 @@ def direction(outcome: str, arm: str) -> str:
             "single seed": "one seed", "no data": "–"}.get(outcome, outcome)
 
 
+def holm_separations(cmps: list[PairedComparison]) -> list[tuple[float | None, str]]:
+    """(Holm-adjusted p, separation) for each comparison of one family (one arm pair's conditions). separation:
+    "after Holm" where the interval excludes 0 and the adjusted p is below the interval's level (0.05 for 95%),
+    "not after Holm" where the interval excludes 0 but the adjusted p is not, "no test" where it excludes 0 with
+    zero width (every seed the same difference, so no p), "none" where it holds 0 or there is no interval."""
+    out = []
+    for cmp, adj in zip(cmps, holm([c.p for c in cmps])):
+        level = 1 - cmp.interval.confidence if cmp.interval else 0.05
+        if cmp.outcome not in ("better", "worse"):
+            out.append((adj, "none"))
+        elif cmp.p is None:
+            out.append((adj, "no test"))
+        else:
+            out.append((adj, "after Holm" if adj < level else "not after Holm"))
+    return out
+
+
 def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str]]:
     """(Holm-adjusted p, reading) for each comparison of one family (one arm pair's rows of a table).
 
@@ -63,15 +80,14 @@ def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str
     interval in twenty excludes 0 by chance, and this one is not clear of that. Where every seed gives the same
     difference (an interval of zero width, e.g. one error more on a shared test set), it says so: no test
     stands behind that separation."""
-    adjusted = holm([c.p for c in cmps])
-    m = sum(p is not None for p in adjusted)
+    separations = holm_separations(cmps)
+    m = sum(adj is not None for adj, _ in separations)
     out = []
-    for cmp, adj in zip(cmps, adjusted):
+    for cmp, (adj, separation) in zip(cmps, separations):
         reading = direction(cmp.outcome, arm)
-        level = 1 - cmp.interval.confidence if cmp.interval else 0.05
-        if cmp.outcome in ("better", "worse") and adj is not None and adj >= level:
+        if separation == "not after Holm":
             reading += f" (not after Holm over {m})"
-        elif cmp.outcome in ("better", "worse") and cmp.p is None:
+        elif separation == "no test":
             reading += " (the same difference on every seed: a zero-width interval, no test)"
         out.append((fmt_p(adj), reading))
     return out

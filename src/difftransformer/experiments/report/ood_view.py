@@ -7,7 +7,8 @@ supports (and each other differential arm − each arm with one softmax map); th
 inference (both arms with it, and DIFF as trained against each arm with it: the control without subtraction); each
 differential arm without position encoding (NoPE) − the Transformer without it; each control with one softmax map
 (gated, scalable softmax, head norm) − the Transformer on its recipe; each arm on another recipe − the arm of its
-architecture named after it (what the recipe alone does); where each model's retrieving head attends
+architecture named after it (what the recipe alone does); above them, one row per comparison on a common recipe with
+the conditions that separate after Holm and before it (verdicts at a glance); where each model's retrieving head attends
 (chosen once at the training distribution, read as shares of its positive weight on the target, on distractors +
 filler, and its negative weight; for a differential arm, per seed, where that head's two maps A1 and A2 each put
 their mass). A run below the in-distribution bar (< 99% accuracy at the training condition) has not learned the
@@ -24,7 +25,15 @@ from typing import Any
 
 from difftransformer._io import atomic_path
 from difftransformer.eval.probes.ood import MASSES, head_shares, map_masses, retrieving_head, wilson_interval
-from difftransformer.experiments.report.fmt import Lines, code_span, fmt_ci, fmt_p, holm_readings, table
+from difftransformer.experiments.report.fmt import (
+    Lines,
+    code_span,
+    fmt_ci,
+    fmt_p,
+    holm_readings,
+    holm_separations,
+    table,
+)
 from difftransformer.experiments.stats import compare_paired, t_interval
 from difftransformer.model import ATTENTION_KINDS
 
@@ -192,44 +201,98 @@ def ood_section(ctx, out_dir: Path | None = None) -> Lines:
     if not arms:
         return L
     conditions = kept
-    L += _summary(ctx, arms, cells, conditions)
+    verdicts: list[list[str]] = []
+    comparisons = _comparisons(ctx, arms, listed, cells, conditions, verdicts)
+    L += _summary(ctx, arms, cells, conditions) + _glance(verdicts)
     L += _table("Accuracy", arms, cells, conditions, _accuracy, 4)
     L += _errors(arms, cells, conditions)
     if any(_values(cells[a], c, _adaptive) for a in arms for c in conditions):
         L += _table("Accuracy with adaptive temperature at inference", arms, cells, conditions, _adaptive, 4)
-    ref = _reference_arm(ctx, arms)
-    if ref in arms and len(ctx.seeds) > 1:
-        L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy")
-        if any(_values(cells[ref], c, _adaptive) for c in conditions):
-            L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
-                              "(both arms)")
-            L += _differences(ctx, ref, arms, cells, conditions, _accuracy,
-                              f"accuracy: {code_span(ref)} as trained against each arm with adaptive temperature at "
-                              "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive)
-        differential = _differential(ctx, arms)
-        single = [a for a in arms if a not in differential]
-        for other in (a for a in differential if a != ref and not _unencoded(ctx, a)):
-            L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
-                              "accuracy (each arm with a single softmax map)")
-        for control in _controls(ctx, arms):
-            base = _matched_transformer(ctx, control, arms)
-            if base and _recipe(ctx, base) == _recipe(ctx, control):  # another recipe's would mix the two
-                L += _differences(ctx, control, [base], cells, conditions, _accuracy,
-                                  "accuracy (a control against the Transformer on its recipe: what it does "
-                                  "without a subtraction)")
-    for arm, base in _nope_pairs(ctx, arms) if len(ctx.seeds) > 1 else ():
-        L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding")
-    for arm, base in _recipe_pairs(ctx, listed) if len(ctx.seeds) > 1 else ():
-        if arm in arms:  # an arm below the bar on every seed has no differences of its own
-            L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
-                              "accuracy (the same architecture on another recipe: what the recipe alone does)",
-                              same_architecture=True) or _unmeasured_recipe(arm, base)
+    L += comparisons
     L += _mechanism(arms, cells, conditions)
     L += _two_maps(_differential(ctx, arms), cells, conditions)
     if out_dir is not None and _plot(arms, cells, conditions, Path(out_dir) / PLOT_FILE):
         L += [f"![accuracy and target share against the length and density factors]({PLOT_FILE})", ""]
     return L
 
+
+def _comparisons(ctx, arms, listed, cells, conditions, verdicts: list[list[str]]) -> Lines:
+    """The paired-difference tables: the reference arm − each arm (as trained, both with adaptive temperature, and
+    as trained against each with it), each other differential arm − each one-map arm, each control − its
+    Transformer, each NoPE differential arm − the NoPE Transformer, each arm − its architecture on another recipe.
+    Each comparison on a common recipe also adds its row to `verdicts` (`_glance`)."""
+    L: Lines = []
+    if len(ctx.seeds) < 2:
+        return L
+    ref = _reference_arm(ctx, arms)
+    if ref in arms:
+        L += _differences(ctx, ref, arms, cells, conditions, _accuracy, "accuracy", verdicts=verdicts)
+        if any(_values(cells[ref], c, _adaptive) for c in conditions):
+            L += _differences(ctx, ref, arms, cells, conditions, _adaptive, "accuracy with adaptive temperature "
+                              "(both arms)", verdicts=verdicts, glance="both with adaptive temperature")
+            L += _differences(ctx, ref, arms, cells, conditions, _accuracy,
+                              f"accuracy: {code_span(ref)} as trained against each arm with adaptive temperature at "
+                              "inference (the dispersion fix without subtraction as a control)", read_other=_adaptive,
+                              verdicts=verdicts, glance="the other with adaptive temperature")
+        differential = _differential(ctx, arms)
+        single = [a for a in arms if a not in differential]
+        for other in (a for a in differential if a != ref and not _unencoded(ctx, a)):
+            L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
+                              "accuracy (each arm with a single softmax map)", verdicts=verdicts)
+        for control in _controls(ctx, arms):
+            base = _matched_transformer(ctx, control, arms)
+            if base and _recipe(ctx, base) == _recipe(ctx, control):  # another recipe's would mix the two
+                L += _differences(ctx, control, [base], cells, conditions, _accuracy,
+                                  "accuracy (a control against the Transformer on its recipe: what it does "
+                                  "without a subtraction)", verdicts=verdicts)
+    for arm, base in _nope_pairs(ctx, arms):
+        L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding",
+                          verdicts=verdicts, glance="both without position encoding")
+    for arm, base in _recipe_pairs(ctx, listed):
+        if arm in arms:  # an arm below the bar on every seed has no differences of its own
+            L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
+                              "accuracy (the same architecture on another recipe: what the recipe alone does)",
+                              same_architecture=True, verdicts=verdicts, glance="the recipe alone") \
+                or _unmeasured_recipe(arm, base)
+    return L
+
+
+def _glance(verdicts: list[list[str]]) -> Lines:
+    """One row per comparison on a common recipe: where it separates after Holm, where before Holm only, and the
+    difference at the farthest length; the tables further down give every condition."""
+    if not verdicts:
+        return []
+    return ["### Verdicts at a glance", "",
+            "Each comparison of two arms on a common recipe (the same training settings and position encoding; "
+            "\"the recipe alone\": one architecture on two recipes), paired by seed, in accuracy: the conditions "
+            "where the 95% interval of the differences excludes 0 after Holm's adjustment over the pair's "
+            "conditions (1x: the training condition), those where it does before the adjustment only (or with zero "
+            "width: the same difference on every seed, no test), and the difference at the farthest length. \"The "
+            "other with adaptive temperature\": the first arm as trained against the second with adaptive "
+            "temperature at inference. The tables below give every condition.", ""] \
+        + table(["comparison", "seeds", "separates after Holm", "before Holm only", "Δ at the farthest length"],
+                verdicts) + [""]
+
+
+def _condition_label(condition: str) -> str:
+    """"1x" (the training condition), "16x length", "2x density", "2x length 2x density"."""
+    factors = [(_factor(condition, axis), axis) for axis in ("length", "density")]
+    return " ".join(f"{f:g}x {axis}" for f, axis in factors if f != 1.0) or "1x"
+
+
+def _separations(kept) -> tuple[str, str]:
+    """(after Holm, before Holm only) over one arm pair's (condition, comparison)s: "higher at 8x length (+0.120);
+    lower at ..." or "none". A zero-width interval (no test) counts as before Holm only."""
+    def say(pairs) -> str:
+        by_sign: dict[str, list[str]] = {}
+        for c, cmp in pairs:
+            mean = sum(cmp.diffs) / cmp.n
+            shown = f"{mean:+.3f}" if abs(mean) >= 5e-4 else f"{mean:+.1e}"
+            by_sign.setdefault("higher" if mean > 0 else "lower", []).append(f"{_condition_label(c)} ({shown})")
+        return "; ".join(f"{sign} at " + ", ".join(items) for sign, items in by_sign.items()) or "none"
+    separations = [s for _, s in holm_separations([cmp for _, cmp in kept])]
+    return (say(kc for kc, s in zip(kept, separations) if s == "after Holm"),
+            say(kc for kc, s in zip(kept, separations) if s in ("not after Holm", "no test")))
 
 def _mechanism(arms, cells, conditions) -> Lines:
     """Where the retrieving head's attention goes, per condition: its share on the target, on the noise, and
@@ -444,10 +507,12 @@ def _rates(rate: float, low: float, high: float) -> str:
 
 
 def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_other=None,
-                 same_architecture: bool = False) -> Lines:
+                 same_architecture: bool = False, verdicts: list[list[str]] | None = None,
+                 glance: str = "") -> Lines:
     """ref − each other arm per condition, paired by seed: `read` of ref against `read_other` (default `read`)
     of the other arm. Each arm pair's conditions are one family for the Holm-adjusted p. `same_architecture`:
-    the arms differ in their recipe alone, so an arm on other settings is not marked as mixing the two."""
+    the arms differ in their recipe alone, so an arm on other settings is not marked as mixing the two. Each pair
+    on a common recipe appends its row (named with `glance`, if any) to `verdicts`, once per pair and glance."""
     rows = []
     for other in (a for a in arms if a != ref):
         cmps = [compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
@@ -458,6 +523,8 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
         for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
             rows.append([name, code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
                          fmt_p(cmp.p), adjusted, reading])
+        if verdicts is not None and kept and not mixed:
+            _add_verdict(verdicts, ref, other, glance, conditions, kept)
     if not rows:
         return []
     recipes = "" if same_architecture else (
@@ -468,6 +535,19 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
             "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "
             "may be one of the chance results expected among that many tests." + recipes, ""] \
         + table(["other arm", "condition", "seeds", "Δ [95% interval]", "p", "Holm p", "reading"], rows) + [""]
+
+
+def _add_verdict(verdicts: list[list[str]], ref: str, other: str, glance: str, conditions, kept) -> None:
+    """Appends ref − other's row for `_glance`, unless that pair (either way round) already has one with this
+    glance."""
+    name = f"{code_span(ref)} − {code_span(other)}" + (f" ({glance})" if glance else "")
+    twin = f"{code_span(other)} − {code_span(ref)}" + (f" ({glance})" if glance else "")
+    if any(row[0] in (name, twin) for row in verdicts):
+        return
+    farthest = _farthest(conditions, "length")
+    at_far = next((cmp for c, cmp in kept if c == farthest), None)
+    far = "–" if at_far is None else f"{_condition_label(farthest)}: {fmt_ci(list(at_far.diffs), 3, signed=True)}"
+    verdicts.append([name, str(max(cmp.n for _, cmp in kept)), *_separations(kept), far])
 
 
 def curves(arms, cells, conditions, axis: str, read) -> dict[str, list[tuple[float, float, float, float]]]:
