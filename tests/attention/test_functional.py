@@ -35,9 +35,11 @@ def test_ssmax_reference_with_s_log_n_one_is_ordinary_attention():
     assert not torch.allclose(out[:, :, 4], expected[:, :, 4])  # query 4 reads 5 keys: s log 5 != 1
 
 
-@pytest.mark.parametrize("T,S,causal", [(1, 1, True), (6, 6, True), (3, 10, True), (1, 7, True), (5, 5, False)])
+@pytest.mark.parametrize("T,S,causal", [(1, 1, True), (6, 6, True), (3, 10, True), (1, 7, True), (5, 5, False),
+                                        (4, 2, True), (6, 3, True), (4, 2, False)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_attended_key_counts_count_the_visible_keys(T, S, causal, padded):
+    """Fewer keys than queries included: the queries before key 0 (bottom-right alignment) see none."""
     mask = padding_mask(3, S, seed=T + S) if padded else None
     if padded:
         mask[1, S // 2] = False  # a hole, not only left padding
@@ -102,6 +104,41 @@ def test_low_precision_inputs(backend, dtype):
     assert rel_err(out, ref) <= 2e-2
     out.float().pow(2).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_near_cancelling_maps_in_bf16_lose_only_what_the_module_doc_says(backend):
+    """Two nearly equal maps and λ = 0.95: the output is about 1/20 of each term. Subtracting in fp32 before
+    rounding (eager, cpp) leaves each element within bf16's rounding of the output itself, u |out| (u = 2^-8);
+    sdpa rounds each map's probabilities and A_c V to bf16 first, so its error is bounded by the terms',
+    u |out| + 2u (A1 |V| + λ A2 |V|), and not by the output's: the bound functional.py's module doc states."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 1, 48, 16, generator=g).expand(2, 4, 2, 48, 16).reshape(2, 8, 48, 16)
+    k = torch.randn(2, 2, 1, 48, 16, generator=g).expand(2, 2, 2, 48, 16).reshape(2, 4, 48, 16)
+    q = (q + 0.02 * torch.randn(q.shape, generator=g)).bfloat16()  # component 2 a little off component 1
+    k = (k + 0.02 * torch.randn(k.shape, generator=g)).bfloat16()
+    v = torch.randn(2, 2, 48, 32, generator=g).bfloat16()
+    out = differential_attention(q, k, v, torch.tensor(0.95), backend=backend).double()
+    ref = diff_attention_reference(q, k, v, 0.95)  # the same rounded inputs, in float64
+    swapped = [1, 0, 3, 2, 5, 4, 7, 6]  # A2 as the first map of the swapped components
+    terms = (diff_attention_reference(q, k, v.abs(), 0.0)
+             + 0.95 * diff_attention_reference(q[:, swapped], k[:, [1, 0, 3, 2]], v.abs(), 0.0))  # A1|V| + λ A2|V|
+    err, u = (out - ref).abs(), 2.0 ** -8
+    subtracted_first = (err <= u * ref.abs() + 2.0 ** -16 * terms).all()
+    assert subtracted_first if backend != "sdpa" else (err <= u * ref.abs() + 2 * u * terms).all()
+    if backend == "sdpa":  # the terms' bound is needed: the output's own rounding does not cover sdpa's error
+        assert not subtracted_first
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_floating_dtypes_compute_in_the_query_dtype(backend):
+    """k and v in float64 beside fp32 queries: every backend computes in q's dtype (k and v cast first)."""
+    q, k, v = random_inputs(2, 2, 1, 9, 9, 8, seed=13)
+    out = differential_attention(q, k.double(), v.double(), torch.tensor(0.5), backend=backend)
+    assert out.dtype == torch.float32 and rel_err(out, diff_attention_reference(q, k, v, 0.5)) <= 1e-5
+    qo, ko, vo = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    out = multihead_attention(qo, ko.double(), vo.double(), backend=backend)
+    assert out.dtype == torch.float32 and rel_err(out, mha_reference(qo, ko, vo)) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

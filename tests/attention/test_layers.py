@@ -151,6 +151,7 @@ def test_v2_layer_matches_reference(backend, H, H_kv):
     pos = list(range(T))
     q, k = rope_reference(q, pos), rope_reference(k, pos)
     group = 2 * H // H_kv
+    assert layer.n_rep == group  # the query heads per kv head of its one attention call
     outs = []
     for i in range(H):  # pair (2i, 2i+1) must read the same kv head
         assert (2 * i) // group == (2 * i + 1) // group

@@ -1,13 +1,19 @@
 """The one definition of differential attention, and interchangeable backends for it.
 
 Everything the layers compute goes through `differential_attention` (V1) or
-`multihead_attention` (ordinary attention, used by the baseline and by DIFF V2). Which implementation
+`multihead_attention` (ordinary attention, used by the baseline and by DIFF V2, whose pairing of its
+heads' outputs is `paired_difference`). Which implementation
 runs is decided in `backends.py` (eager, sdpa, cpp, triton, and the one 'auto' rule); a decoding step
 on the CPU may go straight to the fused kernel's decode function, as `decode.py` decides; this module
 holds the math, the checks, the masking rules and the eager and SDPA paths.
 
 Precision: maps and the difference A1 - lam*A2 are computed in `compute_dtype` (fp32 for fp32 and
-half-precision inputs, float64 for float64), and the output is returned in q's dtype.
+half-precision inputs, float64 for float64), and the output is returned in q's dtype. The sdpa backend is
+the exception: SDPA returns each map's A_c V in q's dtype, so with fp16/bf16 inputs the two terms are
+rounded to it (and each map's probabilities before their product with V) before A1 V - lam * A2 V is taken
+in fp32, as in the authors' FlashAttention path. Where the two terms nearly cancel, the difference then
+carries their rounding, up to u |out| + 2u (A1 |V| + |lam| A2 |V|), not only the output's own u |out|
+(u = 2^-8 in bf16, 2^-11 in fp16); eager, cpp and triton subtract before rounding.
 
 Layout used everywhere (B batch, h DIFF heads, h_kv kv groups, T queries, S keys, d comp. dim):
     q: (B, 2h, T, d)      component c of head i at index 2i + c ("striped")
@@ -32,7 +38,7 @@ Query hooks: a probe that only rescales or replaces the queries (a temperature p
 adaptive temperature at inference) does it through `query_hook`, which keeps every backend, fused
 kernels included. It is called once per call, before any backend runs, as `hook(q, k, scale, visible)`
 with
-    q        the queries as given (layout below), after position encoding and any query scaling
+    q        the queries as given (layout above), after position encoding and any query scaling
     k        the keys expanded to q's heads: query head j reads key head j (GQA repeated; for
              differential attention component c of head i reads component c of its kv group)
     visible  as for score hooks, broadcastable to (B, heads of q, T, S); None if all may
@@ -58,11 +64,12 @@ QueryHook = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
 
 
 class AttentionMaps(NamedTuple):
-    """Maps returned by the eager backend for analysis, each (B, h, T, S) in the compute dtype (fp32 or float64)."""
+    """Maps returned by the eager backend for analysis, each (B, h, T, S) in the compute dtype (fp32 or float64).
+    A layer with one softmax map (the baseline and its controls) returns (A, A, None)."""
 
     diff: torch.Tensor  # A1 - lam * A2
     a1: torch.Tensor
-    a2: torch.Tensor
+    a2: torch.Tensor | None
 
 
 def lambda_init_fn(depth: int) -> float:
@@ -100,18 +107,18 @@ def _may_have_empty_rows(T: int, S: int, key_padding_mask) -> bool:
 def attended_key_counts(T: int, S: int, *, causal: bool = True, key_padding_mask=None,
                         device=None) -> torch.Tensor:
     """n: how many keys each of T queries reads among S keys, by the masking rule of every backend (query t
-    at absolute index t + S - T; causal, it reads keys 0 .. t + S - T), int64: (T,) without key padding,
-    (B, T) with a (B, S) key_padding_mask, which counts only the visible keys. Scalable softmax's n."""
+    at absolute index t + S - T; causal, it reads keys 0 .. t + S - T, none when that is negative), int64:
+    (T,) without key padding, (B, T) with a (B, S) key_padding_mask, which counts only the visible keys.
+    Scalable softmax's n."""
     if key_padding_mask is None:
         first = S - T + 1 if causal else S
-        return torch.arange(first, first + T, device=device).clamp_max(S)
-    if key_padding_mask.dim() != 2 or key_padding_mask.shape[1] != S:
-        raise ValueError(f"key_padding_mask must have shape (batch, key_len={S}), got {tuple(key_padding_mask.shape)}; "
-                         f"it marks keys to keep with True/1, including any cached keys")
+        return torch.arange(first, first + T, device=device).clamp(0, S)
+    _check_key_padding_mask(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0, S)
     keep = key_padding_mask.to(device=device, dtype=torch.bool).long()
     if not causal:
         return keep.sum(-1, keepdim=True).expand(-1, T)
-    return keep.cumsum(-1)[:, S - T:]
+    seen = F.pad(keep.cumsum(-1), (max(T - S, 0), 0))  # the queries before key 0 (S < T) see none
+    return seen[:, seen.shape[1] - T:]
 
 
 def _check_key_padding_mask(key_padding_mask, B: int, S: int) -> None:
@@ -126,7 +133,7 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
 
     The backend is chosen from q alone, and the fused CPU kernel reads k's, v's and the mask's memory as
     CPU data whatever device holds it; integer tensors would fail deep inside a backend. Mixed floating
-    dtypes stay allowed (the backends compute in q's)."""
+    dtypes stay allowed: the callers cast k and v to q's dtype (`_in_query_dtype`) before any backend."""
     mask_elsewhere = key_padding_mask is not None and key_padding_mask.device != q.device
     if mask_elsewhere or not ((q.is_cpu and k.is_cpu and v.is_cpu) or q.device == k.device == v.device):
         names, tensors = ("q, k, v", (q, k, v)) if not mask_elsewhere else (
@@ -136,6 +143,18 @@ def _check_operands(q, k, v, key_padding_mask) -> None:
     if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
         raise TypeError(f"q, k, v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}; "
                         f"convert them with .float() (or .to(torch.bfloat16), ...)")
+
+
+def _in_query_dtype(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v in q's dtype (no copy when they already are): every backend then computes in q's."""
+    return (k if k.dtype == q.dtype else k.to(q.dtype)), (v if v.dtype == q.dtype else v.to(q.dtype))
+
+
+def _keys_per_head(k: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Differential keys (B, 2h_kv, S, d) as (B, h, 2, S, d): component c of head i is component c of its kv
+    group i // n_rep (GQA repeated)."""
+    B, two_h_kv, S, d = k.shape
+    return k.view(B, two_h_kv // 2, 2, S, d).repeat_interleave(n_rep, dim=1)
 
 
 def _check_diff_shapes(q, k, v, lam) -> None:
@@ -181,6 +200,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
     triton backends can fuse it into their kernels.
     """
     _check_operands(q, k, v, key_padding_mask)
+    k, v = _in_query_dtype(q, k, v)
     _check_diff_shapes(q, k, v, lam)
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
@@ -188,8 +208,7 @@ def differential_attention(q, k, v, lam, *, causal: bool = True, key_padding_mas
         _check_out_norm(out_norm, q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if query_hook is not None:
-        h, n_rep = q.shape[1] // 2, q.shape[1] // k.shape[1]
-        keys = k.unflatten(1, (-1, 2)).repeat_interleave(n_rep, dim=1).reshape(k.shape[0], 2 * h, *k.shape[2:])
+        keys = _keys_per_head(k, q.shape[1] // k.shape[1]).flatten(1, 2)  # (B, 2h, S, d), q's heads
         q = _apply_query_hook(query_hook, q, keys, scale, causal, key_padding_mask)
     need_maps = return_maps or score_hook is not None
     if not need_maps and key_padding_mask is None:  # a decoding step may go straight to the CPU kernel
@@ -282,7 +301,7 @@ def _diff_eager(q, k, v, lam, causal, key_padding_mask, scale, score_hook=None):
     n_rep = h // h_kv
     f = lam.dtype  # compute_dtype(q): differential_attention has cast λ to it
     qc = q.to(f).view(B, h, 2, T, d)
-    kc = k.to(f).view(B, h_kv, 2, S, d).repeat_interleave(n_rep, dim=1)  # (B, h, 2, S, d)
+    kc = _keys_per_head(k.to(f), n_rep)  # (B, h, 2, S, d)
     vc = v.to(f).repeat_interleave(n_rep, dim=1)  # (B, h, S, 2d)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, h, 2, T, S)
     mask = _visibility(T, S, causal, key_padding_mask, q.device)
@@ -337,9 +356,14 @@ def _diff_sdpa(q, k, v, lam, causal, key_padding_mask, scale):
     vc = v.unsqueeze(1).expand(B, 2, h_kv, S, 2 * d).reshape(B, 2 * h_kv, S, 2 * d)
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     o = _sdpa(qc, kc, vc, mask, causal, scale, gqa=h != h_kv).view(B, 2, h, T, 2 * d)
-    if o.dtype == lam.dtype:
-        return torch.addcmul(o[:, 0], o[:, 1], lam, value=-1.0)  # o1 - lam * o2 in one pass
-    return (o[:, 0].to(lam.dtype) - lam * o[:, 1].to(lam.dtype)).to(q.dtype)
+    return _combine(o[:, 0], o[:, 1], lam)
+
+
+def _combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """o1 - lam * o2 in lam's dtype (the compute dtype), in one pass, returned in o1's."""
+    if o1.dtype == lam.dtype:
+        return torch.addcmul(o1, o2, lam, value=-1.0)
+    return torch.addcmul(o1.to(lam.dtype), o2.to(lam.dtype), lam, value=-1.0).to(o1.dtype)
 
 
 def _diff_sdpa_row(q, k, v, lam, key_padding_mask, scale, gqa: bool):
@@ -349,10 +373,7 @@ def _diff_sdpa_row(q, k, v, lam, key_padding_mask, scale, gqa: bool):
     mask, empty_rows = _with_empty_rows_open(_visibility(1, k.shape[2], True, key_padding_mask, q.device))
     o1, o2 = (F.scaled_dot_product_attention(q[:, c::2], k[:, c::2], v, attn_mask=mask, scale=scale, enable_gqa=gqa)
               for c in (0, 1))
-    if o1.dtype == lam.dtype:
-        out = torch.addcmul(o1, o2, lam, value=-1.0)
-    else:
-        out = torch.addcmul(o1.to(lam.dtype), o2.to(lam.dtype), lam, value=-1.0).to(q.dtype)
+    out = _combine(o1, o2, lam)
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
 
 
@@ -364,6 +385,7 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     Returns (B, H, T, d_v), and the (B, H, T, S) softmax map when `return_maps`; score_hook, query_hook:
     see the module doc (maps = 1; a score hook runs the eager backend, a query hook any)."""
     _check_operands(q, k, v, key_padding_mask)
+    k, v = _in_query_dtype(q, k, v)
     qs, ks, vs = q.shape, k.shape, v.shape
     if (len(qs) != 4 or len(ks) != 4 or vs[:-1] != ks[:-1] or ks[0] != qs[0] or ks[3] != qs[3]
             or qs[1] % ks[1]):
@@ -398,3 +420,18 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
         return flash_attention_cpu(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
     mask = _visibility(T, S, causal, key_padding_mask, q.device) if key_padding_mask is not None else None
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)
+
+
+def paired_difference(attn: torch.Tensor, lam: torch.Tensor, probs: torch.Tensor | None = None):
+    """DIFF V2's combination of one ordinary attention call over 2H heads, adjacent heads paired:
+    out_i = attn_{2i} - lam_i * attn_{2i+1}, computed in `compute_dtype` and returned in attn's dtype.
+
+    attn (B, 2H, T, d) and lam (B, H, T, 1) (per token and head: sigmoid(lambda_proj(x))). With the call's
+    softmax maps probs (B, 2H, T, S), also returns `AttentionMaps` (A_{2i} - lam_i A_{2i+1}, A_{2i}, A_{2i+1})."""
+    f = compute_dtype(attn)
+    lam = lam.to(f)
+    out = (attn[:, 0::2].to(f) - lam * attn[:, 1::2].to(f)).to(attn.dtype)
+    if probs is None:
+        return out
+    a1, a2 = probs[:, 0::2], probs[:, 1::2]
+    return out, AttentionMaps(a1 - lam * a2, a1, a2)

@@ -37,6 +37,7 @@ from difftransformer.attention.functional import (
     differential_attention,
     lambda_init_fn,
     multihead_attention,
+    paired_difference,
     reparameterized_lambda,
 )
 from difftransformer.attention.rope import RotaryEmbedding, check_position_encoding
@@ -125,8 +126,8 @@ class _SelfAttention(nn.Module):
 
     def _project(self, x, position_ids, kv_cache, q_heads, kv_heads, q_dim, v_dim, outputs_to_keep: int = 0):
         """q (B, q_heads, Tq, q_dim) and k (B, kv_heads, S, q_dim) after RoPE (as projected without it), v
-        (B, kv_v_heads, S, v_dim). Tq = T, or `outputs_to_keep` (> 0): queries of x's last positions only;
-        the keys and values (and the KV cache's update) still come from every position."""
+        (B, v_proj's width // v_dim, S, v_dim). Tq = T, or `outputs_to_keep` (> 0): queries of x's last positions
+        only; the keys and values (and the KV cache's update) still come from every position."""
         B, T, _ = x.shape
         positions, start = self._positions(x, position_ids, kv_cache)  # checked with or without RoPE
         xq = _last_positions(x, outputs_to_keep)
@@ -148,9 +149,14 @@ class MultiheadDiffAttention(_SelfAttention):
     The λ vectors are stored in at least fp32 whatever `dtype` is (as in the authors' code), and λ
     is computed in `compute_dtype` of them: fp32 in a half-precision layer, float64 in a float64 one.
 
-    num_heads: DIFF heads h (half the matched Transformer's); head_dim d = embed_dim // h // 2.
+    num_heads: DIFF heads h (half the matched Transformer's); num_kv_heads: kv groups h_kv (GQA; None: h).
+    head_dim: d, each component's width; None: embed_dim // h // 2 (given by a retrofitted model).
     lambda_init: a constant (ablations use 0.8 or 0.5); None uses 0.8 - 0.6 exp(-0.3 depth).
-    head_norm: the head-wise RMSNorm over 2d with one shared weight (False only for ablation).
+    head_norm: the head-wise RMSNorm over 2d with one shared weight (False only for ablation). Without it
+    the output is still scaled by (1 - lambda_init), so the ablation removes the norm alone.
+    head_norm_ramp: blend the head norm in as o + α (norm(o) - o), α a buffer the trainer raises from 0 to 1
+    (`diff_retrofit`: a converted model computes its source's function at α = 0).
+    position_encoding: "rope" or "none" (NoPE); max_seq_len: the longest past + new length accepted, or None.
     deterministic: False lets the fused Triton backend compute dQ with atomics in one backward pass
     (see `diff_flash_attention`); the other backends are unaffected.
     """
@@ -171,7 +177,8 @@ class MultiheadDiffAttention(_SelfAttention):
             head_dim = embed_dim // num_heads // 2
         if head_dim <= 0 or head_dim % 2:
             raise ValueError(f"head_dim = {head_dim} (embed_dim // num_heads // 2 unless given) must be a positive "
-                             f"even number for RoPE; change embed_dim, num_heads or head_dim")
+                             f"even number (RoPE rotates pairs of features; odd widths are not supported without "
+                             f"RoPE either); change embed_dim, num_heads or head_dim")
         if head_norm_ramp and not head_norm:
             raise ValueError("head_norm_ramp=True blends the head norm in, so it needs head_norm=True")
         d = head_dim
@@ -364,8 +371,9 @@ class MultiheadAttention(_SelfAttention):
 class MultiheadDiffAttentionV2(_SelfAttention):
     """DIFF V2: 2H query heads in one ordinary attention call, adjacent heads paired.
 
-    out_i = attn_{2i} - sigmoid(lambda_proj(x))_i * attn_{2i+1}, a lambda per token and head.
-    Both heads of a pair sit in the same GQA group, so K/V (and the KV cache) match the baseline.
+    out_i = attn_{2i} - sigmoid(lambda_proj(x))_i * attn_{2i+1}, a lambda per token and head
+    (`paired_difference`). Both heads of a pair sit in the same GQA group (the call's 2H / H_kv query heads
+    per kv head is even), so K/V (and the KV cache) match the baseline.
     """
 
     def __init__(self, embed_dim: int, depth: int, num_heads: int, num_kv_heads: int | None = None, *,
@@ -376,9 +384,11 @@ class MultiheadDiffAttentionV2(_SelfAttention):
             if embed_dim % num_heads:
                 raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
             head_dim = embed_dim // num_heads
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even number (RoPE rotates pairs of features; odd widths "
+                             f"are not supported without RoPE either), got {head_dim}")
         E, H, d = embed_dim, num_heads, head_dim
+        self.n_rep = 2 * H // self.num_kv_heads  # query heads per kv head in the one attention call
         self.head_dim, self.scaling = d, d ** -0.5
         self._make_projections(2 * H * d, self.num_kv_heads * d, H * d, "o_proj", device, dtype)
         self.lambda_proj = nn.Linear(E, H, bias=False, device=device, dtype=dtype)
@@ -396,11 +406,7 @@ class MultiheadDiffAttentionV2(_SelfAttention):
                                   backend=self.backend, return_maps=return_attention, score_hook=self.score_hook,
                                   query_hook=self.query_hook)
         attn, probs = res if return_attention else (res, None)
-        f = compute_dtype(attn)
-        lam = torch.sigmoid(self.lambda_proj(x).to(f)).transpose(1, 2)[..., None]  # (B, H, T, 1)
-        o = (attn[:, 0::2].to(f) - lam * attn[:, 1::2].to(f)).to(attn.dtype)
+        lam = torch.sigmoid(self.lambda_proj(x).to(compute_dtype(attn))).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        o, maps = paired_difference(attn, lam, probs) if return_attention else (paired_difference(attn, lam), None)
         out = self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
-        if not return_attention:
-            return out
-        a1, a2 = probs[:, 0::2], probs[:, 1::2]
-        return out, AttentionMaps(a1 - lam * a2, a1, a2)
+        return (out, maps) if return_attention else out

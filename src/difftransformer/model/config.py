@@ -3,8 +3,9 @@
 `num_attention_heads` always counts the heads *of the configured attention kind* (see kinds.py):
 - kinds with `diff_heads` (diff, diff_no_headnorm): DIFF heads h, half the matched Transformer's;
   diff_retrofit counts DIFF heads too, but a retrofitted Llama keeps its own heads (convert/llama_retrofit.py);
-- the others (transformer, transformer_headnorm, transformer_gated, diff_v2): ordinary heads H, the
-  baseline's own count (transformer_gated adds hidden_size * H gate weights per layer, see kinds.py).
+- the others (transformer, transformer_headnorm, transformer_gated, transformer_ssmax, diff_v2): ordinary
+  heads H, the baseline's own count (transformer_gated adds hidden_size * H gate weights per layer,
+  transformer_ssmax H scales, see kinds.py).
 `config.matched("transformer")` / `config.matched("diff")` convert between the two so that a
 DIFF model and its baseline have the same width, depth, FFN and head_dim, and parameter counts
 that differ only by 6 * head_dim per layer (lambda vectors and head-norm weight).
@@ -116,7 +117,8 @@ class DiffTransformerConfig:
                              f"{'2 * ' if self.kind.diff_heads else ''}num_attention_heads ({split}) "
                              f"for attention={self.attention!r}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+            raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs of features; odd widths are "
+                             f"not supported without RoPE either); change hidden_size or num_attention_heads")
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"unknown attn_backend {self.attn_backend!r}; choose one of {BACKENDS}")
         if self.attn_backend == "triton" and not self.kind.fused_kernel:

@@ -1,6 +1,6 @@
 """The one table of attention kinds: what each kind is, read by modeling, configs, the trainer and reports.
 
-A kind answers four questions, and everything else is derived from the answers:
+A kind answers four questions (the table), and three features belong to one kind each (below it):
 
 | kind                   | differential | scalar λ | head norm | V2  | heads counted as          |
 |------------------------|--------------|----------|-----------|-----|---------------------------|
@@ -62,14 +62,16 @@ class AttentionKind:
 
     @property
     def fused_kernel(self) -> bool:
-        """Runs `differential_attention` (V1), so the fused Triton kernel and its backward options apply."""
-        return self.differential and not self.v2
+        """Runs `differential_attention` (V1), so the fused Triton kernel and its backward options apply: the
+        kinds whose heads are DIFF V1 heads."""
+        return self.diff_heads
 
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (
     AttentionKind("diff", "DIFF Transformer V1: differential heads, head-wise RMSNorm, (1 - lambda_init) scale",
                   differential=True, scalar_lambda=True, head_norm=True, v2=False),
-    AttentionKind("diff_no_headnorm", "ablation: DIFF V1 without the head-wise RMSNorm",
+    AttentionKind("diff_no_headnorm", "ablation: DIFF V1 without the head-wise RMSNorm (the (1 - lambda_init) "
+                  "scale kept)",
                   differential=True, scalar_lambda=True, head_norm=False, v2=False),
     AttentionKind("diff_v2", "DIFF V2: 2H query heads paired in-group, per-token sigmoid lambda, no head norm",
                   differential=True, scalar_lambda=False, head_norm=False, v2=True),
