@@ -689,6 +689,26 @@ def test_a_report_from_run_folders_leaves_out_results_of_other_weights(data_dir,
     assert Run.read("transformer", 0, folder.run_dir("transformer", 0, multi_seed=False)).evals == {}
 
 
+def test_no_resume_trains_again_but_never_over_a_result_of_another_recipe(data_dir, tmp_path):
+    """--no-resume (resume=False) trains every unit again and writes its result file anew, replacing one of another
+    max_steps; one of another model, recipe (an arm's own train changes) or data is refused before anything is
+    written, as without the flag (before: overwritten without a word)."""
+    def study(**train):
+        return _study(data_dir, tmp_path / "results", arms=[{"name": "d", "attention": "diff", "train": train}])
+
+    run_study(study(lr=1e-3), tmp_path / "study", report=False)
+    path = tmp_path / "results" / "d.json"
+    before = path.read_bytes()
+    with pytest.raises(ResultFileError, match=r"d\.json holds the result of another experiment \(train differ: "
+                                              r"train\.lr: 0\.001 before, 0\.0005 now\); use another "
+                                              r"compare\.results_dir, or delete the file"):
+        run_study(study(lr=5e-4), tmp_path / "study", report=False, resume=False)
+    assert path.read_bytes() == before
+    run_study(study(lr=1e-3, max_steps=3), tmp_path / "study", report=False, resume=False)
+    record = json.loads(path.read_text())
+    assert record["identity"]["train"]["max_steps"] == record["last_step"] == 3
+
+
 def test_a_run_of_an_arms_earlier_recipe_is_never_written_up_under_its_new_one(data_dir, tmp_path):
     """A run folder trained with another recipe than its unit's (an arm's own train changes edited since) is
     refused, not continued or written up under the new recipe; without that run folder, the arm trains on its

@@ -18,6 +18,7 @@ whose paper measurement has a figure implements `plot(result, path)` (a PNG).
 from __future__ import annotations
 
 import abc
+import contextvars
 import dataclasses
 import datetime as dt
 import difflib
@@ -258,6 +259,15 @@ def data_identity(data_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
+_RUNNING: contextvars.ContextVar[Task | None] = contextvars.ContextVar("running_task", default=None)
+
+
+def running_task() -> Task | None:
+    """The task whose `run` is under way in `run_task` (None outside one): for a helper that a task calls to word
+    its errors for that task (eval/probes/hooks.py: whether --seq-len sets the windows)."""
+    return _RUNNING.get()
+
+
 def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfig | None = None, *,
              weights_sha256: str | None = None) -> TaskResult:
     """Run one task on `model` (put in eval mode, restored after) and stamp the result with provenance.
@@ -271,9 +281,11 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
     was_training = model.training
     model.eval()
     started, t0 = dt.datetime.now().astimezone(), time.perf_counter()
+    running = _RUNNING.set(task)
     try:
         result = task.run(model, tokenizer, cfg)
     finally:
+        _RUNNING.reset(running)
         model.train(was_training)
     result.settings = {**result.settings, **task_settings(task, cfg)}
     result.provenance = {"weights_sha256": weights_sha256 or weights_hash(model), "package_version": __version__,

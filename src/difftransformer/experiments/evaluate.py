@@ -4,8 +4,9 @@
 
 Each run's results live in its own eval/ folder (train/run_dir.py), one `<task>.json` per task,
 and are reused while the final weights and the task's settings are unchanged (eval/results.py), so
-re-running a study evaluates only what is new. A task that cannot run on a model (too short a
-context for its defaults, say) is logged and left out; it never stops the study.
+re-running a study evaluates only what is new. A task that does not apply to a model (TaskNotApplicable: `ood` on
+a model trained on text) is logged and left out; any other failure of a task stops the run's evaluation, naming
+the task (TaskFailedError), so that no result is written without it and running again evaluates it again.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from safetensors import SafetensorError
 from difftransformer.data import Tokenizer
 from difftransformer.eval import TASKS, EvalConfig, Task, get_task
 from difftransformer.eval.results import ResultsDir, StoredResultError, differing_keys, evaluate_cached
-from difftransformer.eval.task import weights_hash
+from difftransformer.eval.task import TaskNotApplicable, weights_hash
 from difftransformer.train import RunDir, load_model
 
 log = logging.getLogger("difftransformer.experiments")
+
+
+class TaskFailedError(ValueError):
+    """A task that applies to a run's model failed with a ValueError while it ran (the cause is chained): its
+    run gets no result without it; running again evaluates it again, reusing the tasks that finished."""
 
 
 def task_for_run(name: str, run: RunDir | None, options: dict[str, Any] | None = None) -> Task:
@@ -66,10 +72,16 @@ def stale_evaluations(evals: dict[str, Any], tasks: list[str],
 
 def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_seed: int = 0,
                  device: str = "cpu", options: dict[str, dict[str, Any]] | None = None,
-                 replace: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+                 replace: frozenset[str] = frozenset(), label: str | None = None) -> dict[str, dict[str, Any]]:
     """Every task on the run's final model, with options[task] (default: its defaults); {task: result record}.
     A stored result of these weights with other settings is refused (StoredResultError), except for the tasks
-    in `replace`, which run again and replace it (a study evaluating its units with new options)."""
+    in `replace`, which run again and replace it (a study evaluating its units with new options).
+
+    A task that does not apply to the model (TaskNotApplicable) is logged and left out of the answer. Any other
+    failure stops here, naming the task and the run (`label`, e.g. a study's unit, else its folder): a ValueError
+    as a one-line TaskFailedError, anything else (a bug, the machine out of memory) as it is, after a logged
+    line. Each finished task's result is already stored in the run's eval/ folder, so running again redoes only
+    the rest."""
     if not tasks or not run.has_final():
         return {}
     loaded = load_model(run.final, device)
@@ -77,6 +89,7 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
     cfg = EvalConfig(data_dir=str(data_dir), eval_seed=eval_seed, device=device)
     results = ResultsDir(run.evals)
     digest = weights_hash(loaded.model)
+    who = f"{label} ({run.path})" if label else str(run.path)
     out = {}
     for name in tasks:
         log.info("%s: %s ...", run.path, name)
@@ -86,9 +99,18 @@ def evaluate_run(run: RunDir, tasks: list[str], data_dir: str | Path, *, eval_se
                                                 weights_sha256=digest)
         except StoredResultError:
             raise  # a result of these weights run with other settings (by hand) is the user's: never replaced
-        except ValueError as e:
-            log.warning("%s: %s cannot run on this model: %s", run.path, name, e)
+        except TaskNotApplicable as e:
+            log.warning("%s: %s does not apply to this model: %s", run.path, name, e)
             continue
+        except Exception as e:
+            cause = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            kept = f" ({', '.join(out)}: done, kept in {run.evals})" if out else ""
+            message = (f"{who}: task {name} failed: {cause}; no result is written without it: fix the cause and run "
+                       f"again, which evaluates {name} again{kept}")
+            if isinstance(e, ValueError):
+                raise TaskFailedError(message) from e
+            log.error("%s", message)
+            raise
         log.info("%s: %s %s", run.path, name, "reused" if reused else "evaluated")
     return out
 

@@ -125,7 +125,10 @@ def run_study(study: Study, out_dir: str | Path, *, arms: list[str] | None = Non
     A stored result file is never replaced by a run of another recipe: one of another training length
     (train.max_steps) is refused before anything is written, unless `replace_results` (the unit then
     trains again, from its checkpoints where it has them, and its file is replaced) or `resume=False`
-    (everything starts over); a run folder trained past max_steps is refused unless `resume=False`.
+    (everything starts over); one of another model, recipe or data is refused whatever the flags
+    (ResultFileError); a run folder trained past max_steps is refused unless `resume=False`. A task that
+    fails while a unit is evaluated stops the study there, naming both (evaluate_run), the unit's result
+    file unwritten or left as it was; running again evaluates the unit again.
 
     One study at a time per folder: a second one refuses at once (FolderInUseError); so does a second
     study writing the same compare.results_dir."""
@@ -172,9 +175,11 @@ def _run_study(study: Study, folder: StudyDir, arms: list[str] | None, seeds: li
     multi = len(manifest["seeds"]) > 1
     cells = [_Cell(study, folder, manifest, results, data, size, tokens, seed, multi, replace)
              for size, tokens in study.cells() for seed in seeds]
-    if resume:
-        for cell in cells:  # every stored result and run is checked before anything is written
+    for cell in cells:  # every stored result (and, resuming, every run) is checked before anything is written
+        if resume:
             cell.check(arms)
+        else:
+            cell.check_result_identity(arms)
     if dist.is_main():
         folder.path.mkdir(parents=True, exist_ok=True)
         _save_manifest(folder, results, manifest)
@@ -223,6 +228,18 @@ class _Cell:
                 self._check_evaluations(unit, run)
                 continue
             self._check_run_recipe(unit, run, train_cfg)
+
+    def check_result_identity(self, arms: list[str]) -> None:
+        """What `check` keeps under resume=False (--no-resume: every unit trains again and its result file is
+        written anew): a stored result file of another unit, or of another model, recipe (an arm's own train
+        changes included) or data, is a ResultFileError before anything is written; one of another
+        train.max_steps is replaced."""
+        for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
+            unit = self.unit(arm)
+            path = self._result_file(unit)
+            record = read_result(path)
+            if record is not None:
+                check_identity(path, record, unit_identity(config, self.recipe(arm), self.data), replace=True)
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
@@ -399,7 +416,9 @@ class _Cell:
             log.info("%s: evaluating %s again with the study's options (--replace-results)", unit.label(),
                      ", ".join(sorted(stale)))
         evals = evaluate_run(run, tasks, self.data.out_dir, device=str(resolve_device(self.study.train.device)),
-                             options=self.study.compare.eval_options, replace=stale)
+                             options=self.study.compare.eval_options, replace=stale, label=unit.label())
+        if done:
+            self._check_kept(unit, path, evals)
         rep = self.study.compare
         sample_texts(run, rep.prompts, rep.sample_tokens, rep.temperature, rep.top_k, rep.sample_seed)
         result = Run.read(unit.arm, unit.seed, run, train_cfg.max_steps, evals=evals)  # the study's tasks only
@@ -409,6 +428,24 @@ class _Cell:
                                             wall_s=self.manifest["wall_s"].get(str(unit.rel(True))),
                                             hardware=self.manifest.get("hardware"),
                                             run_dir=str(run.path)))
+
+    def _check_kept(self, unit: Unit, path: Path, evals: dict[str, Any]) -> None:
+        """Before the result file `path` of a unit evaluated again is rewritten with `evals`: a task of the study
+        that it holds and `evals` lacks (found not to apply this time) is a StudyMismatchError, the file left as
+        it is; one it holds that the study no longer runs is left out with a warning (the file holds the study's
+        tasks)."""
+        held = (read_result(path) or {}).get("evals") or {}
+        tasks = self.study.compare.eval_tasks
+        lost = [t for t in held if t in tasks and t not in evals]
+        if lost:
+            raise StudyMismatchError(f"{path} holds the result of {', '.join(lost)}, which evaluating {unit.label()} "
+                                     f"again left out as not applying to its model (warned above); a stored result "
+                                     f"is not dropped silently, so the file is left as it is: remove "
+                                     f"{', '.join(lost)} from compare.eval_tasks to rewrite it without")
+        gone = [t for t in held if t not in tasks]
+        if gone:
+            log.warning("%s: %s left out of %s, rewritten with the study's tasks: not in compare.eval_tasks",
+                        unit.label(), ", ".join(gone), path)
 
     def _evaluate_again(self, unit: Unit, run: RunDir, identity: dict[str, Any], path: Path,
                         stale: frozenset[str]) -> bool:

@@ -29,7 +29,7 @@ from difftransformer.attention import (
     QueryHook,
     ScoreHook,
 )
-from difftransformer.eval.task import TaskNotApplicable
+from difftransformer.eval.task import TaskNotApplicable, running_task
 from difftransformer.model import DiffTransformerLM
 
 _ATTENTION_LAYERS = (MultiheadAttention, MultiheadDiffAttention, MultiheadDiffAttentionV2)
@@ -123,26 +123,41 @@ _EAGER_COPIES = 8
 
 def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | torch.device,
                 maps_kept: int = 0) -> int:
-    """How many windows of `seq_len` tokens one eager forward may take (at most batch_size) so that the
-    explicit attention maps fit in half of the free memory; the batch size changes no number.
+    """How many windows of `seq_len` tokens one eager forward may take (at most batch_size): as many as their
+    explicit attention maps fit in half of the free memory, else one while one window fits in the free memory;
+    the batch size changes no number.
 
     maps_kept: layers whose maps the forward returns and keeps (return_attention), besides the working
-    copies of the layer being computed. A single window that does not fit is a one-line ValueError naming
-    the window length and a shorter one that fits (a 135 M model with an 8,192-token context asks for
-    ~38 GB of scores per batch of 8 windows: without this, the process is killed for memory)."""
+    copies of the layer being computed. A window that does not fit in the free memory is a one-line ValueError
+    naming the window length, the memory and a shorter window that fits (a 135 M model with an 8,192-token
+    context asks for ~38 GB of scores per batch of 8 windows: without this, the process is killed for memory):
+    beyond the device's whole memory the setting can never run there; within it, other processes hold the memory
+    for now and the same command runs once they free it. The shorter window is offered as `--seq-len` only to a
+    task that reads it (Task.reads_seq_len)."""
     maps = 2 * model.config.num_attention_heads  # DIFF: two maps per head; ordinary attention: at most as many
     window_bytes = lambda T: 4 * maps * T * T * (_EAGER_COPIES + maps_kept)  # noqa: E731  (float32 maps)
-    budget = 0.5 * _free_bytes(device)
-    fits = int(budget // window_bytes(seq_len))
+    free, need = _free_bytes(device), window_bytes(seq_len)
+    budget = 0.5 * free
+    fits = int(budget // need)
     if fits >= 1:
         return min(batch_size, fits)
+    if need <= free:
+        return 1  # no room for a batch of them: one window at a time, whatever the rest of the machine does
     shorter = seq_len
     while shorter > 1 and window_bytes(shorter) > budget:
         shorter //= 2
-    per_window, free = window_bytes(seq_len), 2 * budget
-    raise ValueError(f"one window of {seq_len} tokens needs ~{_size(per_window)} of explicit attention maps "
-                     f"({maps} maps of {seq_len}x{seq_len} per layer), more than half of the {_size(free)} free; "
-                     f"use a shorter window, e.g. --seq-len {shorter}")
+    task = running_task()
+    fix = (f"use a shorter window, e.g. --seq-len {shorter}" if task is None or task.reads_seq_len else
+           f"use shorter windows ({shorter} tokens fit; {task.name} takes its window lengths from its own options, "
+           f"not --seq-len)")
+    what = (f"one window of {seq_len} tokens needs ~{_size(need)} of explicit attention maps "
+            f"({maps} maps of {seq_len}x{seq_len} per layer)")
+    total = _total_bytes(device)
+    if need > total:
+        raise ValueError(f"{what}, more than all {_size(total)} of {torch.device(device).type} memory, so it never "
+                         f"fits on this machine; {fix}")
+    raise ValueError(f"{what}, more than the {_size(free)} free now (of {_size(total)}): other processes hold the "
+                     f"rest; run again once they free it, or {fix}")
 
 
 def _size(n: float) -> str:
@@ -153,10 +168,12 @@ def _size(n: float) -> str:
 
 
 def _free_bytes(device: str | torch.device) -> int:
-    """Free memory of `device`: the GPU's free bytes, or the host's available memory."""
+    """Free memory of `device` for this process: the GPU's free bytes and what PyTorch holds there unused (its
+    cache, which it allocates from first), or the host's available memory."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -165,3 +182,18 @@ def _free_bytes(device: str | torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _total_bytes(device: str | torch.device) -> int:
+    """All the memory of `device`: the GPU's, or the host's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
