@@ -144,6 +144,36 @@ def test_zero_spread_keeps_a_degenerate_interval_and_no_t_test():
     assert zeros.outcome == "inconclusive" and zeros.wilcoxon_p is None and zeros.p is None
 
 
+
+def test_a_spread_within_float_rounding_is_zero_spread():
+    """3 fewer errors of 10,000 on every seed: the 1 − e/n differences differ in their last bits (std ~6e-17).
+    That is the zero-width case (no t-test, "no test" in a Holm family), not t ~ 8e12 and p ~ 1e-26."""
+    from difftransformer.experiments.report.fmt import holm_separations
+
+    acc = {s: 1 - e / 10_000 for s, e in {0: 0, 1: 5, 2: 12}.items()}
+    base = {s: 1 - e / 10_000 for s, e in {0: 3, 1: 8, 2: 15}.items()}
+    assert len({acc[s] - base[s] for s in acc}) > 1  # not bit-identical: the case at issue
+    cmp = compare_paired(acc, base, arm="diff", baseline="transformer", metric="accuracy")
+    assert (cmp.t, cmp.p, cmp.interval.std) == (None, None, 0.0)
+    assert cmp.interval.low == cmp.interval.high == cmp.interval.mean == pytest.approx(3e-4, rel=1e-9)
+    assert cmp.outcome == "worse" and "no t-test" in verdict_text(cmp)
+    assert holm_separations([cmp]) == [(None, "no test")]
+    # the rounding is judged on the compared values' magnitude, not the difference's: 0.3 apart at ~1e6
+    big = {0: 1234567.1, 1: 2345678.2, 2: 3456789.3}
+    shifted = compare_paired({s: v + 0.3 for s, v in big.items()}, big, arm="a", baseline="b")
+    assert shifted.p is None and shifted.interval.std == 0.0 and shifted.interval.mean == pytest.approx(0.3)
+    # differences that are 0 up to rounding: the interval [0, 0], identical arms, no Wilcoxon
+    same = compare_paired({0: 0.1 + 0.2, 1: 0.7, 2: 0.9, 3: 0.4, 4: 0.6}, {0: 0.3, 1: 0.7, 2: 0.9, 3: 0.4, 4: 0.6},
+                          arm="a", baseline="b")
+    assert (same.interval.low, same.interval.high, same.p, same.wilcoxon_p) == (0.0, 0.0, None, None)
+    assert same.outcome == "inconclusive" and "identical" in verdict_text(same)
+    # a spread well above rounding is still tested
+    real = compare_paired({0: 0.5 + 1e-9, 1: 0.5, 2: 0.5 - 1e-9}, {0: 0.2, 1: 0.2, 2: 0.2}, arm="a", baseline="b")
+    assert real.p is not None and real.interval.std == pytest.approx(1e-9, rel=1e-6)
+    assert t_interval([0.25, 0.25 + 1e-17, 0.25]).std == 0.0  # plain values: the same rule
+    rounded = t_interval([-5.6e-17, 2.8e-17, 0.0])  # differences passed alone (a Δ cell): 0 up to rounding
+    assert (rounded.mean, rounded.low, rounded.high, rounded.std) == (0.0, 0.0, 0.0, 0.0)
+
 def test_nan_is_an_error_naming_seed_and_arm():
     with pytest.raises(ValueError, match=r"arm 'diff' at seed 2 is nan"):
         compare_paired({0: 1.0, 2: math.nan}, {0: 1.0, 2: 1.0}, arm="diff", baseline="transformer")

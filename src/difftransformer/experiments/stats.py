@@ -24,6 +24,15 @@ Choices where the paper is silent (it reports single runs, no intervals):
   look at, and dropping it would bias the comparison towards the arm that diverged.
 - Zero spread with n >= 2 (every seed gives the same difference, e.g. fully deterministic arms) keeps the
   degenerate interval [m, m]; the t-test is then undefined (t = ±inf) and reported as None.
+- A spread no larger than float rounding is zero spread: std <= SPREAD_RTOL (1e-12) × max(1, |mean|, scale), scale
+  being the largest |value| the xs were computed from (for paired differences a − b, the largest |a|, |b|; by
+  default the largest |x|). "3 fewer errors of 10,000 on every seed" gives 1 − e/n differences that differ in their
+  last bits (a spread of ~6e-17, t ~ 1e13); that is the zero-width case above, not a test with p ~ 1e-26. A double
+  rounds at 1.1e-16 relative, so 1e-12 leaves room for thousands of rounded operations behind a metric, and is far
+  below any spread that training seeds produce. The floor 1 covers differences passed without their values'
+  magnitude (a table's Δ cell): this project's metrics are losses, rates and magnitudes whose seed-to-seed spread
+  is nowhere near 1e-12. The interval is then [m, m], and [0, 0] when |m| is itself within that tolerance (every
+  difference is 0 up to rounding).
 - The Wilcoxon test needs 5 seeds: below that its exact two-sided p can never reach 0.05, so it says nothing.
 """
 
@@ -40,6 +49,7 @@ from scipy import stats as _st
 OUTCOMES = ("better", "worse", "inconclusive", "single seed", "no data")
 WILCOXON_MIN_SEEDS = 5
 FEW_SEEDS = 4  # up to this many seeds the verdict says the interval is wide because of the few seeds
+SPREAD_RTOL = 1e-12  # a spread up to this fraction of the numbers' magnitude is float rounding: zero spread
 
 
 def number_format(values: Sequence[float | None], digits: int = 4, signed: bool = False):
@@ -113,8 +123,12 @@ def _check_finite(xs: Sequence[float], what: str) -> list[float]:
     return out
 
 
-def t_interval(xs: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Student-t interval of the mean of xs: mean ± t_{(1+confidence)/2, n-1} · std / sqrt(n)."""
+def t_interval(xs: Sequence[float], confidence: float = 0.95, *, scale: float | None = None) -> Interval:
+    """Student-t interval of the mean of xs: mean ± t_{(1+confidence)/2, n-1} · std / sqrt(n).
+
+    A std within float rounding of the numbers (<= SPREAD_RTOL × max(1, |mean|, scale); scale defaults to the
+    largest |x|, pass the largest |a|, |b| for differences a − b) is zero spread: the interval [m, m], or [0, 0]
+    when |m| is within that rounding too."""
     _check_confidence(confidence)
     values = _check_finite(xs, "t_interval")
     n = len(values)
@@ -124,6 +138,10 @@ def t_interval(xs: Sequence[float], confidence: float = 0.95) -> Interval:
     if n == 1:
         return Interval(m, None, None, 1, None, confidence)
     s = statistics.stdev(values)
+    rounding = SPREAD_RTOL * max(1.0, abs(m), max(abs(v) for v in values) if scale is None else abs(scale))
+    if s <= rounding:
+        m = 0.0 if abs(m) <= rounding else m
+        return Interval(m, m, m, n, 0.0, confidence)
     half = float(_st.t.ppf((1 + confidence) / 2, n - 1)) * s / math.sqrt(n)
     return Interval(m, m - half, m + half, n, s, confidence)
 
@@ -160,7 +178,8 @@ class PairedComparison:
 
 
 def _t_test(diffs: Sequence[float], std: float | None) -> tuple[float | None, float | None]:
-    """Two-sided one-sample t-test of diffs against 0 (the paired t-test); None where it is undefined."""
+    """Two-sided one-sample t-test of diffs against 0 (the paired t-test); None where it is undefined: fewer than
+    2 diffs or zero spread (std 0, which t_interval also gives for a spread within float rounding)."""
     if len(diffs) < 2 or not std:
         return None, None
     with warnings.catch_warnings():
@@ -180,13 +199,16 @@ def _wilcoxon(diffs: Sequence[float]) -> float | None:
 
 
 def _comparison(arm: str, baseline: str, seeds: Sequence[int], diffs: Sequence[float], *, metric: str,
-                lower_is_better: bool, confidence: float) -> PairedComparison:
+                lower_is_better: bool, confidence: float, scale: float | None = None) -> PairedComparison:
+    """scale: the largest |value| the differences were computed from (None: the largest |difference|), which
+    sets what spread is float rounding (t_interval)."""
     _check_confidence(confidence)
     diffs = _check_finite(diffs, f"{arm} − {baseline} differences")
-    interval = t_interval(diffs, confidence) if diffs else None
+    interval = t_interval(diffs, confidence, scale=scale) if diffs else None
     t, p = _t_test(diffs, interval.std if interval else None)
+    zero = interval is not None and interval.std == 0 and interval.mean == 0  # every difference 0 up to rounding
     return PairedComparison(arm, baseline, metric, lower_is_better, tuple(seeds), tuple(diffs), interval,
-                            t, p, _wilcoxon(diffs))
+                            t, p, None if zero else _wilcoxon(diffs))
 
 
 def compare_paired(arm_values: Mapping[int, float], baseline_values: Mapping[int, float], *, arm: str,
@@ -200,8 +222,9 @@ def compare_paired(arm_values: Mapping[int, float], baseline_values: Mapping[int
                                  f"that run diverged or did not finish: fix or rerun it before comparing")
     seeds = sorted(s for s in arm_values if s in baseline_values)
     diffs = [float(arm_values[s]) - float(baseline_values[s]) for s in seeds]
+    scale = max((abs(float(v[s])) for s in seeds for v in (arm_values, baseline_values)), default=0.0)
     return _comparison(arm, baseline, seeds, diffs, metric=metric, lower_is_better=lower_is_better,
-                       confidence=confidence)
+                       confidence=confidence, scale=scale)
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

@@ -4,12 +4,20 @@ A claim is a direction the paper reports between DIFF and the Transformer: lower
 higher retrieval accuracy, less attention noise, smaller activation outliers, a fraction of the
 parameters or tokens below 1. For every one that the study measured (both arms `diff` and
 `transformer`, the metric in their results, the paper's two values in eval/paper_numbers.json) the
-verdict follows the 95% interval of the paired difference DIFF − Transformer over seeds:
+verdict follows the 95% interval of the paired difference DIFF − Transformer over seeds, qualified by
+Holm's adjustment over the family of this table's tests (every claim with a paired t-test: one arm pair, DIFF
+vs the Transformer, on many metrics; the convention of fmt.holm_separations):
 
-- "reproduced": the interval excludes 0 on the paper's side;
-- "opposite": it excludes 0 on the other side;
+- "reproduced": the interval excludes 0 on the paper's side and the Holm-adjusted p is below 0.05;
+- "opposite": the same on the other side;
+- "reproduced before Holm only" / "opposite before Holm only": the interval excludes 0 but the adjusted p
+  does not (one of the chance separations expected among m tests: a lead to follow, not a finding);
 - "not shown": it contains 0 (this study cannot tell the arms apart on it);
 - "one seed": no interval (a single seed says nothing about the spread).
+
+Where every seed gives the same difference (a zero-width interval) there is no test and no p; the verdict
+follows the interval and says so, as the evaluation table's reading does. The scaling claim's verdict is its
+bootstrap interval (no p: outside the family).
 
 Claims that are not "reproduced" are listed again under "What did not reproduce", with what it would
 take to test them properly: for a difference, how many paired seeds the observed spread needs to
@@ -22,11 +30,13 @@ import math
 from typing import Any
 
 from difftransformer.eval.paper import PAPER, STUDY_TASKS, paper_number
+from difftransformer.experiments.report.fmt import fmt_p, holm_separations, metric_values, table
 from difftransformer.experiments.report.runs import finished_val
 from difftransformer.experiments.stats import compare_paired
 
 DIFF, BASE = "diff", "transformer"
 VERDICTS = {"better": "reproduced", "worse": "opposite", "inconclusive": "not shown", "single seed": "one seed"}
+BEFORE_HOLM = " before Holm only"  # appended to "reproduced"/"opposite" when the adjusted p does not clear 0.05
 _Z = 1.96
 
 
@@ -48,7 +58,24 @@ def _row(name: str, ref: str, paper_t: float | None, paper_d: float | None, ours
         need = math.ceil((_Z * iv.std / effect) ** 2)
     return {"claim": name, "ref": ref, "paper": f"{paper_t:g} → {paper_d:g} ({paper_d - paper_t:+.3g})",
             "ours": ours_text, "n": len(cmp.diffs), "verdict": VERDICTS.get(cmp.outcome, cmp.outcome),
-            "seeds_needed": need, "effect": effect}
+            "seeds_needed": need, "effect": effect, "cmp": cmp}
+
+
+def _adjust(rows: list[dict[str, Any]]) -> int:
+    """Holm over the rows' paired tests (one family: DIFF vs the Transformer on every claim with a p): a separation
+    whose adjusted p is not below the interval's level reads "... before Holm only"; a zero-width one keeps its
+    verdict with "no test" beside it. Sets each row's "p", "holm" and "note"; returns m, the family's size."""
+    tested = [r for r in rows if r.get("cmp") is not None]
+    separations = holm_separations([r["cmp"] for r in tested])
+    m = sum(adj is not None for adj, _ in separations)
+    for r, (adj, separation) in zip(tested, separations):
+        r["p"], r["holm"] = fmt_p(r["cmp"].p), fmt_p(adj)
+        if separation == "not after Holm":
+            r["verdict"] += BEFORE_HOLM
+            r["note"] = f"adjusted p {fmt_p(adj)} over {m} claims"
+        elif separation == "no test":
+            r["note"] = "the same difference on every seed: a zero-width interval, no test"
+    return m
 
 
 def _loss_claim(ctx) -> dict[str, Any] | None:
@@ -62,8 +89,6 @@ def _loss_claim(ctx) -> dict[str, Any] | None:
 
 
 def _eval_claims(ctx) -> list[dict[str, Any]]:
-    from difftransformer.experiments.report.fmt import metric_values
-
     rows = []
     for (task, metric), number in PAPER.items():
         if task in STUDY_TASKS:
@@ -102,33 +127,45 @@ def _scaling_claims(ctx) -> list[dict[str, Any]]:
 
 
 def claim_lines(ctx) -> list[str]:
-    from difftransformer.experiments.report.fmt import table
-
     if DIFF not in ctx.arms or BASE not in ctx.arms:
         return []
     rows = [r for r in [_loss_claim(ctx), *_eval_claims(ctx), *_scaling_claims(ctx)] if r]
     if not rows:
         return []
+    m = _adjust(rows)
     L = ["## The paper's claims", "",
          "Each claim the study measured: the paper's Transformer → DIFF values, ours as the paired difference "
-         "DIFF − Transformer (mean [95% interval] over seeds; for scaling, the fraction and its bootstrap interval). "
-         "The verdict follows the interval: reproduced (excludes 0 on the paper's side), opposite, not shown "
-         "(contains 0), one seed (no interval). The paper's models are 100-1000x larger and its contexts longer: "
-         "a claim not shown here is not refuted at the paper's scale.", ""]
-    L += table(["claim", "paper (T → DIFF)", "ours: DIFF − T", "seeds", "verdict", "paper's source"],
-               [[r["claim"], r["paper"], r["ours"], str(r["n"]), f"**{r['verdict']}**", r["ref"]] for r in rows])
+         "DIFF − Transformer (mean [95% interval] over seeds; for scaling, the fraction and its bootstrap interval), "
+         f"with the paired t-test's p and Holm's adjusted p over {_family(m)} (one family: DIFF vs the "
+         "Transformer). The verdict follows the interval, qualified by Holm: reproduced (excludes 0 on the "
+         "paper's side and the adjusted p is below 0.05), opposite (the same on the other side), reproduced or "
+         "opposite before Holm only (the interval excludes 0 but the adjusted p does not: among that many tests "
+         "about one interval in twenty excludes 0 by chance, so this is a lead to follow with more seeds, not a "
+         "finding), not shown (contains 0), one seed (no interval); the same difference on every seed is a "
+         "zero-width interval with no test, and the verdict says so. The scaling claim's verdict is its bootstrap "
+         "interval (no p). The evaluation table adjusts over its own family (every metric it reports for an arm), "
+         "so its Holm p for the same metric can differ. The paper's "
+         "models are 100-1000x larger and its contexts longer: a claim not shown here is not refuted at the "
+         "paper's scale.", ""]
+    L += table(["claim", "paper (T → DIFF)", "ours: DIFF − T", "seeds", "p", "Holm p", "verdict", "paper's source"],
+               [[r["claim"], r["paper"], r["ours"], str(r["n"]), r.get("p", "–"), r.get("holm", "–"),
+                 f"**{r['verdict']}**" + (f" ({r['note']})" if r.get("note") else ""), r["ref"]] for r in rows])
     L += [""]
     return L + _not_reproduced(rows)
 
 
+def _family(m: int) -> str:
+    return {0: "the claims with a test (none here)", 1: "the 1 claim with a test"}.get(m, f"the {m} claims tested here")
+
+
 def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
-    """The claims that did not reproduce, "opposite" before "not shown"; one-seed claims in one sentence
+    """The claims that did not reproduce (after Holm), "opposite" first, then those that separate before Holm only,
+    then "not shown"; one-seed claims in one sentence
     (without an interval there is nothing to say about them one by one)."""
     L = ["### What did not reproduce", ""]
     single = [r for r in rows if r["verdict"] == "one seed"]
-    tested = sorted(
-        (r for r in rows if r["verdict"] in ("opposite", "not shown")), key=lambda r: r["verdict"] != "opposite"
-    )
+    order = ("opposite", "opposite" + BEFORE_HOLM, "reproduced" + BEFORE_HOLM, "not shown")
+    tested = sorted((r for r in rows if r["verdict"] in order), key=lambda r: order.index(r["verdict"]))
     if not tested and not single:
         return L + ["Every measured claim reproduced at this scale.", ""]
     if single:
@@ -136,10 +173,15 @@ def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
               f"Run the study with 3 or more paired seeds (`--seeds 0,1,2`) to test them.", ""]
     for r in tested:
         need = ""
-        if r["seeds_needed"]:
+        if r["verdict"].endswith(BEFORE_HOLM):  # the spread resolves it on its own: the question is the family
+            need = (" Its interval excludes 0 on its own, not after adjusting for the claims tested: a lead, which "
+                    "more paired seeds (or a study testing this claim alone) would confirm or dismiss.")
+        elif r["seeds_needed"]:
             need = (f" Resolving a difference of the paper's size ({r['effect']:.3g}) with the seed-to-seed spread "
                     f"seen here would take about {r['seeds_needed']} paired seeds (normal approximation).")
-        L += [f"- {r['claim']}: {r['verdict']} with {r['n']} seeds (ours {r['ours']}; paper {r['paper']}).{need}"]
+        note = f"; {r['note']}" if r.get("note") else ""
+        L += [f"- {r['claim']}: {r['verdict']} with {r['n']} seeds (ours {r['ours']}; paper {r['paper']}{note})."
+              f"{need}"]
     L += ["", "Testing these properly needs what the paper had: models of 0.8B+ parameters trained on billions of "
           "tokens, and contexts of 4K-64K for retrieval and long-context claims (the GPU study config "
           "configs/studies/paper-gpu.toml scales this study up), and enough paired seeds for the intervals above "

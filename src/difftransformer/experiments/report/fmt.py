@@ -40,11 +40,20 @@ def fmt_p(p: float | None) -> str:
 
 
 def metric_values(ctx, arm: str, task: str, metric: str, runs=None) -> dict[int, float]:
+    """{seed: value} of one evaluation metric of `arm`, over the seeds whose run has it as a number.
+
+    A non-finite value is an error naming task, metric, arm and seed, as stats.compare_paired makes it for losses:
+    dropping that seed would compute the mean and the paired difference over the others with no sign of it, biased
+    towards the arm whose evaluation diverged."""
     out = {}
     for seed in ctx.seeds:
         run = (runs or ctx.runs).get((arm, seed))
         value = run and ((run.evals.get(task) or {}).get("metrics") or {}).get(metric)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"{task} {metric} of arm {arm!r} at seed {seed} is {value!r}, not a finite number; "
+                                 f"a non-finite metric is not dropped from the report (it would bias the comparison): "
+                                 f"look at that run's evaluation, then evaluate it again or fix its result file")
             out[seed] = float(value)
     return out
 

@@ -100,7 +100,7 @@ def _fractions(ctx, which: str) -> dict[str, Any]:
 
 def scaling_lines(ctx, has_plot: bool) -> list[str]:
     from difftransformer.experiments.report.fmt import fmt_ci, table
-    from difftransformer.experiments.scaling import headline
+    from difftransformer.experiments.scaling import MIN_DISTINCT_X_IRREDUCIBLE, MIN_POINTS_IRREDUCIBLE, headline
 
     which = axis(ctx)
     L = ["## Scaling", ""]
@@ -120,15 +120,19 @@ def scaling_lines(ctx, has_plot: bool) -> list[str]:
         return L
     if has_plot:
         L += ["![scaling](scaling.png)", ""]
-    L += [f"Fits: L(x) = c + a·x^(−α) per arm over {AXES[which]} (c fixed at 0 when the grid has fewer than 3 "
-          f"points per arm); the fraction is read at the geometric mean of the arm's grid, its interval from "
-          f"1000 bootstrap resamples of the paired seeds.", ""]
+    L += [f"Fits: L(x) = c + a·x^(−α) per arm over {AXES[which]} (c is fitted where the arm and "
+          f"{code_span(ctx.baseline)} each have at least {MIN_POINTS_IRREDUCIBLE} points, pooled over their paired "
+          f"seeds, at {MIN_DISTINCT_X_IRREDUCIBLE} or more distinct {AXES[which]}; else c is fixed at 0); the "
+          f"fraction is read at the geometric mean of the arm's grid, its interval from 1000 bootstrap resamples of "
+          f"the paired seeds.", ""]
     for arm, res in fractions(ctx, which).items():
         if isinstance(res, str):
             L += [f"- {code_span(arm)} vs {code_span(ctx.baseline)}: no fit ({res}).", ""]
             continue
         fit_rows = [[code_span(a), f"{f.a:.4g}", f"{f.alpha:.4g}", f"{f.c:.4g}"] for a, f in res.fits.items()]
         L += table(["arm", "a", "α", "c"], fit_rows) + [""]
+        L += [f"c {'fitted' if res.irreducible else 'fixed at 0'} for {code_span(arm)} vs {code_span(ctx.baseline)}.",
+              ""]
         L += [f"- {headline(res, arm, ctx.baseline, what=AXES[which])}", ""]
     paper = {"parameters": "62.2% of the parameters (Fig. 3a, 830M-13.1B)",
              "tokens": "63.7% of the training tokens (Fig. 3b, 3B)"}[which]
