@@ -50,13 +50,18 @@ def _ctx(values):
             cells = [_cell("length1x-density1x", 1.0, 1.0, acc1, 0.9),
                      _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
             runs[arm, seed] = Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}})
-    return _study(list(values), [0, 1, 2], runs)
+    return _study(list(values), [0, 1, 2], runs, recorded=True)
 
 
-def _study(arms, seeds, runs, specs=None):
+def _study(arms, seeds, runs, specs=None, recorded=False):
     """What ood_section reads of a report's Context: arms, seeds, runs and each arm's definition in the manifest
-    (`spec`: by default the arm's name is its attention kind, as Context.spec says)."""
+    (`spec`: by default the arm's name is its attention kind, as Context.spec says). `recorded`: a run given without
+    a result file gets one that records a recipe common to every arm (a recipe nothing records is unknown, and never
+    read as another's: test_report_recipes.py)."""
     specs = specs or {}
+    for (_, seed), run in runs.items() if recorded else ():
+        if run.record is None and run.dir is None:
+            run.record = {"identity": {"train": {"max_steps": 4000, "lr": 1e-3, "seed": seed}}}
     return SimpleNamespace(arms=arms, seeds=seeds, runs=runs,
                            spec=lambda arm: specs.get(arm) or {"name": arm, "attention": arm})
 
@@ -150,7 +155,7 @@ def test_diff_is_compared_with_adaptive_temperature_controls_and_the_nope_arms_w
     values = {"diff": (0.80, 0.70), "transformer": (0.60, 0.90), "diff_nope": (0.50, 0.50),
               "transformer_nope": (0.40, 0.40)}
     runs = {(a, s): run(a, s, acc + 0.01 * s * s, ad + 0.01 * s) for a, (acc, ad) in values.items() for s in (0, 1, 2)}
-    text = "\n".join(ood_section(_study(list(values), [0, 1, 2], runs, specs=_NOPE_SPECS)))
+    text = "\n".join(ood_section(_study(list(values), [0, 1, 2], runs, specs=_NOPE_SPECS, recorded=True)))
     control = text[text.index("`diff` as trained against each arm with adaptive temperature"):]
     # diff as trained (0.80 + 0.01 s^2) against the transformer with adaptive temperature (0.90 + 0.01 s)
     row = next(r for r in control.splitlines() if r.startswith("| `transformer` | `length4x-density1x` |"))
@@ -600,3 +605,31 @@ def test_the_glance_table_tells_a_separation_before_holm_and_one_without_a_test_
     ctx = _ctx({"diff": {s: (1.0, 1.0) for s in range(3)}, "transformer": {s: (1.0, 0.9999) for s in range(3)}})
     assert _glance_rows("\n".join(ood_section(ctx)))["`diff` − `transformer`"][1:3] == [
         "none", "higher at 4x length (+1.0e-04)"]
+
+
+def test_a_run_without_a_finite_accuracy_at_the_training_condition_is_below_the_bar(tmp_path):
+    """F7: a NaN accuracy at 1x, or no 1x result at all, has not shown that the run learned the task: it is listed
+    below the bar with the reason, and its other conditions are in no mean or difference."""
+    ctx = _ctx({"diff": {0: (1.0, 0.6), 1: (1.0, 0.6), 2: (float("nan"), 0.1)},
+                "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)}})
+    del ctx.runs["transformer", 2].evals["ood"]["details"]["cells"][0]  # 4x only
+    text = "\n".join(ood_section(ctx, tmp_path))
+    assert ("`diff` seed 2 (accuracy NaN at the training condition), `transformer` seed 2 (no result at the "
+            "training condition)") in text
+    assert "| `diff` | 2 | NaN | 0.1000 |" in text and "| `transformer` | 2 | – | 0.5200 |" in text
+    assert "at `length4x-density1x` `diff` 60.00%, `transformer` 50.00%." in text  # seeds 0 and 1 of each
+
+
+@pytest.mark.parametrize("read, what", [("accuracy", "accuracy"),
+                                        ("adaptive", "accuracy with adaptive temperature")])
+def test_a_non_finite_value_of_a_run_past_the_bar_is_an_error_naming_arm_seed_and_condition(read, what):
+    """F3: never dropped silently (the mean, interval and paired difference would be over the other seeds with
+    nothing said), as stats.compare_paired treats a non-finite value."""
+    ctx = _ctx({"diff": {s: (1.0, 0.6) for s in range(3)}, "transformer": {s: (1.0, 0.5) for s in range(3)}})
+    cell = ctx.runs["diff", 1].evals["ood"]["details"]["cells"][1]
+    if read == "accuracy":
+        cell["accuracy"] = float("nan")
+    else:
+        cell["adaptive"]["accuracy"] = float("inf")
+    with pytest.raises(ValueError, match=f"^ood {what} of arm 'diff' at seed 1, condition length4x-density1x, is "):
+        ood_section(ctx)

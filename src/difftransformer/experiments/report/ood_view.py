@@ -11,10 +11,12 @@ architecture named after it (what the recipe alone does); above them, one row pe
 the conditions that separate after Holm and before it (verdicts at a glance); where each model's retrieving head attends
 (chosen once at the training distribution, read as shares of its positive weight on the target, on distractors +
 filler, and its negative weight; for a differential arm, per seed, where that head's two maps A1 and A2 each put
-their mass). A run below the in-distribution bar (< 99% accuracy at the training condition) has not learned the
-task, so a difference out of distribution says nothing about its attention: such runs are listed with their
-accuracy per condition and left out of every mean, difference and figure (paired differences use the seeds where
-both arms passed).
+their mass). A run below the in-distribution bar (no finite accuracy of at least 99% at the training condition) has
+not learned the task, so a difference out of distribution says nothing about its attention: such runs are listed
+with their accuracy per condition and left out of every mean, difference and figure (paired differences use the
+seeds where both arms passed). Arms' recipes are read by `recipes` (result files, else run folders); a comparison
+with an arm whose recipe neither records is marked so and never counted as one on a common recipe. A non-finite
+value of a run past the bar is an error naming arm, seed and condition, never dropped silently.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from difftransformer.experiments.report.fmt import (
     holm_separations,
     table,
 )
+from difftransformer.experiments.report.recipes import (
+    OTHER_RECIPE,
+    arm_kind,
+    matched_arm,
+    recipe_mark,
+    recipe_note,
+    same_recipe,
+    unencoded,
+)
 from difftransformer.experiments.stats import compare_paired, t_interval
 from difftransformer.model import ATTENTION_KINDS
 
@@ -52,17 +63,25 @@ def _cells(ctx, arm: str) -> dict[int, dict[str, dict[str, Any]]]:
         if result:
             by_condition = {c["condition"]: c for c in (result.get("details") or {}).get("cells", [])}
             head = retrieving_head((by_condition.get(TRAIN_CONDITION) or {}).get("attention"))
-            out[seed] = {name: {**c, "retrieving": head_shares(c.get("attention"), head)}
+            out[seed] = {name: {**c, "arm": arm, "retrieving": head_shares(c.get("attention"), head)}
                          for name, c in by_condition.items()}
     return out
 
 
 def _values(cells: dict[int, dict[str, dict[str, Any]]], condition: str, read) -> dict[int, float]:
+    """{seed: `read` of its cell at `condition`} over the seeds that measured it. A non-finite value is a
+    ValueError naming arm, seed and condition, as in `stats.compare_paired`: never dropped silently, since a
+    diverged run is a result to look at (a run with no finite accuracy at the training condition never gets
+    here: it is listed below the in-distribution bar, `_bar`)."""
     out = {}
     for seed, by_condition in cells.items():
         cell = by_condition.get(condition)
         value = read(cell) if cell else None
-        if isinstance(value, (int, float)) and math.isfinite(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"ood {getattr(read, 'what', 'value')} of arm {cell.get('arm')!r} at seed {seed}, "
+                                 f"condition {condition}, is {value!r}, not a finite number; that evaluation "
+                                 f"diverged or its result file is damaged: fix or rerun it before reporting")
             out[seed] = float(value)
     return out
 
@@ -75,39 +94,15 @@ def _adaptive(cell):
     return (cell.get("adaptive") or {}).get("accuracy")
 
 
+_accuracy.what, _adaptive.what = "accuracy", "accuracy with adaptive temperature"
+
+
 def _share(part: str):
     """Reads the retrieving head's share `part` ("target", "noise", "negative"; `head_shares`)."""
     def read(cell):
         return (cell.get("retrieving") or {}).get(part)
+    read.what = f"retrieving head's share ({part})"
     return read
-
-
-def _identities(ctx, arm: str) -> list[dict[str, Any]]:
-    """The identities (model, train, data) the arm's result files record, one per seed that has one (runs read
-    from folders record none)."""
-    runs = (ctx.runs.get((arm, seed)) for seed in ctx.seeds)
-    return [ident for run in runs if (ident := ((run.record if run else None) or {}).get("identity"))]
-
-
-def _kind(ctx, arm: str) -> str:
-    """The arm's attention kind, as its result files record it, else as the manifest defines the arm, else its
-    name (which names the kind by default)."""
-    recorded = next((k for i in _identities(ctx, arm) if (k := (i.get("model") or {}).get("attention"))), None)
-    return recorded or ctx.spec(arm).get("attention") or arm
-
-
-def _recipe(ctx, arm: str) -> tuple[str, Any] | None:
-    """What besides the architecture sets the arm's results: its training settings (the seed aside) and its
-    position encoding; None when no result file records them. Seeds of one arm on different recipes give a
-    value no other arm shares, so every difference with that arm reads as another recipe's."""
-    recipes = set()
-    for ident in _identities(ctx, arm):
-        if ident.get("train"):
-            train = {k: v for k, v in ident["train"].items() if k != "seed"}
-            recipes.add((repr(sorted(train.items())), (ident.get("model") or {}).get("position_encoding")))
-    if len(recipes) > 1:
-        return ("mixed recipes", arm)
-    return next(iter(recipes), None)
 
 
 def _reference_arm(ctx, arms) -> str | None:
@@ -117,23 +112,14 @@ def _reference_arm(ctx, arms) -> str | None:
     if "diff" in arms:
         return "diff"
     differential = _differential(ctx, arms)
-    return next((a for a in differential if not _unencoded(ctx, a)), next(iter(differential), None))
-
-
-def _unencoded(ctx, arm: str) -> bool:
-    """Whether the arm has no position encoding (NoPE), as its result files record, else as the manifest
-    defines the arm."""
-    recorded = {(i.get("model") or {}).get("position_encoding") for i in _identities(ctx, arm)} - {None}
-    if recorded:
-        return recorded == {"none"}
-    return (ctx.spec(arm).get("overrides") or {}).get("position_encoding") == "none"
+    return next((a for a in differential if not unencoded(ctx, a)), next(iter(differential), None))
 
 
 def _nope_pairs(ctx, arms) -> list[tuple[str, str]]:
     """(differential arm, Transformer), both without position encoding: whether position encoding decides
     what DIFF does out of distribution. The Transformer is the one on the same recipe when there is one."""
-    nope = [a for a in arms if _unencoded(ctx, a)]
-    transformers = [a for a in nope if _kind(ctx, a) == "transformer"]
+    nope = [a for a in arms if unencoded(ctx, a)]
+    transformers = [a for a in nope if arm_kind(ctx, a) == "transformer"]
     pairs = [(arm, _matched_transformer(ctx, arm, nope) or next(iter(transformers), None))
              for arm in _differential(ctx, nope)]
     return [(arm, base) for arm, base in pairs if base is not None]
@@ -142,15 +128,16 @@ def _nope_pairs(ctx, arms) -> list[tuple[str, str]]:
 def _recipe_pairs(ctx, arms) -> list[tuple[str, str]]:
     """(arm, base): each arm against the arm of the same attention kind and position encoding that is named after
     the kind (`transformer_lr5e-4` against `transformer`; the first such arm in `arms` when none is), where their
-    recorded recipes differ. Paired by seed, both start from the same weights and see the same batches, so the
-    difference is the recipe's alone: the yardstick for differences between architectures on different recipes."""
+    recorded recipes differ (both recorded: `same_recipe` is False). Paired by seed, both start from the same weights
+    and see the same batches, so the difference is the recipe's alone: the yardstick for differences between
+    architectures on different recipes."""
     groups: dict[tuple[str, bool], list[str]] = {}
     for arm in arms:
-        groups.setdefault((_kind(ctx, arm), _unencoded(ctx, arm)), []).append(arm)
+        groups.setdefault((arm_kind(ctx, arm), unencoded(ctx, arm)), []).append(arm)
     pairs = []
     for (kind, _), members in groups.items():
         base = kind if kind in members else members[0]
-        pairs += [(arm, base) for arm in members if arm != base and _recipe(ctx, arm) != _recipe(ctx, base)]
+        pairs += [(arm, base) for arm in members if arm != base and same_recipe(ctx, arm, base) is False]
     return pairs
 
 
@@ -163,22 +150,20 @@ def _unmeasured_recipe(arm: str, base: str) -> Lines:
 
 def _differential(ctx, arms) -> list[str]:
     """The arms whose attention is a difference of two maps (DIFF V1, V2, without head norm), in `arms`' order."""
-    return [a for a in arms if getattr(ATTENTION_KINDS.get(_kind(ctx, a)), "differential", False)]
+    return [a for a in arms if getattr(ATTENTION_KINDS.get(arm_kind(ctx, a)), "differential", False)]
 
 
 def _controls(ctx, arms) -> list[str]:
     """The arms with one softmax map that are not the plain Transformer (the gated control, scalable softmax, the
     Transformer with DIFF's head norm), in `arms`' order."""
-    return [a for a in arms if a not in _differential(ctx, arms) and _kind(ctx, a) != "transformer"]
+    return [a for a in arms if a not in _differential(ctx, arms) and arm_kind(ctx, a) != "transformer"]
 
 
 def _matched_transformer(ctx, ref: str, arms) -> str | None:
     """The Transformer arm to set against `ref`: one on the same recipe and position encoding when there is one
-    (`transformer_6k` beside DIFF's 6,000-step recipe), else `transformer`, else none."""
-    softmax = [a for a in arms if _kind(ctx, a) == "transformer" and a != ref]
-    mine = _recipe(ctx, ref)
-    same = [a for a in softmax if mine is not None and _recipe(ctx, a) == mine]
-    return (same or [a for a in softmax if a == "transformer"] or [None])[0]
+    (`transformer_6k` beside DIFF's 6,000-step recipe: `recipes.matched_arm`), else `transformer`, else none."""
+    plain = "transformer" in arms and ref != "transformer" and arm_kind(ctx, "transformer") == "transformer"
+    return matched_arm(ctx, ref, "transformer", arms) or ("transformer" if plain else None)
 
 
 def ood_section(ctx, out_dir: Path | None = None) -> Lines:
@@ -236,12 +221,12 @@ def _comparisons(ctx, arms, listed, cells, conditions, verdicts: list[list[str]]
                               verdicts=verdicts, glance="the other with adaptive temperature")
         differential = _differential(ctx, arms)
         single = [a for a in arms if a not in differential]
-        for other in (a for a in differential if a != ref and not _unencoded(ctx, a)):
+        for other in (a for a in differential if a != ref and not unencoded(ctx, a)):
             L += _differences(ctx, other, [other, *single], cells, conditions, _accuracy,
                               "accuracy (each arm with a single softmax map)", verdicts=verdicts)
         for control in _controls(ctx, arms):
             base = _matched_transformer(ctx, control, arms)
-            if base and _recipe(ctx, base) == _recipe(ctx, control):  # another recipe's would mix the two
+            if base and same_recipe(ctx, base, control):  # another (or an unknown) recipe's would mix the two
                 L += _differences(ctx, control, [base], cells, conditions, _accuracy,
                                   "accuracy (a control against the Transformer on its recipe: what it does "
                                   "without a subtraction)", verdicts=verdicts)
@@ -340,9 +325,21 @@ def _two_maps(arms, cells, conditions) -> Lines:
 
 
 def _passed(by_condition: dict[str, dict[str, Any]]) -> bool:
-    """Whether a run passed the in-distribution bar (a run without a training-condition result is kept)."""
+    """Whether a run passed the in-distribution bar: a finite accuracy at the training condition of at least
+    IN_DISTRIBUTION_BAR (a run without one has not shown that it learned the task)."""
     value = (by_condition.get(TRAIN_CONDITION) or {}).get("accuracy")
-    return not (isinstance(value, (int, float)) and math.isfinite(value)) or value >= IN_DISTRIBUTION_BAR
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return finite and value >= IN_DISTRIBUTION_BAR
+
+
+def _below(by_condition: dict[str, dict[str, Any]]) -> str:
+    """Why a run did not pass the bar: its training-condition accuracy, or that it has no finite one."""
+    if TRAIN_CONDITION not in by_condition:
+        return "no result at the training condition"
+    value = by_condition[TRAIN_CONDITION].get("accuracy")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "no accuracy at the training condition"
+    return f"{value:.4f}" if math.isfinite(value) else f"accuracy {_fmt(value)} at the training condition"
 
 
 def _passing(cells: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
@@ -359,8 +356,7 @@ def _bar(arms, every, conditions) -> Lines:
     rows = [[code_span(arm), str(seed), *(_fmt(by_condition.get(c, {}).get("accuracy")) for c in conditions)]
             for arm, seed, by_condition in below]
     return [f"**Not every run passed the in-distribution bar ({IN_DISTRIBUTION_BAR:.0%}):** "
-            + ", ".join(f"{code_span(arm)} seed {seed} ({by_condition[TRAIN_CONDITION]['accuracy']:.4f})"
-                        for arm, seed, by_condition in below)
+            + ", ".join(f"{code_span(arm)} seed {seed} ({_below(by_condition)})" for arm, seed, by_condition in below)
             + ". A model that has not learned the task in distribution says nothing about attention noise out of "
             "it, so these runs are left out of every mean, difference and figure below (train them longer, or "
             "report them as not learning the task). Their accuracy (– where a condition was not scored: below "
@@ -396,7 +392,12 @@ def _seeds(n: int) -> str:
 
 
 def _fmt(value) -> str:
-    return f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
+    """An accuracy in 4 decimals; a non-finite one as such ("NaN", "inf"); "–" when there is none."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "–"
+    if math.isfinite(value):
+        return f"{value:.4f}"
+    return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def _summary(ctx, arms, cells, conditions) -> Lines:
@@ -421,8 +422,11 @@ def _summary(ctx, arms, cells, conditions) -> Lines:
     base = _matched_transformer(ctx, ref, arms) if ref else None
     if base and len(ctx.seeds) > 1:
         which = "the Transformer's" + ("" if base == "transformer" else f" on the same recipe ({code_span(base)})")
-        if _recipe(ctx, ref) != _recipe(ctx, base):
+        same = same_recipe(ctx, ref, base)
+        if same is False:
             which += " (on another recipe: the difference mixes recipe and architecture)"
+        elif same is None:
+            which += " (recipe not recorded: the difference may mix recipe and architecture)"
         for c in farthest:
             cmp = compare_paired(_values(cells[ref], c, _accuracy), _values(cells[base], c, _accuracy),
                                  arm=ref, baseline=base, metric=c)
@@ -513,23 +517,22 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
     of the other arm. Each arm pair's conditions are one family for the Holm-adjusted p. `same_architecture`:
     the arms differ in their recipe alone, so an arm on other settings is not marked as mixing the two. Each pair
     on a common recipe appends its row (named with `glance`, if any) to `verdicts`, once per pair and glance."""
-    rows = []
+    rows, marks = [], set()
     for other in (a for a in arms if a != ref):
         cmps = [compare_paired(_values(cells[ref], c, read), _values(cells[other], c, read_other or read),
                                arm=ref, baseline=other, metric=f"ood {c}") for c in conditions]
         kept = [(c, cmp) for c, cmp in zip(conditions, cmps) if cmp.diffs]
-        mixed = not same_architecture and _recipe(ctx, other) != _recipe(ctx, ref)
-        name = code_span(other) + (" (other recipe)" if mixed else "")
+        mark = "" if same_architecture else recipe_mark(ctx, other, ref)
+        name = code_span(other) + mark
         for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
             rows.append([name, code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
                          fmt_p(cmp.p), adjusted, reading])
-        if verdicts is not None and kept and not mixed:
+        marks.add(mark if kept else "")
+        if verdicts is not None and kept and not mark:
             _add_verdict(verdicts, ref, other, glance, conditions, kept)
     if not rows:
         return []
-    recipes = "" if same_architecture else (
-        " \"(other recipe)\": trained on other settings than " + code_span(ref) + " (steps, learning rate or "
-        "position encoding), so its difference mixes recipe and architecture.")
+    recipes = "" if same_architecture else recipe_note({OTHER_RECIPE, *marks}, ref)
     return [f"### {code_span(ref)} − each arm, {what}", "",
             "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate). "
             "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "

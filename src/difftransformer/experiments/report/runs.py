@@ -16,7 +16,9 @@ from typing import Any
 from difftransformer._version import __version__
 from difftransformer.experiments.evaluate import stored_results
 from difftransformer.experiments.units import UNIT_FORMAT, Unit
+from difftransformer.model.config import model_identity
 from difftransformer.train import RunDir
+from difftransformer.train.config import FREELY_CHANGEABLE
 
 MAX_TRAIN_ROWS = 250  # a result file keeps at most this many training-log rows (evenly spaced, last kept)
 _TRAIN_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "lambdas", "lambda_inits")
@@ -39,6 +41,13 @@ class Run:
     samples: list[dict[str, str]] | None = None  # the report's generations, when made
     parameters: int | None = None
     record: dict[str, Any] | None = None  # the result file it was read from
+    folder_identity: dict[str, Any] | None = None  # Run.read: the identity its run folder's configs give
+
+    @property
+    def identity(self) -> dict[str, Any] | None:
+        """What the run's result depends on (model, train recipe, ...): the identity its result file records,
+        else the one its run folder's configs give (`folder_identity`); None when neither is known."""
+        return (self.record or {}).get("identity") or self.folder_identity
 
     @classmethod
     def read(cls, arm: str, seed: int, run_dir: RunDir, default_max_steps: int | None = None, *,
@@ -53,7 +62,7 @@ class Run:
         return cls(arm, seed, run_dir, series.train, series.val, max_steps, run_dir.read_json(run_dir.model_config),
                    last, max_steps is not None and last >= max_steps,
                    stored_results(run_dir) if evals is None else dict(evals),
-                   cached.get("samples"))
+                   cached.get("samples"), folder_identity=folder_identity(run_dir))
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Run:
@@ -105,6 +114,20 @@ class Run:
     def lambda_inits(self) -> list[float | None] | None:
         """Each layer's λ_init, as the trainer logged it (None for runs logged before λ_init was)."""
         return self._last_lambda_row("lambda_inits")
+
+
+def folder_identity(run_dir: RunDir) -> dict[str, Any] | None:
+    """The model and recipe of the run in `run_dir`, read from its model_config.json and train_config.json in the
+    form a unit's result file records them (`study.unit_identity`: the model's identity, the training settings
+    but the freely changeable ones, with max_steps), so both sources give one recipe; None without a readable
+    train_config.json."""
+    train = run_dir.read_json(run_dir.train_config)
+    if not train:
+        return None
+    recipe = {k: v for k, v in train.items() if k not in FREELY_CHANGEABLE}
+    if "max_steps" in train:
+        recipe["max_steps"] = train["max_steps"]
+    return {"model": model_identity(run_dir.read_json(run_dir.model_config)), "train": recipe}
 
 
 def finished_val(runs: dict[tuple[str, int], Run], arm: str, seeds: list[int]) -> dict[int, float]:

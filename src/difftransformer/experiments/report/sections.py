@@ -27,6 +27,14 @@ from difftransformer.experiments.report.fmt import (
     table,
 )
 from difftransformer.experiments.report.ood_view import TASK as OOD_TASK
+from difftransformer.experiments.report.recipes import (
+    NOT_RECORDED,
+    OTHER_RECIPE,
+    arm_kind,
+    matched_arm,
+    recipe_mark,
+    same_recipe,
+)
 from difftransformer.experiments.report.runs import Run, finished_val
 from difftransformer.experiments.stats import compare_paired, number_format, paired_differences, verdict
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
@@ -135,7 +143,7 @@ def verdicts(ctx: Context) -> Lines:
     if not ctx.others:
         L += [f"Only one arm ({code_span(ctx.baseline)}) was run, so there is nothing to compare.", ""]
     for arm in ctx.others:
-        L += [verdict(md_name(arm), md_name(ctx.baseline), ctx.paired(arm)), ""]
+        L += [_verdict(ctx, arm), ""]
     if ctx.task_study:
         return L  # the paper's language-modelling numbers below say nothing about a synthetic task's loss
     L += ["For context (not a prediction for this run): the paper's 1.4B-parameter ablation reports a validation "
@@ -146,6 +154,36 @@ def verdicts(ctx: Context) -> Lines:
     return L
 
 
+def _verdict(ctx: Context, arm: str) -> str:
+    """The verdict on `arm` against the baseline when both trained on one recipe (`recipes.same_recipe`). An arm on
+    another recipe is set against the arm of the baseline's architecture on its own recipe when the study has one
+    (as the ood section's headline does: `recipes.matched_arm`); otherwise the sentence says what the difference
+    mixes: the recipe alone (the same attention), recipe and architecture, or an unknown recipe with either. An
+    arm (or baseline) with no run yet has nothing to compare, and no recipe to say anything of."""
+    base = ctx.baseline
+    same = same_recipe(ctx, arm, base)
+    if same or not (ctx.arm_runs(arm) and ctx.arm_runs(base)):
+        return verdict(md_name(arm), md_name(base), ctx.paired(arm))
+    kind = arm_kind(ctx, base)
+    matched = None if same is None or arm_kind(ctx, arm) == kind else matched_arm(ctx, arm, kind, ctx.arms)
+    if matched:
+        diffs = paired_differences(finished_val(ctx.runs, arm, ctx.seeds), finished_val(ctx.runs, matched, ctx.seeds))
+        return (verdict(md_name(arm), md_name(matched), diffs) + f" ({md_name(matched)} has the baseline's "
+                f"architecture on {md_name(arm)}'s recipe; {md_name(base)} trained on another, so a difference "
+                f"from it would mix recipe and architecture.)")
+    if same is None:
+        why = (f" The recipe of {md_name(arm)} or {md_name(base)} is not recorded (no result file or run folder "
+               f"gives it), so the difference may mix recipe and architecture.")
+    elif arm_kind(ctx, arm) == kind:
+        why = (f" {md_name(arm)} has {md_name(base)}'s attention on another recipe (training settings or position "
+               f"encoding): the difference is the recipe's, not the architecture's.")
+    else:
+        why = (f" {md_name(arm)} trained on another recipe than {md_name(base)} (training settings or position "
+               f"encoding), and the study has no arm of the baseline's architecture on its recipe: the difference "
+               f"mixes recipe and architecture.")
+    return verdict(md_name(arm), md_name(base), ctx.paired(arm)) + why
+
+
 def final_losses(ctx: Context) -> Lines:
     baseline, seeds = ctx.baseline, ctx.seeds
     params = ctx.manifest.get("parameters", {})
@@ -154,17 +192,28 @@ def final_losses(ctx: Context) -> Lines:
     head = ["arm", "parameters", "final val loss" + (" (mean [95% interval])" if many else ""),
             f"paired Δ vs {md_name(baseline)}" + (" [95% interval]" if many else ""), "paired t-test p",
             "train tokens/s", f"tokens/s ÷ {md_name(baseline)}"]
-    rows = []
+    rows, marks = [], set()
     for arm in ctx.arms:
         finals = list(finished_val(ctx.runs, arm, seeds).values())
+        compared = arm != baseline and ctx.arm_runs(arm) and ctx.arm_runs(baseline)
+        mark = recipe_mark(ctx, arm, baseline) if compared else ""
+        marks.add(mark)
         tps = [r.tokens_per_s for r in ctx.arm_runs(arm) if r.tokens_per_s]
         ratio = f"{statistics.fmean(tps) / statistics.fmean(base_tps):.3f}" if tps and base_tps else "–"
         count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
         p = None if arm == baseline else ctx.comparison(arm).p
-        rows.append([code_span(arm), f"{count:,}" if count else "–", fmt_ci(finals),
+        rows.append([code_span(arm) + mark, f"{count:,}" if count else "–", fmt_ci(finals),
                      "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), fmt_p(p),
                      fmt_ms(tps, 0) if tps else "–", ratio])
     L = ["## Final validation loss and throughput", "", *table(head, rows), ""]
+    if OTHER_RECIPE in marks:
+        L += [f"\"{OTHER_RECIPE.strip()}\": trained on other settings than {code_span(baseline)} (steps, learning "
+              "rate or position encoding), so its Δ is not the architecture's alone (for an arm with the baseline's "
+              "attention it is the recipe's); the Verdict sets each other architecture against the baseline's on its "
+              "recipe where the study has one.", ""]
+    if NOT_RECORDED in marks:
+        L += [f"\"{NOT_RECORDED.strip()}\": no result file or run folder records its recipe or "
+              f"{code_span(baseline)}'s, so its Δ may mix recipe and architecture.", ""]
     if len(seeds) > 1:
         L += ["Per seed (final validation loss):", ""]
         L += table(["seed", *[code_span(a) for a in ctx.arms]],
@@ -445,10 +494,10 @@ def _recipe(ctx: Context) -> Lines:
 
 
 def _own_recipe(ctx: Context, arm: str, shared: dict[str, Any]) -> dict[str, Any]:
-    """The arm's training settings that differ from the study's: as its result files record them (what was run,
-    whatever the manifest says), else the manifest's arm spec. With token budgets max_steps follows the budget."""
-    recorded = [(run.seed, train) for run in ctx.arm_runs(arm)
-                if (train := ((run.record or {}).get("identity") or {}).get("train"))]
+    """The arm's training settings that differ from the study's: as its result files or run folders record them
+    (`Run.identity`: what was run, whatever the manifest says), else the manifest's arm spec. With token budgets
+    max_steps follows the budget."""
+    recorded = [(run.seed, train) for run in ctx.arm_runs(arm) if (train := (run.identity or {}).get("train"))]
     if not recorded:
         return dict(ctx.spec(arm).get("train") or {})
     skip = {"seed"} | ({"max_steps"} if ctx.manifest.get("tokens") else set())
