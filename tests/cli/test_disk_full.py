@@ -167,10 +167,12 @@ def test_train_on_a_full_disk_at_a_checkpoint_names_it_and_keeps_the_last(workdi
 
 def test_the_lock_file_on_a_full_disk_is_named(workdir, tmp_path, monkeypatch, capsys):
     """`compare` (and `train`) on a full disk fail first at the folder lock's holder line (os.pwrite, an error with
-    no file name): the line names the lock file and --out-dir."""
+    no file name): the line names the lock file and --out-dir. The data are prepared first, so the first lock
+    taken is the study folder's whichever test of the module ran before."""
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, NO_SPACE)
 
+    assert main(["prepare", "--config", str(workdir / "tiny.toml")]) == 0
     monkeypatch.setattr(os, "pwrite", full)
     out = tmp_path / "c"
     capsys.readouterr()
