@@ -118,3 +118,20 @@ def test_the_scaling_text_states_the_rule_the_fit_follows(tmp_path):
             "seeds, at 3 or more distinct non-embedding parameters; else c is fixed at 0") in text
     assert "c fixed at 0 for `diff` vs `transformer`." in text
     assert "fewer than 3" not in text
+
+
+def test_a_metric_that_is_a_function_of_another_is_tested_once_under_its_source(tmp_path):
+    """heldout-loss reports loss, perplexity = exp(loss) and bits = loss / ln 2: one measurement. The evaluation table
+    tests loss alone and counts it once in the arm's Holm family: beside a needle metric the family is 2, not 4."""
+    losses = {"diff": [3.00, 3.10, 2.90], "transformer": [3.20, 3.25, 3.15]}
+    records = [_record(Unit(None, None, s, arm), 3.0, evals={
+        "heldout-loss": {"metrics": {"loss": losses[arm][s], "perplexity": math.exp(losses[arm][s]),
+                                     "bits_per_token": losses[arm][s] / math.log(2)}},
+        "needle": {"metrics": {"accuracy": [0.5, 0.6, 0.7][s] if arm == "diff" else 0.6}}})
+        for arm in ("diff", "transformer") for s in range(3)]
+    text = "\n".join(sections.evaluation(_context_of(tmp_path / "r", records, [0, 1, 2])))
+    rows = {r.split("|")[2].strip(): r for r in text.splitlines() if r.startswith("| heldout-loss") or
+            r.startswith("| needle")}
+    assert "tested as `loss`" in rows["`perplexity`"] and "tested as `loss`" in rows["`bits_per_token`"]
+    p = sst.ttest_1samp([-0.20, -0.15, -0.25], 0).pvalue  # the loss differences
+    assert f"| {p:.3f} | {min(1.0, 2 * p):.3f} |" in rows["`loss`"]  # Holm over loss and needle accuracy: m = 2

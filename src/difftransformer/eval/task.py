@@ -147,7 +147,9 @@ class Task(abc.ABC):
     versions were recorded read as version 1.
     skip_options: options that only choose which parts of the work are skipped, never how a part is computed
     (ood's `min_accuracy`). A stored result computed with other values of them (or before they existed) still
-    serves where `covers` says it holds every part that these options would compute."""
+    serves where `covers` says it holds every part that these options would compute.
+    derived_metrics: {metric: the metric it is a monotone function of} (heldout-loss's perplexity = exp(loss)):
+    one measurement under two names, so a report tests the source alone and counts it once among its tests."""
 
     name: ClassVar[str]
     description: ClassVar[str]
@@ -156,6 +158,7 @@ class Task(abc.ABC):
     reads_seq_len: ClassVar[bool] = True
     version: ClassVar[int] = 1
     skip_options: ClassVar[tuple[str, ...]] = ()
+    derived_metrics: ClassVar[dict[str, str]] = {}
 
     def __init__(self, options: Any = None, **overrides: Any):
         """`options`: an instance of `Options` (default: its defaults); `overrides`: fields to change."""

@@ -49,6 +49,7 @@ def windowed_nll(model, tokens, seq_len: int, windows: int, batch_size: int, dev
 class HeldOutLoss(Task):
     name = "heldout-loss"
     description = "token-weighted loss, perplexity and bits per token on a held-out split of a prepared corpus"
+    derived_metrics = {"perplexity": "loss", "bits_per_token": "loss"}
 
     def run(self, model: torch.nn.Module, tokenizer, cfg: EvalConfig) -> TaskResult:
         held = heldout_split(cfg, tokenizer, self.name)

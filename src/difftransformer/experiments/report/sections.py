@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from difftransformer.eval import TASKS
 from difftransformer.eval.paper import paper_number
 from difftransformer.experiments.evaluate import outdated_evaluations
 from difftransformer.experiments.report.fmt import (
@@ -331,7 +332,9 @@ def evaluation(ctx: Context) -> Lines:
          "The paper's measurements on each arm's final model (`difftransformer eval`; protocols in "
          "docs/evaluation.md) over seeds: mean [95% interval]; Δ is the paired difference arm − baseline over the "
          "seeds both have, with its interval and the paired t-test. Holm p adjusts an arm's p-values over its rows: "
-         "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests. "
+         "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests; "
+         "a metric that is a function of another one of its task (perplexity of the loss) is that one measurement, "
+         "tested once, under its source. "
          "The paper's values (3B-13B models, long "
          "contexts) are a reference for direction, not a target at this scale.", "", *_outdated(ctx)]
     for arm in ctx.others:
@@ -341,17 +344,27 @@ def evaluation(ctx: Context) -> Lines:
             if own or base:
                 found.append((task, metric, base, own,
                               compare_paired(own, base, arm=arm, baseline=ctx.baseline, metric=f"{task} {metric}")))
+        tested = [f for f in found if not _source_metric(*f[:2], found)]
+        readings = dict(zip(((t, m) for t, m, *_ in tested), holm_readings([f[-1] for f in tested], arm)))
         rows = []
-        for (task, metric, base, own, cmp), (adjusted, reading) in zip(
-                found, holm_readings([f[-1] for f in found], arm)):
+        for task, metric, base, own, cmp in found:
+            source = _source_metric(task, metric, found)
+            adjusted, reading = ("–", f"tested as `{source}`") if source else readings[task, metric]
             paper = paper_number(task, metric)
             rows.append([f"{task}", f"`{metric}`", fmt_ci(list(base.values()), 3), fmt_ci(list(own.values()), 3),
-                         fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–", fmt_p(cmp.p), adjusted,
+                         fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–",
+                         "–" if source else fmt_p(cmp.p), adjusted,
                          reading, "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
         L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
         L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "Holm p",
                     "reading", "paper T / DIFF"], rows) + [""]
     return L
+
+
+def _source_metric(task: str, metric: str, found) -> str | None:
+    """The metric of `task` that `metric` is a function of (Task.derived_metrics), when the table has it."""
+    source = getattr(TASKS.get(task), "derived_metrics", {}).get(metric)
+    return source if any(t == task and m == source for t, m, *_ in found) else None
 
 
 def _evaluation_one_seed(ctx: Context) -> Lines:
