@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from difftransformer.cli import main
+from tests.cli.conftest import last_error_line
 from tests.helpers import cli_fails
 
 
@@ -95,3 +96,19 @@ def test_arms_named_on_the_command_line_may_be_the_configs_own_tables():
         _arm_names("diff_nope", compare)
     with pytest.raises(ValueError, match="twice"):
         _arm_names("transformer_nope,transformer_nope", compare)
+
+
+def test_a_task_that_fails_while_it_runs_exits_3_with_one_line(workdir, tmp_path, monkeypatch, capsys):
+    """A task that applies but could not run is neither a crash (1) nor bad input (2): exit status 3, as `eval all`
+    gives it, with the study's one line."""
+    from difftransformer.cli import compare as compare_cli
+    from difftransformer.experiments.evaluate import TaskFailedError
+
+    def failing(*args, **kwargs):
+        raise TaskFailedError("seed 0, arm diff (runs/x): task needle failed: a needle prompt of 300 tokens ...")
+
+    monkeypatch.setattr(compare_cli, "run_study", failing)
+    capsys.readouterr()
+    assert main(["compare", "--config", str(workdir / "tiny.toml"), "--out-dir", str(tmp_path / "c")]) == 3
+    assert last_error_line(capsys) == ("difftransformer compare: error: seed 0, arm diff (runs/x): task needle "
+                                       "failed: a needle prompt of 300 tokens ...")

@@ -51,7 +51,7 @@ def _needle_study(tmp_path: Path, metrics: dict[str, tuple[list[float], list[flo
 
 def test_a_claim_reads_reproduced_only_after_holm_over_the_claims(tmp_path):
     """Three needle claims with paper numbers (N1R1's paper values are equal: no claim): N2R2 separates clearly
-    (p ~ 4e-4), N6R2 only on its own (p = 0.034, the audit's case), N4R2 not at all. Holm over m = 3: N2R2 3p,
+    (p ~ 4e-4), N6R2 only on its own (p = 0.034), N4R2 not at all. Holm over m = 3: N2R2 3p,
     N6R2 max(3p1, 2p) = 0.068, which is not below 0.05, so N6R2 reads "before Holm only" and is listed with what did
     not reproduce, as the evaluation table reads it "not after Holm"."""
     ctx = _needle_study(tmp_path, {"greedy@N2R2": ([0.80, 0.81, 0.79], [0.50, 0.50, 0.50]),

@@ -604,11 +604,11 @@ def test_the_glance_table_tells_a_separation_before_holm_and_one_without_a_test_
         "none", "higher at 4x length (+0.075)"]
     ctx = _ctx({"diff": {s: (1.0, 1.0) for s in range(3)}, "transformer": {s: (1.0, 0.9999) for s in range(3)}})
     assert _glance_rows("\n".join(ood_section(ctx)))["`diff` − `transformer`"][1:3] == [
-        "none", "higher at 4x length (+1.0e-04)"]
+        "none", "higher at 4x length (+1.0e-04, no test)"]
 
 
 def test_a_run_without_a_finite_accuracy_at_the_training_condition_is_below_the_bar(tmp_path):
-    """F7: a NaN accuracy at 1x, or no 1x result at all, has not shown that the run learned the task: it is listed
+    """A NaN accuracy at 1x, or no 1x result at all, has not shown that the run learned the task: it is listed
     below the bar with the reason, and its other conditions are in no mean or difference."""
     ctx = _ctx({"diff": {0: (1.0, 0.6), 1: (1.0, 0.6), 2: (float("nan"), 0.1)},
                 "transformer": {0: (1.0, 0.5), 1: (1.0, 0.5), 2: (1.0, 0.52)}})
@@ -623,7 +623,7 @@ def test_a_run_without_a_finite_accuracy_at_the_training_condition_is_below_the_
 @pytest.mark.parametrize("read, what", [("accuracy", "accuracy"),
                                         ("adaptive", "accuracy with adaptive temperature")])
 def test_a_non_finite_value_of_a_run_past_the_bar_is_an_error_naming_arm_seed_and_condition(read, what):
-    """F3: never dropped silently (the mean, interval and paired difference would be over the other seeds with
+    """Never dropped silently (the mean, interval and paired difference would be over the other seeds with
     nothing said), as stats.compare_paired treats a non-finite value."""
     ctx = _ctx({"diff": {s: (1.0, 0.6) for s in range(3)}, "transformer": {s: (1.0, 0.5) for s in range(3)}})
     cell = ctx.runs["diff", 1].evals["ood"]["details"]["cells"][1]

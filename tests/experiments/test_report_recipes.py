@@ -58,7 +58,7 @@ def _runs(tmp_path, from_folders: bool) -> dict:
 
 
 def test_a_report_from_run_folders_reads_each_arms_recipe_as_one_from_result_files_does(tmp_path):
-    """F5: built from run folders, the ood section is the one built from result files: the 2,000-step Transformer
+    """Built from run folders, the ood section is the one built from result files: the 2,000-step Transformer
     is marked as on another recipe, has no row among the verdicts at a glance, and DIFF's headline is against
     the Transformer on its own 6,000 steps."""
     specs = {"transformer_6k": {"name": "transformer_6k", "attention": "transformer"}}
@@ -72,7 +72,7 @@ def test_a_report_from_run_folders_reads_each_arms_recipe_as_one_from_result_fil
 
 
 def test_an_unknown_recipe_is_never_read_as_a_common_one():
-    """F5: runs whose recipe nothing records (no result file, no run folder) compare as unknown: each difference
+    """Runs whose recipe nothing records (no result file, no run folder) compare as unknown: each difference
     says so, none gets a row among the verdicts at a glance, and the headline says the recipe is not recorded."""
     runs = {(arm, seed): Run(arm, seed, None, evals=_ood(acc4))
             for arm, (_, _, accs) in _ARMS.items() for seed, acc4 in enumerate(accs)}
@@ -129,7 +129,7 @@ _FINALS = {"transformer": ("transformer", 1e-3, [2.90, 2.91, 2.92]), "diff": ("d
 
 
 def test_a_verdict_across_recipes_compares_the_architectures_on_one_recipe_or_says_what_it_mixes():
-    """F4: DIFF on lr 5e-4 is behind the lr 1e-3 Transformer, but ahead of the Transformer on its own recipe: the
+    """DIFF on lr 5e-4 is behind the lr 1e-3 Transformer, but ahead of the Transformer on its own recipe: the
     verdict is the latter. The Transformer on lr 5e-4 against the baseline is the recipe's difference alone; DIFF V2
     on a recipe no Transformer shares is set against the baseline with a sentence that it mixes the two."""
     text = "\n".join(verdicts(_loss_ctx(_FINALS)))

@@ -53,8 +53,8 @@ def _memory_held_elsewhere(monkeypatch) -> None:
 
 def test_a_task_failing_while_it_runs_stops_the_study_and_the_next_run_evaluates_it(data_dir, tmp_path, monkeypatch,
                                                                                     caplog):
-    """Before: the ValueError was logged as "cannot run on this model" and the result file written without the
-    task."""
+    """A task that applies but fails while it runs (memory held elsewhere) stops the study, naming unit, task and
+    cause; no result file is written without the task, and the next run reuses the finished tasks and evaluates it."""
     study = _text_study(data_dir, ["heldout-loss", "outliers"])
     _memory_held_elsewhere(monkeypatch)
     with pytest.raises(TaskFailedError, match=r"^seed 0, arm diff \(.*diff\): task outliers failed: one window of "
@@ -75,7 +75,7 @@ def test_a_task_failing_while_it_runs_stops_the_study_and_the_next_run_evaluates
 
 
 def test_a_unit_evaluated_again_keeps_its_result_file_when_a_task_fails(tmp_path, monkeypatch):
-    """--replace-results with new ood options under memory pressure: before, the file was rewritten without ood."""
+    """--replace-results with new ood options under memory pressure: the failure leaves the stored file as it was."""
     run_study(_ood_study(tmp_path), tmp_path / "study", report=False)
     path = StudyDir(tmp_path / "study").results_dir() / "diff.json"
     before = path.read_bytes()
@@ -93,7 +93,7 @@ def test_only_a_task_that_does_not_apply_is_left_out_and_never_from_a_file_that_
                                                                                          monkeypatch, caplog):
     """ood on a model trained on text does not apply: logged, left out, the study goes on. A task the result file
     holds that does not apply when its unit is evaluated again (a new task version here) is refused, the file left
-    as it was, and one the study no longer runs is left out with a warning; before, both went without a word."""
+    as it was, and one the study no longer runs is left out with a warning: neither goes without a word."""
     from difftransformer.eval.task import TaskNotApplicable
     from difftransformer.eval.tasks.heldout_loss import HeldOutLoss
 
@@ -136,28 +136,29 @@ class _Probe(Task):
 
 
 def test_probe_batch_takes_one_window_when_a_batch_does_not_fit_and_says_when_one_never_can(monkeypatch):
-    """Room for one window but not for its headroom: one window at a time (before: a ValueError that a study read
+    """Room for one window but not for a batch's headroom: one window at a time (not an error that a study reads
     as "cannot run on this model"). No room for one: a one-line error saying whether the memory is held elsewhere
     (run again) or the window is larger than the device (a shorter one), offering --seq-len only to tasks that
     read it."""
     model = DiffTransformerLM(tiny())
     maps = 2 * model.config.num_attention_heads
     need = 4 * maps * 64 * 64 * hooks._EAGER_COPIES
-    monkeypatch.setattr(hooks, "_free_bytes", lambda device: need)
+    monkeypatch.setattr(hooks, "_free_bytes", lambda device: need * 4 // 3 + 1)  # one window in 3/4 of it
     assert hooks.probe_batch(model, 64, 8, "cpu") == 1
     monkeypatch.setattr(hooks, "_free_bytes", lambda device: 4 * need)
     assert hooks.probe_batch(model, 64, 8, "cpu") == 2
     monkeypatch.setattr(hooks, "_total_bytes", lambda device: 1000 * need)
     monkeypatch.setattr(hooks, "_free_bytes", lambda device: need // 2)
     with pytest.raises(ValueError, match=r"one window of 64 tokens needs ~\S+ \S+ of explicit attention maps .*, more "
-                                         r"than the \S+ \S+ free now \(of \S+ \S+\): other processes hold the rest; "
-                                         r"run again once they free it, or use a shorter window, e.g. --seq-len 32$"):
+                                         r"than 3/4 of the \S+ \S+ free now \(of \S+ \S+\): other processes hold "
+                                         r"the rest; run again once they free it, or use a shorter window, e.g. "
+                                         r"--seq-len 32$"):
         hooks.probe_batch(model, 64, 8, "cpu")
     with pytest.raises(ValueError, match=r"free now .* use shorter windows \(32 tokens fit; probe-test takes its "
                                          r"window lengths from its own options, not --seq-len\)$") as caught:
         run_task(_Probe(), model, None, EvalConfig())
     assert "--seq-len 32" not in str(caught.value)
     monkeypatch.setattr(hooks, "_total_bytes", lambda device: need // 2)
-    with pytest.raises(ValueError, match=r"more than all \S+ \S+ of cpu memory, so it never fits on this machine; "
-                                         r"use a shorter window, e.g. --seq-len 32$"):
+    with pytest.raises(ValueError, match=r"more than 3/4 of all \S+ \S+ of cpu memory, so it never fits on this "
+                                         r"machine; use a shorter window, e.g. --seq-len 32$"):
         hooks.probe_batch(model, 64, 8, "cpu")

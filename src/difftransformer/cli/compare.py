@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from difftransformer import dist
 from difftransformer.cli.common import add_config_args, out_dir, print_section
 from difftransformer.data import ensure_data
 from difftransformer.experiments import Study, StudyConfig, StudyDir, parse_int_list, run_study
+from difftransformer.experiments.evaluate import TaskFailedError
 from difftransformer.run_config import ConfigError, load_run_config
 
 HELP = "train DIFF and its matched Transformer side by side, then report"
@@ -30,7 +32,9 @@ EXAMPLES = """
     unit is evaluated (compare.eval_tasks) and summarised in a result file under compare.results_dir;
     units whose result file exists are skipped, so a study continues on another machine from committed
     results. The report says plainly when the arms cannot be separated: with one seed always, with
-    several when the 95% interval of the paired difference contains 0."""
+    several when the 95% interval of the paired difference contains 0. A task that applies to a unit's
+    model but fails while it runs stops the study with one line naming unit, task and cause, and exit
+    status 3 (2: bad input); running the same command again evaluates it again."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +65,9 @@ def _arm_names(text: str, compare: StudyConfig) -> list[str]:
         raise
 
 
+TASK_FAILED = 3  # a task that applies to a unit's model could not run: not a crash (1), not bad input (2)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, preset=args.preset, attention=args.attention, overrides=args.overrides)
     if cfg.train.init_from is not None:
@@ -81,8 +88,12 @@ def run(args: argparse.Namespace) -> int:
     data = ensure_data(cfg.data)
     cfg.resolve_vocab(data.vocab_size)
     t0 = time.perf_counter()
-    run_study(Study(cfg.model, cfg.train, cfg.data, cfg.compare, cfg.source), study_dir.path, arms=arms,
-                seeds=seeds, resume=not args.no_resume, replace_results=args.replace_results)
+    try:
+        run_study(Study(cfg.model, cfg.train, cfg.data, cfg.compare, cfg.source), study_dir.path, arms=arms,
+                  seeds=seeds, resume=not args.no_resume, replace_results=args.replace_results)
+    except TaskFailedError as e:  # a task that applies could not run: as `eval all` says it, exit status 3
+        print(f"difftransformer compare: error: {e}", file=sys.stderr)
+        return TASK_FAILED
     if dist.is_main():
         print(f"\ncompare finished in {(time.perf_counter() - t0) / 60:.1f} min; report: {study_dir.report}")
         print_section(study_dir.report, "## Verdict")

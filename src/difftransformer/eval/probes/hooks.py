@@ -119,16 +119,18 @@ def capture_layer_outputs(model: nn.Module, fn: Callable[[int, torch.Tensor], No
 # and the map it returns (4.1 maps' worth of tensors live at once), and the allocator's slack (the process's
 # RSS peaked at 5.3 to 7.7 maps' worth on different machines; 8 leaves headroom for both).
 _EAGER_COPIES = 8
+_ONE_WINDOW_SHARE = 0.75  # one window alone may take this much of the free memory: the rest for what the
+# estimate leaves out (the layer's activations, the allocator's slack)
 
 
 def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | torch.device,
                 maps_kept: int = 0) -> int:
     """How many windows of `seq_len` tokens one eager forward may take (at most batch_size): as many as their
-    explicit attention maps fit in half of the free memory, else one while one window fits in the free memory;
+    explicit attention maps fit in half of the free memory, else one while one window fits in 3/4 of it;
     the batch size changes no number.
 
     maps_kept: layers whose maps the forward returns and keeps (return_attention), besides the working
-    copies of the layer being computed. A window that does not fit in the free memory is a one-line ValueError
+    copies of the layer being computed. A window that does not fit in 3/4 of the free memory is a one-line ValueError
     naming the window length, the memory and a shorter window that fits (a 135 M model with an 8,192-token
     context asks for ~38 GB of scores per batch of 8 windows: without this, the process is killed for memory):
     beyond the device's whole memory the setting can never run there; within it, other processes hold the memory
@@ -141,7 +143,7 @@ def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | t
     fits = int(budget // need)
     if fits >= 1:
         return min(batch_size, fits)
-    if need <= free:
+    if need <= _ONE_WINDOW_SHARE * free:
         return 1  # no room for a batch of them: one window at a time, whatever the rest of the machine does
     shorter = seq_len
     while shorter > 1 and window_bytes(shorter) > budget:
@@ -153,11 +155,11 @@ def probe_batch(model: nn.Module, seq_len: int, batch_size: int, device: str | t
     what = (f"one window of {seq_len} tokens needs ~{_size(need)} of explicit attention maps "
             f"({maps} maps of {seq_len}x{seq_len} per layer)")
     total = _total_bytes(device)
-    if need > total:
-        raise ValueError(f"{what}, more than all {_size(total)} of {torch.device(device).type} memory, so it never "
-                         f"fits on this machine; {fix}")
-    raise ValueError(f"{what}, more than the {_size(free)} free now (of {_size(total)}): other processes hold the "
-                     f"rest; run again once they free it, or {fix}")
+    if need > _ONE_WINDOW_SHARE * total:
+        raise ValueError(f"{what}, more than 3/4 of all {_size(total)} of {torch.device(device).type} memory, so it "
+                         f"never fits on this machine; {fix}")
+    raise ValueError(f"{what}, more than 3/4 of the {_size(free)} free now (of {_size(total)}): other processes hold "
+                     f"the rest; run again once they free it, or {fix}")
 
 
 def _size(n: float) -> str:

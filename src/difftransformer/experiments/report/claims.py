@@ -37,6 +37,7 @@ from difftransformer.experiments.stats import compare_paired
 DIFF, BASE = "diff", "transformer"
 VERDICTS = {"better": "reproduced", "worse": "opposite", "inconclusive": "not shown", "single seed": "one seed"}
 BEFORE_HOLM = " before Holm only"  # appended to "reproduced"/"opposite" when the adjusted p does not clear 0.05
+NO_TEST = " without a test"  # appended when every seed gives the same difference: no p, so nothing survives Holm
 _Z = 1.96
 
 
@@ -63,8 +64,8 @@ def _row(name: str, ref: str, paper_t: float | None, paper_d: float | None, ours
 
 def _adjust(rows: list[dict[str, Any]]) -> int:
     """Holm over the rows' paired tests (one family: DIFF vs the Transformer on every claim with a p): a separation
-    whose adjusted p is not below the interval's level reads "... before Holm only"; a zero-width one keeps its
-    verdict with "no test" beside it. Sets each row's "p", "holm" and "note"; returns m, the family's size."""
+    whose adjusted p is not below the interval's level reads "... before Holm only", a zero-width one (no p) "...
+    without a test": neither is a finding. Sets each row's "p", "holm" and "note"; returns m, the family's size."""
     tested = [r for r in rows if r.get("cmp") is not None]
     separations = holm_separations([r["cmp"] for r in tested])
     m = sum(adj is not None for adj, _ in separations)
@@ -74,6 +75,7 @@ def _adjust(rows: list[dict[str, Any]]) -> int:
             r["verdict"] += BEFORE_HOLM
             r["note"] = f"adjusted p {fmt_p(adj)} over {m} claims"
         elif separation == "no test":
+            r["verdict"] += NO_TEST
             r["note"] = "the same difference on every seed: a zero-width interval, no test"
     return m
 
@@ -159,12 +161,13 @@ def _family(m: int) -> str:
 
 
 def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
-    """The claims that did not reproduce (after Holm), "opposite" first, then those that separate before Holm only,
-    then "not shown"; one-seed claims in one sentence
+    """The claims that did not reproduce (after Holm), "opposite" first, then those that separate before Holm only
+    or without a test, then "not shown"; one-seed claims in one sentence
     (without an interval there is nothing to say about them one by one)."""
     L = ["### What did not reproduce", ""]
     single = [r for r in rows if r["verdict"] == "one seed"]
-    order = ("opposite", "opposite" + BEFORE_HOLM, "reproduced" + BEFORE_HOLM, "not shown")
+    order = ("opposite", *(f"{v}{q}" for q in (BEFORE_HOLM, NO_TEST) for v in ("opposite", "reproduced")),
+             "not shown")
     tested = sorted((r for r in rows if r["verdict"] in order), key=lambda r: order.index(r["verdict"]))
     if not tested and not single:
         return L + ["Every measured claim reproduced at this scale.", ""]
@@ -176,6 +179,9 @@ def _not_reproduced(rows: list[dict[str, Any]]) -> list[str]:
         if r["verdict"].endswith(BEFORE_HOLM):  # the spread resolves it on its own: the question is the family
             need = (" Its interval excludes 0 on its own, not after adjusting for the claims tested: a lead, which "
                     "more paired seeds (or a study testing this claim alone) would confirm or dismiss.")
+        elif r["verdict"].endswith(NO_TEST):
+            need = (" Every seed gives the same difference, so there is no spread to test it against: seeds that "
+                    "vary what they are scored on (or more of them) would test it.")
         elif r["seeds_needed"]:
             need = (f" Resolving a difference of the paper's size ({r['effect']:.3g}) with the seed-to-seed spread "
                     f"seen here would take about {r['seeds_needed']} paired seeds (normal approximation).")

@@ -37,7 +37,6 @@ from difftransformer.experiments.report.fmt import (
     table,
 )
 from difftransformer.experiments.report.recipes import (
-    OTHER_RECIPE,
     arm_kind,
     matched_arm,
     recipe_mark,
@@ -267,12 +266,13 @@ def _condition_label(condition: str) -> str:
 
 def _separations(kept) -> tuple[str, str]:
     """(after Holm, before Holm only) over one arm pair's (condition, comparison)s: "higher at 8x length (+0.120);
-    lower at ..." or "none". A zero-width interval (no test) counts as before Holm only."""
+    lower at ..." or "none". A zero-width interval (no p: nothing survives Holm) counts as before Holm only, marked
+    "no test", as the claims table reads it ("... without a test")."""
     def say(pairs) -> str:
         by_sign: dict[str, list[str]] = {}
         for c, cmp in pairs:
             mean = sum(cmp.diffs) / cmp.n
-            shown = f"{mean:+.3f}" if abs(mean) >= 5e-4 else f"{mean:+.1e}"
+            shown = (f"{mean:+.3f}" if abs(mean) >= 5e-4 else f"{mean:+.1e}") + (", no test" if cmp.p is None else "")
             by_sign.setdefault("higher" if mean > 0 else "lower", []).append(f"{_condition_label(c)} ({shown})")
         return "; ".join(f"{sign} at " + ", ".join(items) for sign, items in by_sign.items()) or "none"
     separations = [s for _, s in holm_separations([cmp for _, cmp in kept])]
@@ -532,7 +532,7 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
             _add_verdict(verdicts, ref, other, glance, conditions, kept)
     if not rows:
         return []
-    recipes = "" if same_architecture else recipe_note({OTHER_RECIPE, *marks}, ref)
+    recipes = "" if same_architecture else recipe_note(marks, ref)  # explains the marks its rows carry
     return [f"### {code_span(ref)} − each arm, {what}", "",
             "Paired by seed; the reading follows the 95% interval (an interval that holds 0 cannot separate). "
             "Holm p adjusts each arm pair's p-values over its conditions: a separation marked \"not after Holm\" "

@@ -37,7 +37,7 @@ from difftransformer.experiments.report.recipes import (
     same_recipe,
 )
 from difftransformer.experiments.report.runs import Run, finished_val
-from difftransformer.experiments.stats import compare_paired, number_format, paired_differences, verdict
+from difftransformer.experiments.stats import compare_paired, number_format, paired_differences, verdict_text
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
 from difftransformer.experiments.units import cell_label
 from difftransformer.model import ATTENTION_KINDS
@@ -164,12 +164,11 @@ def _verdict(ctx: Context, arm: str) -> str:
     base = ctx.baseline
     same = same_recipe(ctx, arm, base)
     if same or not (ctx.arm_runs(arm) and ctx.arm_runs(base)):
-        return verdict(md_name(arm), md_name(base), ctx.paired(arm))
+        return _loss_verdict(ctx, arm, base)
     kind = arm_kind(ctx, base)
     matched = None if same is None or arm_kind(ctx, arm) == kind else matched_arm(ctx, arm, kind, ctx.arms)
     if matched:
-        diffs = paired_differences(finished_val(ctx.runs, arm, ctx.seeds), finished_val(ctx.runs, matched, ctx.seeds))
-        return (verdict(md_name(arm), md_name(matched), diffs) + f" ({md_name(matched)} has the baseline's "
+        return (_loss_verdict(ctx, arm, matched) + f" ({md_name(matched)} has the baseline's "
                 f"architecture on {md_name(arm)}'s recipe; {md_name(base)} trained on another, so a difference "
                 f"from it would mix recipe and architecture.)")
     if same is None:
@@ -182,7 +181,15 @@ def _verdict(ctx: Context, arm: str) -> str:
         why = (f" {md_name(arm)} trained on another recipe than {md_name(base)} (training settings or position "
                f"encoding), and the study has no arm of the baseline's architecture on its recipe: the difference "
                f"mixes recipe and architecture.")
-    return verdict(md_name(arm), md_name(base), ctx.paired(arm)) + why
+    return _loss_verdict(ctx, arm, base) + why
+
+
+def _loss_verdict(ctx: Context, arm: str, base: str) -> str:
+    """The verdict sentence on arm − base final validation loss, from the losses themselves (`compare_paired`: what
+    spread is float rounding depends on their magnitude, not the differences')."""
+    cmp = compare_paired(finished_val(ctx.runs, arm, ctx.seeds), finished_val(ctx.runs, base, ctx.seeds),
+                         arm=md_name(arm), baseline=md_name(base))
+    return verdict_text(cmp, unit="nats")
 
 
 def final_losses(ctx: Context) -> Lines:
