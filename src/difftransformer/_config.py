@@ -59,5 +59,7 @@ def check_field_types(config: Any, owner: str) -> None:
             continue
         if not _CHECKS[want](value):
             what = "true or false" if want == "bool" else f"a{'n' if want == 'int' else ''} {want}"
+            hint = (f"; on the command line none and null are null: quote a string, --set '{owner}.{f.name}=\"none\"'"
+                    if value is None and want == "str" else "")
             raise ConfigTypeError(f"{owner}.{f.name} must be {what}{' or null' if optional else ''}, "
-                                  f"got {value!r} ({type(value).__name__})")
+                                  f"got {value!r} ({type(value).__name__}){hint}")

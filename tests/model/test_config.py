@@ -113,8 +113,9 @@ def test_position_encoding_is_checked_and_flows_through_matched(kind):
     assert DiffTransformerConfig.from_dict(nope.to_dict()) == nope
     with pytest.raises(ValueError, match="model.position_encoding must be 'rope' .* or 'none' .*, got 'NoPE'"):
         tiny(kind, position_encoding="NoPE")
-    with pytest.raises(TypeError, match="model.position_encoding must be a str"):
-        tiny(kind, position_encoding=None)
+    with pytest.raises(TypeError, match="model.position_encoding must be a str, got None .*: quote a string, --set "
+                                        "'model.position_encoding=\"none\"'$"):
+        tiny(kind, position_encoding=None)  # what `--set model.position_encoding=none` gives: null
 
 
 @pytest.mark.parametrize("attention", ["transformer", "transformer_gated", "diff_v2", "transformer_headnorm"])
