@@ -185,6 +185,19 @@ def make_cfg(data_dir: str, out_dir, **overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def unit_record(unit, final: float, params: int = 1000, evals: dict | None = None) -> dict:
+    """A finished unit's result file (experiments/units.py's format) with final validation loss `final` and the
+    given evaluation records; the identity empty (a study's recipe checks are not what such a test looks at)."""
+    from difftransformer.experiments.units import UNIT_FORMAT
+
+    return {"format": UNIT_FORMAT, "unit": unit.to_dict(), "identity": {}, "parameters": params,
+            "model": {"attention": unit.arm, "vocab_size": 10, "hidden_size": 10, "tie_word_embeddings": True},
+            "max_steps": 10, "last_step": 10, "finished": True, "final_val_loss": final,
+            "val": [{"step": 10, "loss": final, "tokens": 1000}],
+            "train": [{"step": 10, "loss": final, "tokens": 1000, "tokens_per_s": 100.0}],
+            "evals": evals or {}, "samples": None}
+
+
 def untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 

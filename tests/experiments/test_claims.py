@@ -16,16 +16,8 @@ from difftransformer.experiments.report.claims import claim_lines
 from difftransformer.experiments.report.fmt import metric_values
 from difftransformer.experiments.report.scaling_view import scaling_lines
 from difftransformer.experiments.study_dir import StudyDir
-from difftransformer.experiments.units import UNIT_FORMAT, Unit, result_path
-
-
-def _record(unit: Unit, final: float, params: int = 1000, evals: dict | None = None) -> dict:
-    return {"format": UNIT_FORMAT, "unit": unit.to_dict(), "identity": {}, "parameters": params,
-            "model": {"attention": unit.arm, "vocab_size": 10, "hidden_size": 10, "tie_word_embeddings": True},
-            "max_steps": 10, "last_step": 10, "finished": True, "final_val_loss": final,
-            "val": [{"step": 10, "loss": final, "tokens": 1000}],
-            "train": [{"step": 10, "loss": final, "tokens": 1000, "tokens_per_s": 100.0}],
-            "evals": evals or {}, "samples": None}
+from difftransformer.experiments.units import Unit, result_path
+from tests.helpers import unit_record
 
 
 def _context_of(root: Path, records: list[dict], seeds: list[int], sizes: list[str] = ()):
@@ -43,7 +35,7 @@ def _context_of(root: Path, records: list[dict], seeds: list[int], sizes: list[s
 def _needle_study(tmp_path: Path, metrics: dict[str, tuple[list[float], list[float]]], diff_lower=(0.0, 0.0, 0.0)):
     """Three seeds; needle metrics (diff, transformer) per seed; final losses 3.0, less `diff_lower` for diff (equal
     by default: every difference exactly 0, no test)."""
-    records = [_record(Unit(None, None, s, arm), 3.0 - (diff_lower[s] if arm == "diff" else 0.0),
+    records = [unit_record(Unit(None, None, s, arm), 3.0 - (diff_lower[s] if arm == "diff" else 0.0),
                        evals={"needle": {"metrics": {k: v[arm == "transformer"][s] for k, v in metrics.items()}}})
                for arm in ("diff", "transformer") for s in range(3)]
     return _context_of(tmp_path / "r", records, [0, 1, 2])
@@ -92,7 +84,7 @@ def test_a_non_finite_metric_is_an_error_not_a_dropped_seed(tmp_path):
     metric, arm and seed (as a NaN final loss does), instead of a difference over the two other seeds."""
     loss = {"diff": [3.00, 3.01, math.nan], "transformer": [3.10, 3.12, 3.11]}
     top1 = {"diff": [20.0, 21.0, math.inf], "transformer": [30.0, 31.0, 32.0]}
-    records = [_record(Unit(None, None, s, arm), 3.0 + s / 100,
+    records = [unit_record(Unit(None, None, s, arm), 3.0 + s / 100,
                        evals={"heldout-loss": {"metrics": {"loss": loss[arm][s]}},
                               "outliers": {"metrics": {"attention_logits_top1": top1[arm][s]}}})
                for arm in ("diff", "transformer") for s in range(3)]
@@ -110,7 +102,7 @@ def test_the_scaling_text_states_the_rule_the_fit_follows(tmp_path):
     """Three sizes, one seed: 3 points per arm. The fit fixes c at 0 (3 parameters need 4 points at 3 distinct x);
     the text must say so, not that c is fixed only below 3 points."""
     sizes = {"a": 1e4, "b": 3e4, "c": 1e5}
-    records = [_record(Unit(name, None, 0, arm), 1 + 10 * (x / (0.6 if arm == "diff" else 1)) ** -0.3, int(x) + 100)
+    records = [unit_record(Unit(name, None, 0, arm), 1 + 10 * (x / (0.6 if arm == "diff" else 1)) ** -0.3, int(x) + 100)
                for name, x in sizes.items() for arm in ("diff", "transformer")]
     ctx = _context_of(tmp_path / "r", records, [0], list(sizes))
     text = "\n".join(scaling_lines(ctx, has_plot=False))
@@ -124,7 +116,7 @@ def test_a_metric_that_is_a_function_of_another_is_tested_once_under_its_source(
     """heldout-loss reports loss, perplexity = exp(loss) and bits = loss / ln 2: one measurement. The evaluation table
     tests loss alone and counts it once in the arm's Holm family: beside a needle metric the family is 2, not 4."""
     losses = {"diff": [3.00, 3.10, 2.90], "transformer": [3.20, 3.25, 3.15]}
-    records = [_record(Unit(None, None, s, arm), 3.0, evals={
+    records = [unit_record(Unit(None, None, s, arm), 3.0, evals={
         "heldout-loss": {"metrics": {"loss": losses[arm][s], "perplexity": math.exp(losses[arm][s]),
                                      "bits_per_token": losses[arm][s] / math.log(2)}},
         "needle": {"metrics": {"accuracy": [0.5, 0.6, 0.7][s] if arm == "diff" else 0.6}}})

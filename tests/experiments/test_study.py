@@ -28,7 +28,7 @@ from difftransformer.experiments.report.runs import Run
 from difftransformer.experiments.units import ResultFileError, find_results, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
-from tests.helpers import lock_held_by_another_process, tiny
+from tests.helpers import lock_held_by_another_process, tiny, unit_record
 
 SIZES = [{"name": "s32", "hidden_size": 32, "num_hidden_layers": 1, "diff_heads": 1},
          {"name": "s64", "hidden_size": 64, "num_hidden_layers": 2, "diff_heads": 2}]
@@ -157,17 +157,6 @@ def test_a_killed_study_resumes_and_a_foreign_result_file_is_refused(data_dir, t
         run_study(study, out)
 
 
-def _record(unit: Unit, final: float, params: int, evals: dict | None = None) -> dict:
-    from difftransformer.experiments.units import UNIT_FORMAT
-
-    return {"format": UNIT_FORMAT, "unit": unit.to_dict(), "identity": {}, "parameters": params,
-            "model": {"attention": unit.arm, "vocab_size": 10, "hidden_size": 10, "tie_word_embeddings": True},
-            "max_steps": 10, "last_step": 10, "finished": True, "final_val_loss": final,
-            "val": [{"step": 10, "loss": final, "tokens": 1000}],
-            "train": [{"step": 10, "loss": final, "tokens": 1000, "tokens_per_s": 100.0}],
-            "evals": evals or {}, "samples": None}
-
-
 def _write_results(root: Path, records: list[dict], sizes: list[str], seeds: list[int]) -> None:
     manifest = {"arms": ["diff", "transformer"], "seeds": seeds, "baseline": "transformer",
                 "sizes": [{"name": s} for s in sizes] if sizes else [], "tokens": []}
@@ -188,8 +177,8 @@ def test_scaling_section_reads_the_known_fraction_off_result_files(tmp_path):
     for seed, noise in ((0, 0.0), (1, 4e-4), (2, -3e-4)):
         for name, x in sizes.items():
             base = 1 + 10 * x ** -0.3
-            records.append(_record(Unit(name, None, seed, "transformer"), base + noise, int(x) + 100))
-            records.append(_record(Unit(name, None, seed, "diff"), 1 + 10 * (x / 0.6) ** -0.3 - noise,
+            records.append(unit_record(Unit(name, None, seed, "transformer"), base + noise, int(x) + 100))
+            records.append(unit_record(Unit(name, None, seed, "diff"), 1 + 10 * (x / 0.6) ** -0.3 - noise,
                                    int(x) + 100))
     _write_results(tmp_path / "r", records, list(sizes), [0, 1, 2])
     text = write_report(tmp_path / "r", samples=False).read_text()
@@ -211,7 +200,7 @@ def test_claims_follow_the_interval(tmp_path):
                                      ("transformer", 0.5 + 0.01 * seed, 3.0, 20.0 + seed)):
             evals = {"needle": {"metrics": {"greedy@N2R2": acc}},
                      "outliers": {"metrics": {"attention_logits_top1": top1}}}
-            records.append(_record(Unit(None, None, seed, arm), loss, 1000, evals))
+            records.append(unit_record(Unit(None, None, seed, arm), loss, 1000, evals))
     _write_results(tmp_path / "r", records, [], [0, 1, 2])
     text = write_report(tmp_path / "r", samples=False).read_text()
     rows = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ")}
@@ -228,7 +217,7 @@ def test_claims_follow_the_interval(tmp_path):
 def test_the_same_claim_difference_on_every_seed_is_reproduced_without_a_test(tmp_path):
     """+0.4 needle accuracy on every seed: a zero-width interval, no p, so nothing to survive Holm: the claim reads
     "reproduced without a test" and is listed with what did not reproduce, as the OOD glance table files it."""
-    records = [_record(Unit(None, None, seed, arm), 3.0, 1000, {"needle": {"metrics": {"greedy@N2R2": acc}}})
+    records = [unit_record(Unit(None, None, seed, arm), 3.0, 1000, {"needle": {"metrics": {"greedy@N2R2": acc}}})
                for seed in range(3) for arm, acc in (("diff", 0.9), ("transformer", 0.5))]
     _write_results(tmp_path / "r", records, [], [0, 1, 2])
     text = write_report(tmp_path / "r", samples=False).read_text()
@@ -242,7 +231,7 @@ def test_one_seed_claims_get_one_sentence_not_a_list(tmp_path):
     records = []
     for arm, loss, top1 in (("diff", 3.1, 50.0), ("transformer", 3.0, 20.0)):
         evals = {"outliers": {"metrics": {"attention_logits_top1": top1}}}
-        records.append(_record(Unit(None, None, 0, arm), loss, 1000, evals))
+        records.append(unit_record(Unit(None, None, 0, arm), loss, 1000, evals))
     _write_results(tmp_path / "r", records, [], [0])
     text = write_report(tmp_path / "r", samples=False).read_text()
     missed = text.split("### What did not reproduce")[1].split("##")[0]
@@ -253,7 +242,7 @@ def test_one_seed_claims_get_one_sentence_not_a_list(tmp_path):
 def test_recipe_line_gives_the_steps_of_each_token_budget(tmp_path):
     """With token budgets, max_steps differs per cell: the recipe line says the steps of each budget
     (ceil(tokens / (16 x 32)): 1000 -> 2, 5000 -> 10), not the base recipe's max_steps."""
-    records = [_record(Unit(None, tokens, 0, arm), 3.0, 1000) for tokens in (1000, 5000)
+    records = [unit_record(Unit(None, tokens, 0, arm), 3.0, 1000) for tokens in (1000, 5000)
                for arm in ("diff", "transformer")]
     _write_results(tmp_path / "r", records, [], [0])
     manifest_path = tmp_path / "r" / "compare.json"
@@ -431,8 +420,8 @@ def test_a_run_continues_toward_another_max_steps_only_where_its_schedule_stays_
     ({"train": [{"step": 1, "loss": 3.0, "tokens": 10, "lambdas": "x"}]}, "train is not a list of rows whose λ"),
 ])
 def test_a_hand_edited_result_file_is_named_not_a_traceback(tmp_path, edit, problem):
-    record = {**_record(Unit(None, None, 0, "diff"), 3.0, 1000), **edit}
-    _write_results(tmp_path / "r", [record, _record(Unit(None, None, 0, "transformer"), 3.1, 1000)], [], [0])
+    record = {**unit_record(Unit(None, None, 0, "diff"), 3.0, 1000), **edit}
+    _write_results(tmp_path / "r", [record, unit_record(Unit(None, None, 0, "transformer"), 3.1, 1000)], [], [0])
     with pytest.raises(ResultFileError, match=r"diff.json is not a valid result file \(" + problem.replace("{", r"\{")):
         write_report(tmp_path / "r", samples=True)
 
@@ -441,7 +430,8 @@ def test_a_unit_kept_in_both_layouts_is_named_not_chosen(tmp_path):
     """<arm>.json and seed<s>/<arm>.json for the same unit: which one the report reads is never guessed; the error
     names both files and the fix. Either layout alone is read."""
     root = tmp_path / "r"
-    records = [_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000) for s in (0, 1) for a in ("diff", "transformer")]
+    records = [unit_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000)
+               for s in (0, 1) for a in ("diff", "transformer")]
     _write_results(root, records, [], [0, 1])
     assert len(find_results(root)) == 4  # the several-seed layout alone
     unit = Unit(None, None, 0, "diff")
@@ -764,7 +754,8 @@ def test_a_results_folder_reports_its_own_files_not_the_results_dir_its_manifest
     """A results folder copied elsewhere keeps its manifest's results_dir, a path relative to where the study
     ran; where a folder of that name exists (another version of the study in this checkout), the report must
     still read the copy's own result files."""
-    here = [_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000) for s in (0, 1, 2) for a in ("diff", "transformer")]
+    here = [unit_record(Unit(None, None, s, a), 3.0 + 0.1 * s, 1000)
+            for s in (0, 1, 2) for a in ("diff", "transformer")]
     _write_results(tmp_path / "copy", here, [], [0, 1, 2])
     _write_results(tmp_path / "results" / "study", here[:2], [], [0, 1, 2])  # the named folder: seed 0 only
     manifest = json.loads((tmp_path / "copy" / "compare.json").read_text())
@@ -781,7 +772,7 @@ def test_a_results_folder_reports_its_own_files_not_the_results_dir_its_manifest
 def test_the_report_shows_every_result_file_even_of_arms_and_seeds_its_manifest_does_not_list(tmp_path):
     """Result files copied in from another machine or folder (the manifest lists diff and transformer, seeds 0-1):
     a third arm and a third seed are reported, new arms in the config's order (arm_specs)."""
-    records = [_record(Unit(None, None, seed, arm), 3.0 + 0.01 * seed, 1000)
+    records = [unit_record(Unit(None, None, seed, arm), 3.0 + 0.01 * seed, 1000)
                for seed in (0, 1, 2) for arm in ("diff", "transformer", "transformer_6k", "diff_v2")]
     _write_results(tmp_path / "r", records, [], [0, 1])
     manifest_path = tmp_path / "r" / "compare.json"

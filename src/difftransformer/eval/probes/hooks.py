@@ -176,14 +176,7 @@ def _free_bytes(device: str | torch.device) -> int:
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return _host_memory("MemAvailable", "SC_AVPHYS_PAGES")
 
 
 def _total_bytes(device: str | torch.device) -> int:
@@ -191,11 +184,16 @@ def _total_bytes(device: str | torch.device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
+    return _host_memory("MemTotal", "SC_PHYS_PAGES")
+
+
+def _host_memory(meminfo_key: str, sysconf_pages: str) -> int:
+    """Bytes of host memory: /proc/meminfo's `meminfo_key` (Linux), else sysconf's page count × page size."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{meminfo_key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
