@@ -127,3 +127,21 @@ def test_a_metric_that_is_a_function_of_another_is_tested_once_under_its_source(
     assert "tested as `loss`" in rows["`perplexity`"] and "tested as `loss`" in rows["`bits_per_token`"]
     p = sst.ttest_1samp([-0.20, -0.15, -0.25], 0).pvalue  # the loss differences
     assert f"| {p:.3f} | {min(1.0, 2 * p):.3f} |" in rows["`loss`"]  # Holm over loss and needle accuracy: m = 2
+
+
+def test_claims_of_arms_on_different_recipes_say_what_each_difference_mixes(tmp_path):
+    """DIFF recorded on 20 steps, the Transformer on 10: every claim's difference mixes recipe and architecture,
+    and the table says so; on one recipe it says nothing of recipes."""
+    def records(diff_steps):
+        out = []
+        for arm in ("diff", "transformer"):
+            for s in range(3):
+                r = unit_record(Unit(None, None, s, arm), 3.0 - (0.1 + 0.01 * s if arm == "diff" else 0.0))
+                steps = diff_steps if arm == "diff" else 10
+                r["identity"] = {"model": {"attention": arm}, "train": {"max_steps": steps, "lr": 1e-3, "seed": s}}
+                out.append(r)
+        return out
+    text = "\n".join(claim_lines(_context_of(tmp_path / "other", records(20), [0, 1, 2])))
+    assert "`diff` and `transformer` trained on different recipes" in text
+    text = "\n".join(claim_lines(_context_of(tmp_path / "same", records(10), [0, 1, 2])))
+    assert "validation loss (DIFF lower)" in text and "different recipes" not in text

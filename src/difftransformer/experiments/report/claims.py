@@ -31,6 +31,7 @@ from typing import Any
 
 from difftransformer.eval.paper import PAPER, STUDY_TASKS, paper_number
 from difftransformer.experiments.report.fmt import fmt_p, holm_separations, metric_values, table
+from difftransformer.experiments.report.recipes import recipe
 from difftransformer.experiments.report.runs import finished_val
 from difftransformer.experiments.stats import compare_paired
 
@@ -152,8 +153,18 @@ def claim_lines(ctx) -> list[str]:
     L += table(["claim", "paper (T → DIFF)", "ours: DIFF − T", "seeds", "p", "Holm p", "verdict", "paper's source"],
                [[r["claim"], r["paper"], r["ours"], str(r["n"]), r.get("p", "–"), r.get("holm", "–"),
                  f"**{r['verdict']}**" + (f" ({r['note']})" if r.get("note") else ""), r["ref"]] for r in rows])
-    L += [""]
+    L += [""] + _recipes_differ(ctx)
     return L + _not_reproduced(rows)
+
+
+def _recipes_differ(ctx) -> list[str]:
+    """A sentence when `diff` and `transformer` trained on different recipes, each recorded and one per arm: every
+    claim's difference then mixes recipe and architecture (`recipes.recipe`)."""
+    mine, theirs = recipe(ctx, DIFF), recipe(ctx, BASE)
+    if not (mine and theirs) or "mixed recipes" in (mine[0], theirs[0]) or mine == theirs:
+        return []
+    return [f"`{DIFF}` and `{BASE}` trained on different recipes (steps, learning rate or position encoding): each "
+            "difference above mixes recipe and architecture, so no verdict here is the architecture's alone.", ""]
 
 
 def _family(m: int) -> str:
