@@ -101,6 +101,7 @@ def test_a_run_folder_and_a_result_file_of_one_recipe_give_one_recipe(tmp_path):
             ("record", 0): Run("record", 0, None, record={"identity": older})}
     ctx = SimpleNamespace(seeds=[0], runs=runs, spec=lambda arm: {"attention": arm})
     assert recipe(ctx, "folder") is not None and same_recipe(ctx, "folder", "record") is True
+    assert runs["folder", 0].identity["model"] == older["model"]  # the saved file's own keys are not the model's
     runs["record", 0].record["identity"]["train"]["lr"] = 5e-4
     assert same_recipe(ctx, "folder", "record") is False
     runs["record", 0].record = {"identity": _recorded_identity(*_configs("diff", 4000, seed=0))}

@@ -16,7 +16,7 @@ from typing import Any
 from difftransformer._version import __version__
 from difftransformer.experiments.evaluate import stored_results
 from difftransformer.experiments.units import UNIT_FORMAT, Unit
-from difftransformer.model.config import model_identity
+from difftransformer.model.config import DiffTransformerConfig, model_identity
 from difftransformer.train import RunDir
 from difftransformer.train.config import FREELY_CHANGEABLE
 
@@ -127,7 +127,12 @@ def folder_identity(run_dir: RunDir) -> dict[str, Any] | None:
     recipe = {k: v for k, v in train.items() if k not in FREELY_CHANGEABLE}
     if "max_steps" in train:
         recipe["max_steps"] = train["max_steps"]
-    return {"model": model_identity(run_dir.read_json(run_dir.model_config)), "train": recipe}
+    model = run_dir.read_json(run_dir.model_config)
+    try:  # the config as the model reads it (the saved file adds its format's keys), as a result file records it
+        model = DiffTransformerConfig.from_dict(model).to_dict()
+    except (TypeError, ValueError):
+        pass  # a config this version cannot read keeps its own keys: its recipe then matches no result file's
+    return {"model": model_identity(model), "train": recipe}
 
 
 def finished_val(runs: dict[tuple[str, int], Run], arm: str, seeds: list[int]) -> dict[int, float]:
