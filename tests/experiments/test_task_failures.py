@@ -162,3 +162,16 @@ def test_probe_batch_takes_one_window_when_a_batch_does_not_fit_and_says_when_on
     with pytest.raises(ValueError, match=r"more than 3/4 of all \S+ \S+ of cpu memory, so it never fits on this "
                                          r"machine; use a shorter window, e.g. --seq-len 32$"):
         hooks.probe_batch(model, 64, 8, "cpu")
+
+
+def test_a_result_file_and_an_evaluation_result_are_flushed_to_disk(tmp_path, monkeypatch):
+    """What hours of training stand behind survives a power loss: the file and its folder are fsynced."""
+    from difftransformer import _io
+    from difftransformer.experiments.units import Unit, write_result
+    from tests.helpers import unit_record
+
+    synced = []
+    monkeypatch.setattr(_io, "fsync_file", lambda path: synced.append(("file", path.name)))
+    monkeypatch.setattr(_io, "fsync_dir", lambda path: synced.append(("dir", path)))
+    write_result(tmp_path / "r" / "diff.json", unit_record(Unit(None, None, 0, "diff"), 3.0))
+    assert ("dir", tmp_path / "r") in synced and any(kind == "file" for kind, _ in synced)

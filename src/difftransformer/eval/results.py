@@ -204,7 +204,7 @@ class ResultsDir:
             png.unlink(missing_ok=True)  # a stale figure of an earlier result must not stay beside this one
         result.provenance = {**result.provenance, FIGURE_HASH: figure}
         path = self.json_path(result.task)
-        atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=True) + "\n")
+        atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=True) + "\n", fsync=True)
         return [path, *([png] if figure else [])]
 
 

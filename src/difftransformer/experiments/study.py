@@ -587,4 +587,4 @@ def _save_manifest(folder: StudyDir, results: Path, manifest: dict[str, Any]) ->
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n", fsync=True)  # the manifest: kept through power loss

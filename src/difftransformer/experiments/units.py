@@ -219,8 +219,9 @@ def _without_steps(identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_result(path: Path, record: dict[str, Any]) -> None:
+    """The unit's result file, whole or not at all, flushed to disk (hours of training stand behind it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=False) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=False) + "\n", fsync=True)
 
 
 def find_results(results_dir: str | Path) -> dict[Unit, dict[str, Any]]:
