@@ -660,10 +660,15 @@ def test_units_evaluated_by_an_older_task_version_are_evaluated_again_or_marked(
     from difftransformer.experiments.evaluate import outdated_evaluations
 
     evals = json.loads((folder.results / "transformer.json").read_text())["evals"]
-    monkeypatch.setattr(HeldOutLoss, "version", 2)  # an older checkout: version 3 is not "older"
+    monkeypatch.setattr(HeldOutLoss, "version", 2)  # an older checkout: version 3 is not "older", but newer
     assert outdated_evaluations(evals, ["heldout-loss"]) == {}
+    assert outdated_evaluations(evals, ["heldout-loss"], newer=True) == {"heldout-loss": "version 3, here 2"}
+    from difftransformer.experiments.report import write_report
+    older_checkout = write_report(folder.path, samples=False).read_text()
+    assert "**heldout-loss (version 3, here 2)** was computed by a newer version of the task than this package's " \
+           "for 1 of 2 units (transformer seed 0): update the package" in older_checkout
     monkeypatch.setattr(HeldOutLoss, "version", 3)
-    report = folder.report.read_text()
+    report = write_report(folder.path, samples=False).read_text()
     assert "**heldout-loss (version 2, now 3)** was computed by an older version of the task for 1 of 2 units " \
            "(diff seed 0)" in report
 

@@ -139,16 +139,18 @@ def stored_results(run: RunDir) -> dict[str, dict[str, Any]]:
     return own
 
 
-def outdated_evaluations(evals: dict[str, Any], tasks: list[str]) -> dict[str, str]:
+def outdated_evaluations(evals: dict[str, Any], tasks: list[str], *, newer: bool = False) -> dict[str, str]:
     """{task: "version 1, now 2"} for each of `tasks` whose stored result in `evals` was computed by an older
     version of the task (Task.version): code that has changed since measured it. Results stored before
-    versions were recorded are version 1; a task this package no longer has is left out."""
+    versions were recorded are version 1; a task this package no longer has is left out. newer=True: those
+    computed by a newer version than this package's instead (a result from a newer checkout, which this code
+    neither reproduces nor replaces)."""
     out = {}
     for name in tasks:
         settings = (evals.get(name) or {}).get("settings")
         if not isinstance(settings, dict) or name not in TASKS:
             continue
         stored, now = settings.get("task_version", 1), TASKS[name].version
-        if stored < now:
-            out[name] = f"version {stored}, now {now}"
+        if (stored > now) if newer else (stored < now):
+            out[name] = f"version {stored}, here {now}" if newer else f"version {stored}, now {now}"
     return out

@@ -392,19 +392,23 @@ def _evaluation_one_seed(ctx: Context) -> Lines:
 
 
 def _outdated(ctx: Context) -> Lines:
-    """A note per task whose stored results some units got from an older version of the task (Task.version):
-    their numbers are shown, but may differ from what the task measures now."""
-    found: dict[str, list[str]] = {}
-    for (arm, seed), run in sorted(ctx.runs.items()):
-        for task, what in outdated_evaluations(run.evals, list(run.evals)).items():
-            found.setdefault(f"{task} ({what})", []).append(f"{arm} seed {seed}")
-    if not found:
-        return []
-    return [*(f"- **{task}** was computed by an older version of the task for {len(units)} of {len(ctx.runs)} "
-              f"units ({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}): docs/evaluation.md (task versions) "
-              f"says what changed and which results it cannot change; `compare` evaluates them again where their "
-              f"models are." for task, units in
-              found.items()), ""]
+    """A note per task whose stored results some units got from another version of the task (Task.version) than
+    this package's: an older one's numbers may differ from what the task measures now; a newer one's come from
+    code this package does not have."""
+    lines = []
+    for newer, what, advice in (
+            (False, "an older version of the task", "docs/evaluation.md (task versions) says what changed and which "
+             "results it cannot change; `compare` evaluates them again where their models are"),
+            (True, "a newer version of the task than this package's", "update the package to read them with the "
+             "code that measured them (`compare` never replaces them with an older one)")):
+        found: dict[str, list[str]] = {}
+        for (arm, seed), run in sorted(ctx.runs.items()):
+            for task, versions in outdated_evaluations(run.evals, list(run.evals), newer=newer).items():
+                found.setdefault(f"{task} ({versions})", []).append(f"{arm} seed {seed}")
+        lines += [f"- **{task}** was computed by {what} for {len(units)} of {len(ctx.runs)} units "
+                  f"({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}): {advice}."
+                  for task, units in found.items()]
+    return [*lines, ""] if lines else []
 
 
 def _eval_metrics(ctx: Context) -> list[tuple[str, str]]:
