@@ -555,6 +555,31 @@ def test_each_arm_on_another_recipe_is_set_against_the_same_architecture_on_the_
     assert text.count(what) == 2  # not transformer_again (the same recipe), not the NoPE Transformer (no RoPE)
 
 
+def test_each_nope_arm_is_set_against_its_architecture_with_rope_on_the_same_training_settings():
+    """What position encoding alone does: the NoPE Transformer against the RoPE Transformer trained on the same
+    settings (not the one on other settings); a NoPE arm with no such partner (DIFF here) gets no table."""
+    def run(arm, seed, acc4, attention, encoding, lr, steps):
+        cells = [_cell("length1x-density1x", 1.0, 1.0, 1.0, 0.9), _cell("length4x-density1x", 4.0, 1.0, acc4, 0.5)]
+        record = {"identity": {"model": {"attention": attention, "position_encoding": encoding},
+                               "train": {"lr": lr, "max_steps": steps, "seed": seed}}}
+        return Run(arm, seed, None, evals={"ood": {"details": {"cells": cells}}}, record=record)
+
+    arms = {"transformer": ("transformer", "rope", 1e-3, 4000, 0.40),
+            "transformer_12k": ("transformer", "rope", 5e-4, 12000, 0.60),
+            "transformer_nope": ("transformer", "none", 5e-4, 12000, 0.90),
+            "diff_nope": ("diff", "none", 5e-4, 12000, 0.80)}
+    runs = {(a, s): run(a, s, acc + 0.01 * s * (a == "transformer_nope"), kind, enc, lr, steps)
+            for a, (kind, enc, lr, steps, acc) in arms.items() for s in (0, 1, 2)}
+    text = "\n".join(ood_section(_study(list(arms), [0, 1, 2], runs)))
+    what = "accuracy (the same architecture and training settings with RoPE: what position encoding alone does)"
+    table_ = _section(text, f"### `transformer_nope` − each arm, {what}")
+    rows = [r for r in table_.splitlines() if r.startswith("| `")]
+    assert [r.split(" | ")[0] for r in rows] == ["| `transformer_12k`"] * 2
+    assert "| 3 | +0.3100 [" in rows[1]  # 0.90 + 0.01 s - 0.60 over seeds 0-2
+    assert text.count(what) == 1  # diff_nope has no RoPE DIFF on its settings
+    assert _glance_rows(text)["`transformer_nope` − `transformer_12k` (position encoding alone)"][0] == "3"
+
+
 def test_an_arm_whose_architecture_fails_on_the_first_recipe_says_the_recipe_is_not_measured():
     """DIFF below the bar on every seed of lr 1e-3 and past it on lr 5e-4: no table, and a line that says why,
     rather than silence or a difference against another architecture."""

@@ -5,7 +5,8 @@ and distractor density factors) per arm, mean [95% t-interval over seeds], and t
 their Wilson interval; the paired differences DIFF − each other arm per condition, with the verdict their interval
 supports (and each other differential arm − each arm with one softmax map); the same for adaptive temperature at
 inference (both arms with it, and DIFF as trained against each arm with it: the control without subtraction); each
-differential arm without position encoding (NoPE) − the Transformer without it; each control with one softmax map
+differential arm without position encoding (NoPE) − the Transformer without it; each NoPE arm − its architecture with
+RoPE on the same training settings (what position encoding alone does); each control with one softmax map
 (gated, scalable softmax, head norm) − the Transformer on its recipe; each arm on another recipe − the arm of its
 architecture named after it (what the recipe alone does); above them, one row per comparison on a common recipe with
 the conditions that separate after Holm and before it (verdicts at a glance); where each model's retrieving head attends
@@ -39,6 +40,7 @@ from difftransformer.experiments.report.fmt import (
 from difftransformer.experiments.report.recipes import (
     arm_kind,
     matched_arm,
+    recipe,
     recipe_mark,
     recipe_note,
     same_recipe,
@@ -140,6 +142,22 @@ def _recipe_pairs(ctx, arms) -> list[tuple[str, str]]:
     return pairs
 
 
+def _encoding_pairs(ctx, arms) -> list[tuple[str, str]]:
+    """(NoPE arm, RoPE arm): each arm without position encoding against the first arm of its attention kind with
+    RoPE trained on the same settings (`transformer_nope` against `transformer_lr5e-4_12k`). Paired by seed, the
+    difference is the position encoding's alone: whether it, rather than the architecture or the recipe, sets how
+    far a model extrapolates in length."""
+    pairs = []
+    for arm in (a for a in arms if unencoded(ctx, a)):
+        mine = recipe(ctx, arm)
+        if mine is None or mine[0] == "mixed recipes":
+            continue
+        same = (o for o in arms if not unencoded(ctx, o) and arm_kind(ctx, o) == arm_kind(ctx, arm)
+                and (theirs := recipe(ctx, o)) is not None and theirs[0] == mine[0])
+        pairs += [(arm, other) for other in [next(same, None)] if other]
+    return pairs
+
+
 def _unmeasured_recipe(arm: str, base: str) -> Lines:
     """Why an arm on a recipe of its own has no table of what the recipe alone does: no seed on which both it
     and its architecture's arm on the other recipe passed the bar (that arm failed on every seed, as a rule)."""
@@ -232,6 +250,10 @@ def _comparisons(ctx, arms, listed, cells, conditions, verdicts: list[list[str]]
     for arm, base in _nope_pairs(ctx, arms):
         L += _differences(ctx, arm, [base], cells, conditions, _accuracy, "accuracy, both without position encoding",
                           verdicts=verdicts, glance="both without position encoding")
+    for arm, base in _encoding_pairs(ctx, arms):
+        L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
+                          "accuracy (the same architecture and training settings with RoPE: what position encoding "
+                          "alone does)", same_architecture=True, verdicts=verdicts, glance="position encoding alone")
     for arm, base in _recipe_pairs(ctx, listed):
         if arm in arms:  # an arm below the bar on every seed has no differences of its own
             L += _differences(ctx, arm, [base], cells, conditions, _accuracy,
