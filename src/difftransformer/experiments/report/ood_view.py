@@ -152,9 +152,10 @@ def _encoding_pairs(ctx, arms) -> list[tuple[str, str]]:
         mine = recipe(ctx, arm)
         if mine is None or mine[0] == "mixed recipes":
             continue
-        same = (o for o in arms if not unencoded(ctx, o) and arm_kind(ctx, o) == arm_kind(ctx, arm)
-                and (theirs := recipe(ctx, o)) is not None and theirs[0] == mine[0])
-        pairs += [(arm, other) for other in [next(same, None)] if other]
+        rope = [o for o in arms if not unencoded(ctx, o) and arm_kind(ctx, o) == arm_kind(ctx, arm)
+                and (theirs := recipe(ctx, o)) is not None and theirs[0] == mine[0]]  # the same training settings
+        if rope:
+            pairs.append((arm, rope[0]))
     return pairs
 
 
