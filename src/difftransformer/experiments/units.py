@@ -176,7 +176,8 @@ def _seedless(identity: dict[str, Any]) -> dict[str, Any]:
     return {**identity, "train": {k: v for k, v in train.items() if k != "seed"}}
 
 
-def _train_defaults() -> dict[str, Any]:
+def train_defaults() -> dict[str, Any]:
+    """Every training setting at its default: what a record written before a setting existed trained with."""
     from difftransformer.train import TrainConfig
 
     return TrainConfig().to_dict()
@@ -187,7 +188,7 @@ def _with_defaults(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     old_train, new_train = old.get("train"), new.get("train")
     if not (isinstance(old_train, dict) and isinstance(new_train, dict)):
         return old
-    defaults = _train_defaults()
+    defaults = train_defaults()
     return {**old, "train": {**{k: defaults[k] for k in new_train if k not in old_train and k in defaults},
                              **old_train}}
 

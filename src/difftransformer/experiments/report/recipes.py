@@ -44,10 +44,11 @@ def unencoded(ctx, arm: str) -> bool:
 
 @functools.cache
 def _train_defaults() -> tuple[tuple[str, Any], ...]:
-    from difftransformer.train import TrainConfig
+    """The recipe-setting defaults (`units.train_defaults` less the freely changeable settings), once."""
+    from difftransformer.experiments.units import train_defaults
     from difftransformer.train.config import FREELY_CHANGEABLE
 
-    return tuple((k, v) for k, v in TrainConfig().to_dict().items() if k not in FREELY_CHANGEABLE)
+    return tuple((k, v) for k, v in train_defaults().items() if k not in FREELY_CHANGEABLE)
 
 
 def recipe(ctx, arm: str) -> tuple[str, Any] | None:
