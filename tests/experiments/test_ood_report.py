@@ -658,3 +658,23 @@ def test_a_non_finite_value_of_a_run_past_the_bar_is_an_error_naming_arm_seed_an
         cell["adaptive"]["accuracy"] = float("inf")
     with pytest.raises(ValueError, match=f"^ood {what} of arm 'diff' at seed 1, condition length4x-density1x, is "):
         ood_section(ctx)
+
+
+def test_the_retrieving_heads_entropy_and_largest_logit_are_read_per_condition():
+    """The head chosen at 1x (head 1 here: its positive weight puts 0.9 on the target) is read at every condition:
+    its A1 entropy and largest logit, means over seeds (head 0's numbers never enter)."""
+    runs = {}
+    for seed in (0, 1, 2):
+        cells = []
+        for condition, length, entropy in (("length1x-density1x", 1.0, 0.1), ("length4x-density1x", 4.0, 1.0)):
+            cell = _cell(condition, length, 1.0, 1.0, 0.9)
+            for layer in cell["attention"]["layers"]:
+                layer["a1_entropy"] = [9.0, entropy + 0.1 * seed]
+                layer["a1_max_logit"] = [-9.0, 20.0 - length]
+            cells.append(cell)
+        runs["diff", seed] = Run("diff", seed, None, evals={"ood": {"details": {"cells": cells}}})
+    text = "\n".join(ood_section(_study(["diff"], [0, 1, 2], runs)))
+    entropy = text[text.index("**Entropy of its first map A1"):].split("\n\n")[1].splitlines()
+    assert entropy[2].startswith("| `diff` | 0.200 [") and "| 1.100 [" in entropy[2]  # 0.1 + 0.1 s; 1.0 + 0.1 s
+    logit = text[text.index("**Largest pre-softmax logit of A1"):].split("\n\n")[1].splitlines()
+    assert logit[2] == "| `diff` | 19.000 [19.000, 19.000] | 16.000 [16.000, 16.000] |"  # every seed the same

@@ -304,22 +304,38 @@ def _separations(kept) -> tuple[str, str]:
 
 def _mechanism(arms, cells, conditions) -> Lines:
     """Where the retrieving head's attention goes, per condition: its share on the target, on the noise, and
-    its negative weight (A1 − λA2 only)."""
+    its negative weight (A1 − λA2 only); how far its first map spreads (entropy) and how sharp it can be (its
+    largest logit)."""
     L = ["### Where the retrieving head attends", "",
          "Answer rows of the first sequences of each condition (`attention_sequences`). The retrieving head is "
          "chosen once per model, at `length1x-density1x`: the head (any layer) whose positive attention weight "
          "puts the largest share on the target. Shares are of that head's positive weight (A1 − λA2 for DIFF, "
          "whose rows sum to about 1 − λ; the softmax map otherwise), so arms compare whatever their λ. A DIFF "
          "model measured before the positive and negative parts were kept apart has no entry here.", ""]
-    parts = [("target", "Share on the target"), ("noise", "Share on distractors + filler (the \"attention noise\")"),
-             ("negative", "Negative weight, as a share of the positive weight (what the subtraction removes)")]
+    parts = [(_share("target"), "Share on the target"),
+             (_share("noise"), "Share on distractors + filler (the \"attention noise\")"),
+             (_share("negative"), "Negative weight, as a share of the positive weight (what the subtraction removes)"),
+             (_head_stat("a1_entropy"), "Entropy of its first map A1 (the one softmax map for the other arms), nats: "
+                                        "how far it spreads"),
+             (_head_stat("a1_max_logit"), "Largest pre-softmax logit of A1: how sharp it can be")]
     shown = 0
-    for part, title in parts:
-        values = [v for a in arms for c in conditions for v in _values(cells[a], c, _share(part)).values()]
+    for read, title in parts:
+        values = [v for a in arms for c in conditions for v in _values(cells[a], c, read).values()]
         if any(values):
-            L += [f"**{title}**", ""] + _table(title, arms, cells, conditions, _share(part))[2:]
+            L += [f"**{title}**", ""] + _table(title, arms, cells, conditions, read)[2:]
             shown += 1
     return L if shown else []
+
+
+def _head_stat(key: str):
+    """Reads the retrieving head's `key` in a cell's mechanism record (per layer, one value per head:
+    "a1_entropy", "a1_max_logit"; `eval.probes.ood.mechanism`), None where the cell has no retrieving head."""
+    def read(cell):
+        head, layers = cell.get("retrieving"), (cell.get("attention") or {}).get("layers") or []
+        values = layers[head["layer"]].get(key) if head and head["layer"] < len(layers) else None
+        return values[head["head"]] if isinstance(values, list) and head["head"] < len(values) else None
+    read.what = f"retrieving head's {key}"
+    return read
 
 
 def _two_maps(arms, cells, conditions) -> Lines:
