@@ -21,9 +21,9 @@ import contextlib
 import datetime as dt
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import tomllib
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
 from difftransformer._config import did_you_mean

@@ -84,3 +84,17 @@ def test_the_readme_evaluation_snippet_runs_as_printed(data_dir, tmp_path, monke
     names: dict = {}
     exec(compile(readme_block('run_task("heldout-loss"'), "README.md", "exec"), names)
     assert names["result"].metrics["loss"] > 0
+
+
+def test_the_python_floor_is_one_the_package_runs_on_and_ruff_checks_for():
+    """requires-python allows no release without a standard module the package imports (tomllib, 3.11+: run
+    configs), and ruff's target is that floor, so a newer-only construct fails `make lint`."""
+    import ast
+
+    floor = Version(re.search(r">=\s*([\d.]+)", project()["requires-python"]).group(1))
+    modules = {alias.name.split(".")[0] for path in (ROOT / "src").rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Import)
+               for alias in node.names}
+    assert "tomllib" not in modules or floor >= Version("3.11")
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["target-version"]
+    assert target == f"py{floor.major}{floor.minor}"
