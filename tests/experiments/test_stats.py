@@ -144,7 +144,6 @@ def test_zero_spread_keeps_a_degenerate_interval_and_no_t_test():
     assert zeros.outcome == "inconclusive" and zeros.wilcoxon_p is None and zeros.p is None
 
 
-
 def test_a_spread_within_float_rounding_is_zero_spread():
     """3 fewer errors of 10,000 on every seed: the 1 − e/n differences differ in their last bits (std ~6e-17).
     That is the zero-width case (no t-test, "no test" in a Holm family), not t ~ 8e12 and p ~ 1e-26."""
@@ -173,6 +172,7 @@ def test_a_spread_within_float_rounding_is_zero_spread():
     assert t_interval([0.25, 0.25 + 1e-17, 0.25]).std == 0.0  # plain values: the same rule
     rounded = t_interval([-5.6e-17, 2.8e-17, 0.0])  # differences passed alone (a Δ cell): 0 up to rounding
     assert (rounded.mean, rounded.low, rounded.high, rounded.std) == (0.0, 0.0, 0.0, 0.0)
+
 
 def test_nan_is_an_error_naming_seed_and_arm():
     with pytest.raises(ValueError, match=r"arm 'diff' at seed 2 is nan"):

@@ -422,16 +422,18 @@ def multihead_attention(q, k, v, *, causal: bool = True, key_padding_mask=None, 
     return _sdpa(q, k, v, mask, causal, scale, gqa=H != H_kv)
 
 
-def paired_difference(attn: torch.Tensor, lam: torch.Tensor, probs: torch.Tensor | None = None):
+def paired_difference(attn: torch.Tensor, lam: torch.Tensor, probs: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, AttentionMaps | None]:
     """DIFF V2's combination of one ordinary attention call over 2H heads, adjacent heads paired:
     out_i = attn_{2i} - lam_i * attn_{2i+1}, computed in `compute_dtype` and returned in attn's dtype.
 
-    attn (B, 2H, T, d) and lam (B, H, T, 1) (per token and head: sigmoid(lambda_proj(x))). With the call's
-    softmax maps probs (B, 2H, T, S), also returns `AttentionMaps` (A_{2i} - lam_i A_{2i+1}, A_{2i}, A_{2i+1})."""
+    attn (B, 2H, T, d) and lam (B, H, T, 1) (per token and head: sigmoid(lambda_proj(x))). Returns (out, maps):
+    with the call's softmax maps probs (B, 2H, T, S), maps = `AttentionMaps` (A_{2i} - lam_i A_{2i+1}, A_{2i},
+    A_{2i+1}); without them None."""
     f = compute_dtype(attn)
     lam = lam.to(f)
     out = (attn[:, 0::2].to(f) - lam * attn[:, 1::2].to(f)).to(attn.dtype)
     if probs is None:
-        return out
+        return out, None
     a1, a2 = probs[:, 0::2], probs[:, 1::2]
     return out, AttentionMaps(a1 - lam * a2, a1, a2)

@@ -407,6 +407,6 @@ class MultiheadDiffAttentionV2(_SelfAttention):
                                   query_hook=self.query_hook)
         attn, probs = res if return_attention else (res, None)
         lam = torch.sigmoid(self.lambda_proj(x).to(compute_dtype(attn))).transpose(1, 2)[..., None]  # (B, H, T, 1)
-        o, maps = paired_difference(attn, lam, probs) if return_attention else (paired_difference(attn, lam), None)
+        o, maps = paired_difference(attn, lam, probs)
         out = self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
         return (out, maps) if return_attention else out

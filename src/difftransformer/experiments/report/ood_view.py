@@ -40,10 +40,10 @@ from difftransformer.experiments.report.fmt import (
 from difftransformer.experiments.report.recipes import (
     arm_kind,
     matched_arm,
-    recipe,
     recipe_mark,
     recipe_note,
     same_recipe,
+    single_recipe,
     unencoded,
 )
 from difftransformer.experiments.stats import compare_paired, t_interval
@@ -149,11 +149,11 @@ def _encoding_pairs(ctx, arms) -> list[tuple[str, str]]:
     far a model extrapolates in length."""
     pairs = []
     for arm in (a for a in arms if unencoded(ctx, a)):
-        mine = recipe(ctx, arm)
-        if mine is None or mine[0] == "mixed recipes":
+        mine = single_recipe(ctx, arm)
+        if mine is None:
             continue
         rope = [o for o in arms if not unencoded(ctx, o) and arm_kind(ctx, o) == arm_kind(ctx, arm)
-                and (theirs := recipe(ctx, o)) is not None and theirs[0] == mine[0]]  # the same training settings
+                and (theirs := single_recipe(ctx, o)) is not None and theirs[0] == mine[0]]  # same training settings
         if rope:
             pairs.append((arm, rope[0]))
     return pairs
@@ -291,16 +291,18 @@ def _separations(kept) -> tuple[str, str]:
     """(after Holm, before Holm only) over one arm pair's (condition, comparison)s: "higher at 8x length (+0.120);
     lower at ..." or "none". A zero-width interval (no p: nothing survives Holm) counts as before Holm only, marked
     "no test", as the claims table reads it ("... without a test")."""
-    def say(pairs) -> str:
+    def say(found) -> str:
         by_sign: dict[str, list[str]] = {}
-        for c, cmp in pairs:
+        for (c, cmp), separation in found:
             mean = sum(cmp.diffs) / cmp.n
-            shown = (f"{mean:+.3f}" if abs(mean) >= 5e-4 else f"{mean:+.1e}") + (", no test" if cmp.p is None else "")
+            shown = (f"{mean:+.3f}" if abs(mean) >= 5e-4 else f"{mean:+.1e}") + (
+                ", no test" if separation == "no test" else "")
             by_sign.setdefault("higher" if mean > 0 else "lower", []).append(f"{_condition_label(c)} ({shown})")
         return "; ".join(f"{sign} at " + ", ".join(items) for sign, items in by_sign.items()) or "none"
-    separations = [s for _, s in holm_separations([cmp for _, cmp in kept])]
-    return (say(kc for kc, s in zip(kept, separations) if s == "after Holm"),
-            say(kc for kc, s in zip(kept, separations) if s in ("not after Holm", "no test")))
+    found = list(zip(kept, (s for _, s in holm_separations([cmp for _, cmp in kept]))))
+    return (say(f for f in found if f[1] == "after Holm"),
+            say(f for f in found if f[1] in ("not after Holm", "no test")))
+
 
 def _mechanism(arms, cells, conditions) -> Lines:
     """Where the retrieving head's attention goes, per condition: its share on the target, on the noise, and

@@ -18,6 +18,7 @@ from difftransformer.experiments.report.fmt import code_span
 
 OTHER_RECIPE = " (other recipe)"
 NOT_RECORDED = " (recipe not recorded)"
+MIXED = "mixed recipes"  # `recipe` of an arm whose seeds trained on different recipes
 
 
 def identities(ctx, arm: str) -> dict[int, dict[str, Any]]:
@@ -64,8 +65,14 @@ def recipe(ctx, arm: str) -> tuple[str, Any] | None:
         train = {**dict(_train_defaults()), **{k: v for k, v in run.identity["train"].items() if k != "seed"}}
         recipes.add((repr(sorted(train.items())), (run.identity.get("model") or {}).get("position_encoding")))
     if len(recipes) > 1:
-        return ("mixed recipes", arm)
+        return (MIXED, arm)
     return next(iter(recipes))
+
+
+def single_recipe(ctx, arm: str) -> tuple[str, Any] | None:
+    """The arm's recipe where every run of it records the same one; None when unknown or mixed over seeds."""
+    mine = recipe(ctx, arm)
+    return None if mine is None or mine[0] == MIXED else mine
 
 
 def same_recipe(ctx, arm: str, other: str) -> bool | None:
