@@ -57,6 +57,29 @@ def test_greedy_generation_has_our_shape_and_tokens(pair, data_dir):
         assert torch.equal(theirs, mine)
 
 
+def test_the_folders_generation_config_does_not_change_the_tasks_decoding(pair, tmp_path):
+    """A folder whose generation_config.json sets processors (a repetition penalty, an n-gram ban): temperature 0
+    is still argmax decoding, and the model keeps its generation config after the call."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    ours, folder = pair
+    shipped = tmp_path / "shipped"
+    shutil.copytree(folder, shipped)
+    GenerationConfig(repetition_penalty=3.0, no_repeat_ngram_size=1).save_pretrained(shipped)
+    model, tok = load_causal_lm(shipped)
+    assert model.hf.generation_config.repetition_penalty == 3.0
+    ids = torch.tensor([[tok.eos_id, *tok.encode("the of and the of")]])
+    got = model.generate(ids, 8, temperature=0.0, eos_token_id=None)
+    want = ids
+    with torch.no_grad():
+        for _ in range(8):
+            want = torch.cat([want, model(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert got.tolist() == want.tolist()
+    assert model.hf.generation_config.repetition_penalty == 3.0
+
+
 def test_black_box_tasks_run_and_probes_refuse(pair, data_dir):
     model, tok = load_causal_lm(pair[1])
     result = run_task(get_task("needle", needles=(2,), queries=(1,), depths=(50,), samples=2, haystack="needles",

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextStreamer  # noqa: E402
 
-from difftransformer.hf import DiffTransformerForCausalLM, compat, modeling  # noqa: E402
+from difftransformer.hf import DiffTransformerForCausalLM, compat, generation, modeling  # noqa: E402
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM, static_decode  # noqa: E402
 
 VOCAB = 64
@@ -124,20 +124,25 @@ def test_a_batch_where_every_row_stops_ends_early(lean_calls, monkeypatch):
 
 
 @pytest.fixture
-def static_steps(monkeypatch):
-    """The lean loop's forward passes on a static KV cache (what CUDA replays from a graph), run eagerly here;
-    one entry per decoder handed out."""
+def static_path(monkeypatch):
+    """generate() as on CUDA: the calls that `generation.graph_decoder_for` gives a static KV cache decode on one
+    (what CUDA replays from a graph), run eagerly here; one entry per decoder handed out."""
     made = []
 
-    def on_cpu(model, input_ids, max_length):
-        capacity = static_decode.capacity_for(max_length, model.config.max_position_embeddings)
-        made.append(static_decode.decoder_for(model, input_ids.shape[0], capacity, input_ids.device, graph=False,
-                                              runner=model.native))
+    def eager(*args, graph, **kwargs):
+        made.append(static_decode.decoder_for(*args, graph=False, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(modeling, "graph_decoder_for", on_cpu)
-    yield made
-    assert made, "the lean loop never asked for a static-cache decoder"
+    monkeypatch.setattr(generation, "graph_unsupported", lambda *a: None)
+    monkeypatch.setattr(generation, "decoder_for", eager)
+    return made
+
+
+@pytest.fixture
+def static_steps(static_path):
+    """The lean loop's forward passes on a static KV cache, asserting that the call did decode on one."""
+    yield static_path
+    assert static_path, "the lean loop never asked for a static-cache decoder"
 
 
 @pytest.mark.gpu
@@ -155,6 +160,59 @@ def test_on_cuda_the_wrapper_decodes_from_a_graph_with_the_eager_tokens(lean_cal
     assert made[0] is not None and made[0].graph and made[0]._graph is not None  # it captured and replayed
     monkeypatch.setattr(modeling, "graph_decoder_for", lambda *a: None)
     assert torch.equal(graph, hf.generate(**kwargs))
+
+
+def _reference(hf, ids: torch.Tensor, positions: torch.Tensor, new: int) -> list[int]:
+    """Greedy tokens from full forwards without a cache, the positions going on by one per new token."""
+    ids, positions = ids.clone(), positions.clone()
+    for _ in range(new):
+        logits = hf(ids, position_ids=positions, use_cache=False).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+    return ids[0].tolist()
+
+
+def test_the_cuda_path_keeps_the_callers_position_ids(static_path, lean_calls):
+    """A static decoder places the prompt at the mask's positions: given position_ids of the caller's, generate()
+    decodes on transformers' steps instead, with the tokens of full forwards at those positions."""
+    hf = wrapper()
+    ids = torch.tensor([[5, 9, 3, 17, 40, 2, 8]])
+    positions = torch.arange(0, 14, 2)[None]
+    out = hf.generate(ids, position_ids=positions, max_new_tokens=6, do_sample=False)
+    assert lean_calls and not static_path
+    assert out[0].tolist() == _reference(hf, ids, positions, 6)
+    assert out[0].tolist() != hf.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist()  # the positions matter
+    assert static_path  # and a call without them decodes on a static cache
+
+
+def test_the_cuda_path_continues_a_filled_cache(static_path, lean_calls):
+    """A static decoder starts from an empty cache: a call that continues a cache already holding a prefix (the
+    new tokens alone, with the full mask) decodes on transformers' steps, with a one-shot call's tokens; without
+    the mask, transformers reads the new tokens as already cached and the call fails, as it does for Llama."""
+    from transformers.cache_utils import DynamicCache
+
+    hf = wrapper()
+    ids = torch.tensor([[5, 9, 3, 17, 40, 2, 8, 11, 30, 4]])
+    want = hf.generate(ids, max_new_tokens=6, do_sample=False)
+    made = len(static_path)
+
+    def continued(**kwargs) -> torch.Tensor:
+        cache = DynamicCache()
+        hf(ids[:, :7], **{compat.CACHE_KEY: cache})
+        return hf.generate(ids[:, 7:], max_new_tokens=6, do_sample=False, **{compat.CACHE_KEY: cache}, **kwargs)
+
+    assert continued(attention_mask=torch.ones_like(ids))[0, -6:].tolist() == want[0, -6:].tolist()
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        continued()
+    assert len(static_path) == made  # neither continuation made a static decoder
+
+
+def test_the_cuda_path_past_the_position_limit_fails_with_the_models_error(static_path, lean_calls):
+    hf = wrapper()  # max_position_embeddings 64
+    ids = torch.randint(1, VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 64"):
+        hf.generate(ids, max_new_tokens=10, do_sample=False)
+    assert not static_path
 
 
 class _Never(StoppingCriteria):

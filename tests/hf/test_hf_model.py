@@ -139,6 +139,29 @@ def test_loss_inputs_embeds_and_logits_to_keep():
         assert isinstance(hf(ids, return_dict=False), tuple)
 
 
+def test_the_loss_keywords_of_transformers_causal_lms_are_honoured():
+    """forward's keywords reach the loss as they reach a transformers causal LM's: ignore_index, shift_labels (what
+    transformers' Trainer passes under context parallelism, the labels already shifted) and num_items_in_batch
+    (gradient accumulation: a sum over the batch's tokens divided by the accumulated count)."""
+    lm, hf = pair()
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = lm(ids).logits.flatten(0, 1)
+        labels = ids.clone()
+        labels[:, :3] = 0  # a caller whose "ignored" id is 0
+        shifted = torch.cat((labels[:, 1:], torch.zeros(2, 1, dtype=labels.dtype)), dim=1)
+        want = torch.nn.functional.cross_entropy(logits, shifted.flatten(), ignore_index=0)
+        assert rel(hf(ids, labels=labels, ignore_index=0).loss, want) <= 1e-6
+        shift = torch.roll(ids, -1, 1)
+        shift[:, -1] = -100
+        shift[0, :5] = -100
+        want = torch.nn.functional.cross_entropy(logits, shift.flatten())
+        assert rel(hf(ids, labels=ids, shift_labels=shift).loss, want) <= 1e-6
+        total = torch.nn.functional.cross_entropy(logits, shift.flatten(), reduction="sum")
+        got = hf(ids, labels=ids, shift_labels=shift, num_items_in_batch=torch.tensor(40)).loss
+        assert rel(got, total / 40) <= 1e-6
+
+
 @pytest.mark.parametrize("attention", ["diff", "transformer", "diff_v2"])
 def test_logits_to_keep_cuts_the_last_block_to_the_kept_rows(attention):
     """logits_to_keep = n: the last block computes the last n rows only (generate's prefill asks for 1), and the
@@ -612,8 +635,10 @@ def test_inputs_the_wrapper_cannot_serve_are_refused():
         hf(ids_of([1, VOCAB]))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 64"):
         hf(torch.zeros(1, 65, dtype=torch.long))
-    with pytest.raises(ValueError, match="DynamicCache"):
+    with pytest.raises(ValueError, match="values .B, h_kv, S, 2d., which it cannot hold. Use DynamicCache"):
         hf.generate(ids, max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(ValueError, match="the wrapper takes growing caches only. Use DynamicCache"):
+        pair("transformer")[1].generate(ids, max_new_tokens=2, cache_implementation="static")
 
 
 def _import_hf_after(setup: str) -> str:
@@ -730,3 +755,39 @@ def test_the_config_takes_position_encoding_and_ssmax_settings_and_checks_them_a
         attn.ssmax_scale.fill_(7.0)
     model._init_weights(attn)  # transformers' per-module initialisation gives s = 1 / log(ssmax_init_length)
     assert torch.allclose(attn.ssmax_scale, torch.full_like(attn.ssmax_scale, 1 / math.log(32)))
+
+
+def _retrofit_trained_by_transformers(tmp_path, steps: int, callbacks: list) -> DiffTransformerForCausalLM:
+    """A diff_retrofit wrapper (α stored 0, as `retrofit` writes it; a ramp over 8 steps) after `steps` optimizer
+    steps of transformers' Trainer."""
+    pytest.importorskip("accelerate")  # transformers' Trainer runs on it
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    lm = DiffTransformerLM(small("diff_retrofit", attention_head_dim=8, head_norm_ramp_steps=8)).train()
+    assert all(float(block.self_attn.head_norm_mix) == 0 for block in lm.layers)
+    hf = DiffTransformerForCausalLM.from_native(lm).train()
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (4 * steps, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
+                             learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    Trainer(model=hf, args=args, train_dataset=data, callbacks=callbacks).train()
+    return hf
+
+
+def test_transformers_trainer_ramps_the_retrofit_head_norm_with_the_callback(tmp_path, monkeypatch):
+    """HeadNormRampCallback: after 4 of the ramp's 8 steps, α = 4 / 8 in every layer, as our trainer leaves it;
+    without it α stays 0, and the first training forward says so (once)."""
+    from types import SimpleNamespace
+
+    from difftransformer.hf import HeadNormRampCallback, modeling
+
+    hf = _retrofit_trained_by_transformers(tmp_path / "ramped", 4, [HeadNormRampCallback()])
+    assert [float(block.self_attn.head_norm_mix) for block in hf.layers] == [0.5, 0.5]
+    warned = []
+    monkeypatch.setattr(modeling.log, "warning", lambda message, *a: warned.append(message))
+    hf = _retrofit_trained_by_transformers(tmp_path / "not", 4, [])
+    assert [float(block.self_attn.head_norm_mix) for block in hf.layers] == [0.0, 0.0]
+    assert len(warned) == 1 and "HeadNormRampCallback" in warned[0]
+    with pytest.raises(TypeError, match="trains a Linear holding none"):
+        HeadNormRampCallback().on_step_begin(None, SimpleNamespace(global_step=0), None, model=torch.nn.Linear(2, 2))

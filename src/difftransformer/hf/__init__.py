@@ -38,6 +38,7 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the me
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from difftransformer.hf.callbacks import HeadNormRampCallback
 from difftransformer.hf.configuration import MODEL_TYPE, DiffTransformerHFConfig
 from difftransformer.hf.modeling import DiffTransformerForCausalLM
 
@@ -50,4 +51,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["DiffTransformerForCausalLM", "DiffTransformerHFConfig", "register"]
+__all__ = ["DiffTransformerForCausalLM", "DiffTransformerHFConfig", "HeadNormRampCallback", "register"]

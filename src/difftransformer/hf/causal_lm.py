@@ -17,12 +17,16 @@ Choices:
   without them.
 - Loading is local and safetensors-only (`local_files_only=True`, `use_safetensors=True`): nothing
   is downloaded, and no pickle is opened.
+- Decoding is what the task asks for and nothing else: the folder's generation_config.json (a
+  repetition penalty, an n-gram ban, suppressed tokens: Qwen2.5 ships a repetition penalty of 1.05)
+  is set aside for the call, so temperature 0 is argmax decoding, as in our generate.
 - Sampling draws from torch's global generator seeded from the `generator` argument, since
   transformers' generate takes no generator; greedy decoding (what the tasks use) is unaffected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -30,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import difftransformer.hf  # noqa: F401  (our own folders load through the auto classes too)
 from difftransformer.model.config import MODEL_TYPE
@@ -87,13 +91,25 @@ class HFCausalLM(nn.Module):
         stops = sorted(self._stop_ids | ({int(eos_token_id)} if eos_token_id is not None else set()))
         kwargs = dict(do_sample=False) if temperature == 0 else dict(
             do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), self._generation_config_set_aside():
             if generator is not None and temperature != 0:
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
             out = self.hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                    max_new_tokens=max_new_tokens, eos_token_id=stops or None,
                                    pad_token_id=stops[0] if stops else 0, **kwargs)
         return _pad_after_stop(out, input_ids.shape[1] + max_new_tokens, input_ids.shape[1], stops)
+
+    @contextlib.contextmanager
+    def _generation_config_set_aside(self):
+        """The model's generation config replaced by transformers' defaults for one call: generate() fills every
+        setting a call leaves unset from the model's, even from a GenerationConfig passed to it, so the folder's
+        processors (repetition penalty, n-gram bans, suppressed tokens) would change the tasks' decoding."""
+        saved = self.hf.generation_config
+        self.hf.generation_config = GenerationConfig()
+        try:
+            yield
+        finally:
+            self.hf.generation_config = saved
 
 
 def _pad_after_stop(out: torch.Tensor, width: int, prompt: int, stops: list[int]) -> torch.Tensor:

@@ -121,6 +121,22 @@ def _transformers_steps(model, input_ids, generation_config, model_kwargs):
             outputs = model(**model_inputs, return_dict=True)
 
 
+def static_refusal(model, max_length: int, model_kwargs: dict) -> str | None:
+    """Why a `StaticDecoder` would not compute this generate() call, or None when it does. The decoder starts
+    from an empty cache, at the positions the attention mask gives the prompt, and holds at most
+    max_position_embeddings positions; so a call with position_ids of its own, one that continues a cache already
+    holding tokens, and one whose max_length passes the model's limit (whose step past the limit must fail with
+    the model's own error) run transformers' steps instead."""
+    if model_kwargs.get("position_ids") is not None:
+        return "the call gives position_ids of its own"
+    cache = model_kwargs.get(CACHE_KEY)
+    if cache is not None and cache.get_seq_length() > 0:
+        return "the call continues a cache that already holds tokens"
+    if max_length > model.config.max_position_embeddings:
+        return f"max_length {max_length} passes max_position_embeddings {model.config.max_position_embeddings}"
+    return None
+
+
 def _static_steps(decoder: StaticDecoder, input_ids, attention_mask):
     """The same logits from a `StaticDecoder`: its prefill of the prompt, then a step per `send(input_ids)`."""
     input_ids = yield decoder.start(input_ids, attention_mask)
@@ -128,9 +144,12 @@ def _static_steps(decoder: StaticDecoder, input_ids, attention_mask):
         input_ids = yield decoder.step(input_ids[:, -1])
 
 
-def graph_decoder_for(model, input_ids: torch.Tensor, max_length: int) -> StaticDecoder | None:
+def graph_decoder_for(model, input_ids: torch.Tensor, max_length: int, model_kwargs: dict) -> StaticDecoder | None:
     """A CUDA-graph `StaticDecoder` for this call of the wrapper `model` (on the native model sharing its
-    modules), or None where a graph cannot run (not CUDA, a score hook, a trace: `graph_unsupported`)."""
+    modules), or None where it would not compute this call (`static_refusal`) or a graph cannot run (not CUDA, a
+    score hook, a trace: `graph_unsupported`)."""
+    if static_refusal(model, max_length, model_kwargs) is not None:
+        return None
     if graph_unsupported(model, input_ids.device) is not None:
         return None
     capacity = capacity_for(max_length, model.config.max_position_embeddings)

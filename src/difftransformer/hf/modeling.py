@@ -26,8 +26,9 @@ Contract:
   `DiffTransformerLM.generate` does. An all-ones mask is dropped so the fast kernels stay usable.
 - output_attentions returns each layer's differential map A1 - lambda*A2 (the map itself for
   ordinary attention), (B, heads, T, S), computed on the eager backend for that call.
-- Training: labels are unshifted (transformers' convention), -100 ignored; gradient checkpointing
-  (`gradient_checkpointing_enable()`) checkpoints each block.
+- Training: labels are unshifted (transformers' convention), -100 ignored; the loss is transformers'
+  `loss_function`, given forward's other keywords as its causal LMs give them (num_items_in_batch,
+  ignore_index, shift_labels); gradient checkpointing (`gradient_checkpointing_enable()`) checkpoints each block.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ import difftransformer.hf.compat as compat
 from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import graph_decoder_for, lean_sample, lean_sample_applies, sample_arguments
-from difftransformer.model import DiffTransformerLM
+from difftransformer.model import ATTENTION_KINDS, DiffTransformerLM
 from difftransformer.model.inputs import check_input_ids, keep_last_positions, last_rows_kept, positions_from_mask
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
 log = logging.get_logger(__name__)
+_DIFF_HEADS = frozenset(name for name, kind in ATTENTION_KINDS.items() if kind.diff_heads)  # V1's cache layout
 
 
 _OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast))
@@ -226,6 +228,9 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         self.gradient_checkpointing = False
         self.post_init()
 
+    # diff_retrofit's head-norm ramp: whether a training forward should still say that no one raises it
+    _ramp_unset = True
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DiffTransformerForCausalLM":
         """transformers' `from_pretrained`, made as strict as `DiffTransformerLM.from_pretrained`: safetensors
@@ -324,7 +329,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids, processors, criteria, config, synced_gpus, streamer, model_kwargs = sample_arguments(
                 *args, **kwargs)
             if lean_sample_applies(self, config, synced_gpus, streamer, criteria, model_kwargs):
-                decoder = graph_decoder_for(self, input_ids, criteria.max_length)
+                decoder = graph_decoder_for(self, input_ids, criteria.max_length, model_kwargs)
                 return lean_sample(self, input_ids, processors, criteria, config, model_kwargs, decoder)
         return super()._sample(*args, **kwargs)
 
@@ -347,6 +352,27 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         for name, module in self.named_children():
             setattr(lm, name, module)
         return lm.train(self.training)
+
+    def set_training_step(self, step: int) -> None:
+        """diff_retrofit's head-norm ramp before optimizer step `step`, as our trainer sets it
+        (`DiffTransformerLM.set_training_step`; a no-op for other kinds). transformers' Trainer does not call
+        it: give it `difftransformer.hf.HeadNormRampCallback()`; a loop of one's own calls this before each step."""
+        self.native().set_training_step(step)
+        self._ramp_unset = False
+
+    def _warn_if_ramp_unset(self) -> None:
+        """Once, in a training forward of a diff_retrofit model whose head-norm ramp nobody raises."""
+        if not (self.config.attention == "diff_retrofit" and self.config.head_norm_ramp_steps):
+            self._ramp_unset = False
+            return
+        if all(float(block.self_attn.head_norm_mix) >= 1 for block in self.layers):
+            self._ramp_unset = False  # already ramped in: nothing left to raise
+            return
+        log.warning(f"this diff_retrofit model blends its head norm in over head_norm_ramp_steps="
+                    f"{self.config.head_norm_ramp_steps} optimizer steps, but nothing raises the blend as it trains: "
+                    f"with transformers' Trainer pass callbacks=[difftransformer.hf.HeadNormRampCallback()], in a "
+                    f"loop of your own call model.set_training_step(step) before each optimizer step")
+        self._ramp_unset = False
 
     # -- what transformers asks of a model -------------------------------------------------
     def get_input_embeddings(self) -> nn.Embedding:
@@ -398,6 +424,8 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         The cache is `cache` or `past_key_values` (its names from transformers 5.24 and up to 5.23; give one);
         the output holds it under the installed transformers' name (compat.CACHE_KEY)."""
         cfg = self.config
+        if self._ramp_unset and self.training and torch.is_grad_enabled():
+            self._warn_if_ramp_unset()
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
@@ -424,8 +452,9 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self.lm_head(self.norm(keep_last_positions(x, logits_to_keep)))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size,
-                                      **{k: v for k, v in kwargs.items() if k == "num_items_in_batch"})
+            # the keywords go to the loss as transformers' causal LMs pass them (num_items_in_batch, ignore_index,
+            # shift_labels: what its Trainer gives under gradient accumulation and context parallelism)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **kwargs)
         out = _output(loss=loss, logits=logits, hidden_states=hidden, attentions=maps, **{CACHE_KEY: past_key_values})
         return out if return_dict else out.to_tuple()
 
@@ -447,8 +476,7 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
             return False
         return bool(use_cache)
 
-    @staticmethod
-    def _transformers_cache(past_key_values, use_cache: bool) -> Cache | None:
+    def _transformers_cache(self, past_key_values, use_cache: bool) -> Cache | None:
         """The transformers cache this call reads and extends (a new DynamicCache when asked for none)."""
         if type(past_key_values) is DynamicCache:  # what generate() passes at every step: nothing to check
             return past_key_values
@@ -459,10 +487,11 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
                             f"{type(past_key_values).__name__}; legacy tuples are not supported: pass "
                             f"DynamicCache() or let generate() make one")
         if getattr(past_key_values, "is_compileable", False):
-            raise ValueError(f"the cache is a {type(past_key_values).__name__}, preallocated from the config's "
-                             f"head counts; differential attention caches keys (B, 2*h_kv, S, d) and values "
-                             f"(B, h_kv, S, 2d), which it cannot hold. Use DynamicCache (the default; no "
-                             f"cache_implementation='static')")
+            why = ("differential attention caches keys (B, 2*h_kv, S, d) and values (B, h_kv, S, 2d), which it "
+                   "cannot hold" if self.config.attention in _DIFF_HEADS else "the wrapper takes growing caches only")
+            raise ValueError(f"the cache is a {type(past_key_values).__name__}, preallocated from the config's head "
+                             f"counts; {why}. Use DynamicCache (the default; no cache_implementation='static': on "
+                             f"CUDA, generate() already decodes on a static cache of its own, from a CUDA graph)")
         return past_key_values
 
     def _checkpoint_func(self):
