@@ -210,3 +210,31 @@ def test_transformers_generate_stops_where_ours_does(tmp_path):
     assert convert(tmp_path / "diffllama", tmp_path / "back", "difftransformer") == 0
     assert convert(tmp_path / "back", tmp_path / "dl2", "diffllama") == 0  # ours: the tokenizer's EOS
     assert json.loads((tmp_path / "dl2" / CONFIG_NAME).read_text())["eos_token_id"] == 3
+
+
+def test_a_transformers_folders_special_ids_and_generation_settings_travel_both_ways(tmp_path, capsys):
+    """A Llama folder's special-token ids (config.json), generation_config.json and chat template go to our folder
+    and back: transformers' generate reads the same EOS ids from each, so each stops where the source stops. A
+    source whose attention has dropout is refused (the model we write has none)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    import difftransformer.hf  # noqa: F401  (our folders through AutoModelForCausalLM)
+
+    saved(tmp_path / "t", "transformer")
+    assert convert(tmp_path / "t", tmp_path / "llama", "llama") == 0
+    source = tmp_path / "llama"
+    cfg = json.loads((source / CONFIG_NAME).read_text())
+    (source / CONFIG_NAME).write_text(json.dumps(cfg | {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 5}))
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=5, repetition_penalty=1.05).save_pretrained(
+        source)
+    (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert convert(source, tmp_path / "ours", "difftransformer") == 0
+    assert convert(tmp_path / "ours", tmp_path / "back", "llama") == 0
+    for folder in (tmp_path / "ours", tmp_path / "back"):
+        written = json.loads((folder / CONFIG_NAME).read_text())
+        assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, 2, 5), folder
+        assert (folder / "chat_template.jinja").read_text() == (source / "chat_template.jinja").read_text()
+        generation = AutoModelForCausalLM.from_pretrained(folder).generation_config
+        assert generation.eos_token_id == [2, 3] and generation.repetition_penalty == 1.05, folder
+    (source / CONFIG_NAME).write_text(json.dumps(cfg | {"attention_dropout": 0.1}))
+    _fails(capsys, source, tmp_path / "dst", "difftransformer", "sets attention_dropout=0.1; only 0 converts")

@@ -142,5 +142,38 @@ def test_the_command_writes_a_folder_with_the_source_logits(tmp_path, capsys):
     assert (tmp_path / "cal" / "tokenizer.json").is_file()
 
 
+def test_the_retrofitted_folder_keeps_the_sources_tokens_and_generation_settings(tmp_path):
+    """What transformers and lm-eval read beside the weights: the source's special-token ids (config.json), its
+    tokenizer settings (tokenizer_config.json: the tokenizer class and what it adds to a text), generation
+    settings and chat template go into the retrofitted folder, so through AutoModelForCausalLM and AutoTokenizer
+    it stops, and encodes, as the source does."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+    import difftransformer.hf  # noqa: F401
+    from difftransformer.cli import main
+
+    source = llama("9q3kv-tied")
+    source.config.update({"bos_token_id": 1, "eos_token_id": 2})
+    source.save_pretrained(tmp_path / "llama")
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 3]).save_pretrained(tmp_path / "llama")
+    words = [f"w{i}" for i in range(VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2").save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert main(["retrofit", str(tmp_path / "llama"), str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert {k: json.loads((out / "config.json").read_text()).get(k) for k in ("bos_token_id", "eos_token_id")} == {
+        "bos_token_id": 1, "eos_token_id": 2}
+    assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == [2, 3]
+    text = "w5 w6 w9"
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == AutoTokenizer.from_pretrained(
+        tmp_path / "llama")(text)["input_ids"]
+    assert (out / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+
+
 def cfg_head_dim(model) -> int:
     return model.config.head_dim

@@ -9,7 +9,9 @@ that is a symbolic link, before any work).
 Weights are read from safetensors only (a pickle is never opened) and written as safetensors:
 transformers folders by the transformers classes' own save_pretrained (so they load with
 `from_pretrained`), ours ("difftransformer") by our save_pretrained, the authors' layout as one safetensors file plus
-its settings JSON. The tokenizer.json saved with the source (a run's final/) is copied along.
+its settings JSON. The tokenizer.json saved with the source (a run's final/) is copied along, and so are the
+source's special-token ids (config.json), generation settings and chat template (SIDE_FILES): a model that stopped
+at its EOS before the conversion stops there after it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME, check
 from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' tokenizer settings (special tokens)
+# The files of a model folder beside its config and weights that say how the model is used, not what it computes:
+# the tokenizer's transformers settings, the generation settings (EOS ids, penalties), a chat template. Every
+# conversion carries them over as they are, and the special-token ids of the source's config.json with them.
+SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+              "chat_template.json")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 HELP = "convert weights between our format, transformers' DiffLlama/Llama and the authors' layout"
 DESCRIPTION = ("Convert a model folder exactly (the converted model computes the same logits): difftransformer "
@@ -80,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
         state, config = to_ours(ckpt.format, ckpt.state, ckpt.config)
         params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
         state, out_config = from_ours(args.to, state, config)
-        if args.to in ("diffllama", "llama"):
-            out_config = {**out_config, **_eos_token_id(src)}
-        _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src))
+        ids = special_ids(src)
+        if args.to in ("diffllama", "llama"):  # the source's own ids, else our tokenizer's EOS
+            out_config = {**out_config, **(ids or _eos_token_id(src))}
+        _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src, ids))
     print(f"converted {src} ({ckpt.format}) to {dst} ({args.to}): attention {config.attention!r}, "
           f"{config.num_hidden_layers} layers, {params:,} parameters")
     return 0
@@ -246,28 +255,55 @@ def _eos_token_id(src: Path) -> dict[str, int]:
     return {"eos_token_id": eos}
 
 
-def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path) -> None:
+def _write(fmt: str, folder: Path, state: dict[str, torch.Tensor], config: Any, src: Path,
+           ids: dict[str, Any]) -> None:
     if fmt == "difftransformer":
         _save_ours(folder, state, config)
+        add_special_ids(folder, ids)
     elif fmt == "unilm":
         _save_unilm(folder, state, config)
     else:
         _save_transformers(fmt, folder, state, config)
     _copy_tokenizer(fmt, src, folder, config)
+    copy_side_files(src, folder)
+
+
+def special_ids(src: Path) -> dict[str, Any]:
+    """The special-token ids (SPECIAL_IDS) the source folder's config.json names, those that are set; {} for a
+    folder without them (the authors' layout, a model trained here)."""
+    try:
+        data = json.loads((src / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: data[k] for k in SPECIAL_IDS if isinstance(data, dict) and data.get(k) is not None}
+
+
+def add_special_ids(folder: Path, ids: dict[str, Any]) -> None:
+    """`ids` written into our config.json in `folder` (keys it accepts beside its own: transformers reads them)."""
+    if ids:
+        path = folder / CONFIG_NAME
+        atomic_write_text(path, json.dumps({**json.loads(path.read_text(encoding="utf-8")), **ids}, indent=2,
+                                           sort_keys=True) + "\n")
+
+
+def copy_side_files(src: Path, folder: Path) -> None:
+    """The source's SIDE_FILES into `folder`, replacing what the target's writer made of them (transformers writes a
+    generation_config.json from the model config alone)."""
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, folder / name)
 
 
 def _copy_tokenizer(fmt: str, src: Path, folder: Path, config: Any) -> None:
-    """The source's tokenizer.json (and tokenizer_config.json, if it has one) go along. A transformers
-    folder gets our tokenizer as transformers' when the source has no tokenizer_config.json: EOS named
-    (without it generation and evaluation cannot end a document) and first in every encoded text, as in
+    """The source's tokenizer.json goes along (its tokenizer_config.json too, one of the SIDE_FILES). A
+    transformers folder gets our tokenizer as transformers' when the source has no tokenizer_config.json: EOS
+    named (without it generation and evaluation cannot end a document) and first in every encoded text, as in
     training (difftransformer.hf.save.save_transformers_tokenizer)."""
     tokenizer = src / TOKENIZER_FILE
     if not tokenizer.is_file():
         return
     shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
-    if (src / TOKENIZER_CONFIG).is_file():
-        shutil.copyfile(src / TOKENIZER_CONFIG, folder / TOKENIZER_CONFIG)
-    elif fmt in ("diffllama", "llama") and _has_eos(tokenizer):
+    if fmt in ("diffllama", "llama") and not (src / TOKENIZER_CONFIG).is_file() and _has_eos(tokenizer):
         from difftransformer.hf.save import save_transformers_tokenizer  # transformers wrote the folder
 
         save_transformers_tokenizer(tokenizer, folder, config.get("max_position_embeddings"))

@@ -4,8 +4,10 @@ model whose logits equal the source's at conversion (convert/llama_retrofit.py; 
 
 LLAMA is a transformers Llama folder (config.json + safetensors) or a .gguf file (dequantised by
 transformers; needs `gguf`). The result is our model folder (config.json, model.safetensors and the
-source's tokenizer.json when it has one), written complete or not at all. `--check N` runs the
-source and the retrofitted model on N random tokens and prints the max abs logit difference.
+source's tokenizer.json when it has one), written complete or not at all, with the source's special-token ids,
+generation settings, tokenizer settings and chat template (cli/convert.py's SIDE_FILES; from a .gguf file the ids
+and generation settings transformers reads from it): to transformers and lm-eval the result is the source's model.
+`--check N` runs the source and the retrofitted model on N random tokens and prints the max abs logit difference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.cli.convert import _check_destination, _write_atomically
+from difftransformer.cli.convert import (
+    SPECIAL_IDS,
+    _check_destination,
+    _write_atomically,
+    add_special_ids,
+    copy_side_files,
+    special_ids,
+)
 from difftransformer.convert import ConversionError, calibrate_head_norm, read_checkpoint, retrofit_llama
 from difftransformer.convert.llama_retrofit import SECOND_MAPS
 from difftransformer.model import DiffTransformerLM
@@ -90,10 +99,17 @@ def run(args: argparse.Namespace) -> int:
         means = calibrate_head_norm(model.eval(), ids)
         print(f"head-norm weight fitted on {args.calibrate}: mean per layer {min(means):.3g} .. {max(means):.3g}")
 
+    ids = special_ids(src) if source is None or src.suffix != ".gguf" else _gguf_special_ids(source)
+
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
+        add_special_ids(folder, ids)
         if tokenizer is not None:
             (folder / TOKENIZER_FILE).write_text(tokenizer)
+        if src.suffix == ".gguf":
+            source.generation_config.save_pretrained(folder)
+        else:
+            copy_side_files(src, folder)
 
     _write_atomically(dst, write)
     params = model.num_parameters()
@@ -107,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
             diff = (model(ids).logits - source(ids).logits).abs().max().item()
         print(f"max abs logit difference on {args.check} random tokens: {diff:.3g}")
     return 0
+
+
+def _gguf_special_ids(source) -> dict:
+    """The special-token ids transformers read from a .gguf file into its model's config."""
+    return {k: getattr(source.config, k) for k in SPECIAL_IDS if getattr(source.config, k, None) is not None}
 
 
 def _source_tokenizer(path: Path) -> str:

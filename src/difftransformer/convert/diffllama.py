@@ -109,9 +109,6 @@ def _ours_config(config: Mapping[str, Any]) -> DiffTransformerConfig:
     if H % 2 or kv % 2:
         raise ConversionError(f"{source} has {H} heads and {kv} kv heads; DiffLlama pairs head i with i + H/2 and kv "
                               f"head g with g + H_kv/2, so both must be even (DiffLlama itself refuses odd kv heads)")
-    if float(config.get("attention_dropout") or 0.0) != 0.0:
-        raise ConversionError(f"{source} sets attention_dropout={config['attention_dropout']}; only 0 converts "
-                              f"(our attention has no dropout)")
     return DiffTransformerConfig(**{**fields, "num_attention_heads": H // 2, "num_key_value_heads": kv // 2},
                                  attention="diff", lambda_init=None)
 

@@ -146,6 +146,9 @@ def hf_fields(config: Mapping[str, Any], model_type: str, source: str, eps: floa
     for key, allowed, why in refuse:
         if config.get(key, allowed) != allowed:
             raise ConversionError(f"{source} sets {key}={config[key]!r}; only {allowed!r} converts exactly ({why})")
+    if float(config.get("attention_dropout") or 0.0) != 0.0:  # the logits convert; training would not
+        raise ConversionError(f"{source} sets attention_dropout={config['attention_dropout']}; only 0 converts "
+                              f"(our attention has no dropout)")
     need = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
             if not isinstance(config.get(k), int) or isinstance(config.get(k), bool) or config[k] <= 0]
     if need:

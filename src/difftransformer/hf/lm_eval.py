@@ -23,7 +23,9 @@ The tokenizer (contract):
   starts with EOS. In training EOS separates documents, so the token before a document's first token
   is always EOS; difftransformer's own scoring (eval/lm.py: `encode_prompt`, `continuation_logprob`)
   therefore puts EOS before every text, and lm-eval then computes exactly what we compute:
-  log p(continuation | EOS + context), the split between context and continuation made the same way;
+  log p(continuation | EOS + context), the split between context and continuation made the same way
+  where the context ends in spaces or none (docs/interop.md names the two splits that differ: other
+  whitespace ending a context, a token spanning the boundary);
 - a literal "<|endoftext|>" inside a text is ordinary text (split_special_tokens), as in our
   `Tokenizer`: data cannot forge a document boundary;
 - decoding is exact (no clean-up of spaces).
