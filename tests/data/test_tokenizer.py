@@ -43,7 +43,7 @@ def test_tokenizer_save_and_load(tok, tmp_path):
         Tokenizer.from_file(tmp_path / "missing.json")
 
 
-def test_tokenizer_errors():
+def test_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="vocab_size must be at least 257"):
         Tokenizer.train(["abc"], vocab_size=100)
     from tokenizers import Tokenizer as HFTokenizer
@@ -51,6 +51,9 @@ def test_tokenizer_errors():
 
     with pytest.raises(ValueError, match="tokenizer has no '<\\|endoftext\\|>' token"):
         Tokenizer(HFTokenizer(models.BPE()))
+    HFTokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))  # a file without our EOS is named
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'tokenizer.json'}: tokenizer has no '<\\|endoftext"):
+        Tokenizer.from_file(tmp_path / "tokenizer.json")
 
 
 def test_train_tokenizer_caches_on_disk(tmp_path, monkeypatch):

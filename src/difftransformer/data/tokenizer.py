@@ -56,7 +56,10 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
             raise ValueError(f"{path} is not a tokenizer.json file ({str(e).splitlines()[0][:120]}); give the "
                              f"tokenizer.json saved with a model or in a prepared-data folder") from None
-        tok = cls(inner, eos_token)
+        try:
+            tok = cls(inner, eos_token)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         tok.path = path
         return tok
 
