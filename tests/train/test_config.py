@@ -27,6 +27,8 @@ def test_train_config_rejects_unknown_keys_and_bad_values():
         TrainConfig(max_steps=True)
     with pytest.raises(ValueError, match="device must be"):
         TrainConfig(device="gpu")
+    with pytest.raises(ValueError, match=r"dist_timeout_min must be in \(0, 10080\] minutes, got 0"):
+        TrainConfig(dist_timeout_min=0)
     cfg = TrainConfig(lr=1, seed=3)
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

@@ -59,3 +59,41 @@ def test_two_processes_match_one(data_dir, tmp_path, fsdp, trainable):
         frozen = [k for k in start if ".self_attn." not in k]
         assert frozen and all(torch.equal(start[k], two.state_dict()[k]) for k in frozen)
     assert load_checkpoint(tmp_path / "two")["state"]["world_size"] == 2
+
+
+def test_two_processes_match_one_on_a_synthetic_task(tmp_path):
+    """A task scores answers only and the ranks' halves of a batch hold different numbers of them: two processes
+    still train on the mean over every answer of the global batch, as one process does."""
+    from difftransformer.data.ood import FlipFlop
+    from difftransformer.data.prepare import prepare_task
+
+    family = FlipFlop(min_instructions=4, max_instructions=12)
+    data = str(prepare_task(family, tmp_path / "data").out_dir)
+    model = tiny(vocab_size=family.vocab_size, max_position_embeddings=64)
+    one = train(model, make_cfg(data, tmp_path / "one", max_steps=4, ckpt_interval=4, eval_interval=2))
+    cfg2 = make_cfg(data, tmp_path / "two", max_steps=4, ckpt_interval=4, eval_interval=2)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), [cfg2.to_dict()], model.to_dict()), nprocs=2, join=True)
+    for a, b in zip(read_metrics(one.metrics_path), read_metrics(tmp_path / "two" / "metrics.jsonl"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), (a, b)
+    two = DiffTransformerLM.from_pretrained(tmp_path / "two" / "final")
+    for pa, pb in zip(one.model.parameters(), two.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-5)
+
+
+def test_the_process_group_waits_as_long_as_the_config_says(monkeypatch):
+    """Rank 0 may write a large checkpoint or evaluate a study's units while the other ranks wait at a collective:
+    the group is made with the config's dist_timeout_min, not the backend's default (10 min NCCL, 30 min gloo)."""
+    import datetime
+
+    from difftransformer.train import distributed
+
+    made = {}
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: made.update(kw))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.atexit, "register", lambda f: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    distributed.init_distributed("cpu", TrainConfig(dist_timeout_min=90).dist_timeout_min)
+    assert made["backend"] == "gloo" and made["timeout"] == datetime.timedelta(minutes=90)
+    assert TrainConfig().dist_timeout_min == 240

@@ -262,3 +262,27 @@ def test_a_resume_that_cannot_use_the_cpp_kernel_says_it_is_not_bitwise_equal(da
         train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=1))
     warned = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
     assert len(warned) == 1 and "'cpp'" in warned[0] and "'sdpa'" in warned[0] and "bitwise" in warned[0]
+
+
+def test_grad_accumulation_on_a_synthetic_task_is_the_mean_over_every_answer(tmp_path):
+    """A task scores answers only, and micro-batches hold different numbers of them: the step's objective is the
+    mean over every answer of the global batch, so accumulating over 2 or 4 micro-batches trains as one batch does
+    (the same losses and weights); averaging the micro-batches' means instead moved weights by ~1e-2 in 4 steps."""
+    from difftransformer.data.ood import FlipFlop
+    from difftransformer.data.prepare import prepare_task
+    from difftransformer.train.trainer import TaskSampler
+
+    family = FlipFlop(min_instructions=4, max_instructions=12)
+    data = prepare_task(family, tmp_path / "data")
+    inputs, targets = TaskSampler(family, 8, 32, seed=0).batch(0, 0, 1)
+    counts = (targets != -100).view(2, -1).sum(1).tolist()
+    assert counts[0] != counts[1]  # the micro-batches of accumulation 2 score different numbers of answers
+    model = tiny(vocab_size=family.vocab_size, max_position_embeddings=64)
+    runs = [train(model, make_cfg(str(data.out_dir), tmp_path / f"a{k}", max_steps=4, ckpt_interval=4,
+                                  grad_accum_steps=k)) for k in (1, 2, 4)]
+    reference = read_metrics(runs[0].metrics_path)
+    for run in runs[1:]:
+        for ra, rb in zip(reference, read_metrics(run.metrics_path)):
+            assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+        for pa, pb in zip(runs[0].model.parameters(), run.model.parameters()):
+            assert torch.allclose(pa, pb, atol=1e-5)

@@ -25,6 +25,8 @@ from difftransformer.model.inputs import check_input_ids, keep_last_positions, l
 from difftransformer.model.serialization import load_weights, read_pretrained, save_pretrained
 from difftransformer.norm import RMSNorm
 
+IGNORE_INDEX = -100  # a target that is not scored (PyTorch's and transformers' convention)
+
 
 class SwiGLU(nn.Module):
     """(silu(x Wg) * (x W1)) W2."""
@@ -208,7 +210,7 @@ class DiffTransformerLM(nn.Module):
             if targets.shape != input_ids.shape:
                 raise ValueError(f"targets must match input_ids' shape {tuple(input_ids.shape)}; "
                                  f"got {tuple(targets.shape)}")
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         return CausalLMOutput(logits=logits, loss=loss, attentions=maps, kv_cache=kv_cache)
 
     # -- generation and serialisation live in their own modules; thin methods for convenience --

@@ -27,6 +27,7 @@ RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed", "trainable")
 # Fields that only affect speed, I/O or how far to train: a resumed run (or a continued study) may change them.
 FREELY_CHANGEABLE = frozenset({"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
+                               "dist_timeout_min",
                                "tensorboard", "progress", "max_weight_growth"})
 
 
@@ -65,6 +66,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     fsdp: bool = False  # FSDP2 (fully_shard) instead of DDP when distributed
+    # Under torchrun: minutes a rank waits for the others at a collective (rank 0 writing a checkpoint, or
+    # evaluating a study's finished units while the others wait to train the next) before the run fails.
+    dist_timeout_min: float = 240.0
     tensorboard: bool = True
     progress: bool = True  # tqdm bar with loss, tokens/s, ETA
     # Which parameters the optimizer moves: "all", or "attention" (every layers.N.self_attn.* tensor:
@@ -93,6 +97,9 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.dist_timeout_min <= 7 * 24 * 60:
+            raise ValueError(f"TrainConfig.dist_timeout_min must be in (0, {7 * 24 * 60}] minutes, got "
+                             f"{self.dist_timeout_min}")
         for name in ("weight_decay", "grad_clip", "max_weight_growth"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import functools
 import logging
 from dataclasses import dataclass
@@ -76,15 +77,18 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return torch.device(spec)
 
 
-def init_distributed(device_spec: str) -> DistEnv:
-    """Read the torchrun environment and join (or reuse) the process group."""
+def init_distributed(device_spec: str, timeout_min: float = 240.0) -> DistEnv:
+    """Read the torchrun environment and join (or reuse) the process group. timeout_min: how long a collective
+    waits for every rank (the backends' defaults, 10 min for NCCL and 30 for gloo, fail a run whose rank 0 writes a
+    large checkpoint or evaluates a study's units for longer while the others wait)."""
     world_size, rank, local_rank = ranks.world_size(), ranks.rank(), ranks.local_rank()
     device = resolve_device(device_spec, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_min))
         atexit.register(shutdown_distributed)
         log.info("joined process group: rank %d of %d, backend %s, device %s", rank, world_size, backend, device)
     elif device.type == "cuda":

@@ -31,6 +31,7 @@ from difftransformer.data.ood.sampler import TaskSampler, TaskValSet
 from difftransformer.dist import full_tensor
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
+from difftransformer.model.modeling import IGNORE_INDEX
 from difftransformer.numerics import denormals_flushed
 from difftransformer.train.checkpoint import (
     CheckpointError,
@@ -226,7 +227,7 @@ def train(model_config: DiffTransformerConfig, cfg: TrainConfig, *,
         check_init_config(cfg.init_from, model_config)  # before any folder is locked or written
         check_init_outside_run(cfg.init_from, RunDir(cfg.out_dir))
     cfg.check_model(model_config)
-    env = init_distributed(cfg.device)  # the process group is kept for later calls (see distributed.py)
+    env = init_distributed(cfg.device, cfg.dist_timeout_min)  # the process group is kept for later calls
     model_config.backend_on(env.device)  # a backend that cannot run on this device fails before any write
     run = RunDir(cfg.out_dir)
     # One writer per run folder: a second training into it refuses at once (rank 0 writes for all).
@@ -477,13 +478,14 @@ class _Loop:
         cfg, env, parts, micro = self.cfg, self.env, self.parts, self.data.micro
         set_lr(parts.optimizer, lr)
         inputs, targets = self.data.sampler.batch(step, env.rank, env.world_size)
+        shares = self.token_shares(step, targets)
         loss_sum = torch.zeros((), device=env.device)
         for i in range(cfg.grad_accum_steps):
             x = inputs[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
             y = targets[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
             with no_sync(parts.wrapped, sync=i == cfg.grad_accum_steps - 1):
                 with parts.amp:
-                    loss = parts.wrapped(x, y).loss
+                    loss = parts.wrapped(x, y).loss * shares[i]
                 (loss / cfg.grad_accum_steps).backward()
             loss_sum += loss.detach()
         loss_t = env.all_reduce_sum(loss_sum / cfg.grad_accum_steps) / env.world_size
@@ -501,6 +503,27 @@ class _Loop:
         parts.optimizer.zero_grad(set_to_none=True)
         parts.model.set_training_step(step + 1)  # α for the model after this step (no-op for other kinds)
         return loss_val, grad_norm
+
+    def token_shares(self, step: int, targets: torch.Tensor) -> list[float | torch.Tensor]:
+        """Each micro-batch's loss weight, so that the step's objective is the mean over every scored token of the
+        global batch, whatever the world size and accumulation: a micro-batch's loss is a mean over its own scored
+        tokens, and accumulation and DDP average those means; weighted by (its tokens) x (micro-batches in the
+        step) / (the step's tokens), they average to the global mean. 1 where every micro-batch scores as many
+        tokens (a corpus: every target), so such a run computes exactly what it did unweighted; a synthetic task,
+        scored on its answers only, scores a varying number. targets: this rank's (batch / world size, T) slice."""
+        cfg, env = self.cfg, self.env
+        if not isinstance(self.data.sampler, TaskSampler):  # a corpus scores every target
+            return [1.0] * cfg.grad_accum_steps
+        counts = (targets != IGNORE_INDEX).view(cfg.grad_accum_steps, -1).sum(1).tolist()
+        if 0 in counts:
+            raise ValueError(f"step {step + 1}: micro-batch {counts.index(0)} of rank {env.rank} scores no token "
+                             f"(every target is {IGNORE_INDEX}): its loss is undefined. Give every sequence at least "
+                             f"one scored target, or raise batch_size")
+        parts = cfg.grad_accum_steps * env.world_size
+        if env.world_size == 1:
+            return [c * parts / sum(counts) for c in counts]
+        total = env.all_reduce_sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=env.device))
+        return [(c * parts / total).float() for c in counts]  # float64 counts: exact to 2^53 tokens
 
     def weight_norm(self) -> float:
         """The global L2 norm of the weights (a collective under FSDP: every rank calls). FSDP's sharded
