@@ -97,3 +97,48 @@ def test_the_process_group_waits_as_long_as_the_config_says(monkeypatch):
     distributed.init_distributed("cpu", TrainConfig(dist_timeout_min=90).dist_timeout_min)
     assert made["backend"] == "gloo" and made["timeout"] == datetime.timedelta(minutes=90)
     assert TrainConfig().dist_timeout_min == 240
+
+
+def _gather_worker(rank: int, world_size: int, port: int, model_dict: dict, out: str) -> None:
+    """Records what each rank holds of the checkpoint gathers under FSDP after one optimizer step."""
+    import json
+
+    from difftransformer.model import DiffTransformerConfig
+    from difftransformer.train.distributed import (
+        full_model_state,
+        full_optimizer_state_by_name,
+        init_distributed,
+        wrap_model,
+    )
+    from difftransformer.train.optim import build_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    torch.manual_seed(0)
+    model = DiffTransformerLM(DiffTransformerConfig.from_dict(model_dict))
+    wrapped = wrap_model(model, env, fsdp=True)
+    optimizer = build_optimizer(model, TrainConfig())
+    ids = torch.randint(0, 64, (2, 16))
+    wrapped(ids, ids).loss.backward()
+    optimizer.step()
+    state = full_model_state(model, fsdp=True, rank0_only=True)
+    optim = full_optimizer_state_by_name(model, optimizer, fsdp=True)
+    held = {"model": len(state), "optimizer": len(optim.get("state", {})),
+            "devices": sorted({str(t.device) for t in state.values()}),
+            "plain": all(type(t) is torch.Tensor for t in state.values())}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(held, f)
+
+
+def test_an_fsdp_checkpoint_is_gathered_on_rank_0_only(tmp_path):
+    """Under FSDP a checkpoint's full model and optimizer state are gathered into rank 0's host memory alone (the
+    one that writes it): no other rank holds the whole model or its Adam moments beside its shards."""
+    import json
+
+    mp.spawn(_gather_worker, args=(2, _free_port(), tiny().to_dict(), str(tmp_path)), nprocs=2, join=True)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["model"] == len(DiffTransformerLM(tiny()).state_dict()) and zero["optimizer"] > 0
+    assert zero["devices"] == ["cpu"] and zero["plain"]
+    assert one["model"] == 0 and one["optimizer"] == 0

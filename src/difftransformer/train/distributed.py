@@ -156,17 +156,20 @@ def _fsdp_no_sync(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def full_model_state(model: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:
-    """The unsharded model state dict (a collective under FSDP: call it on every rank)."""
+def full_model_state(model: nn.Module, fsdp: bool, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded model state dict (a collective under FSDP: call it on every rank). rank0_only: under FSDP
+    only rank 0 gets it, in host memory, the others an empty dict (a checkpoint, which rank 0 alone writes: no
+    rank holds the whole model on its device beside its shards)."""
     if not fsdp or not dist.is_initialized():
         return dict(model.state_dict())
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
 
 
 def full_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool):
-    """Optimizer state keyed by parameter name, unsharded (collective under FSDP)."""
+    """Optimizer state keyed by parameter name, unsharded (collective under FSDP), for a checkpoint: under FSDP on
+    rank 0 only, in host memory (the other ranks get empty state)."""
     from difftransformer.train.checkpoint import optimizer_state_by_name
 
     if not fsdp or not dist.is_initialized():
@@ -174,7 +177,9 @@ def full_optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimi
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                              cpu_offload=False))
+                                                                              cpu_offload=True))
+    if not osd:  # a rank other than 0
+        return {}
     # DCP keys state and param groups by fully qualified name already; keep our "names" key in step.
     groups = [{**g, "names": list(g["params"])} for g in osd["param_groups"]]
     return {"state": osd["state"], "param_groups": groups}

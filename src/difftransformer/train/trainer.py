@@ -558,7 +558,7 @@ class _Loop:
     def save(self, step: int) -> None:
         """Checkpoint `step` (gathering FSDP shards: every rank calls; rank 0 writes)."""
         cfg, env, parts, data = self.cfg, self.env, self.parts, self.data.prepared
-        model_state = full_model_state(parts.model, cfg.fsdp)
+        model_state = full_model_state(parts.model, cfg.fsdp, rank0_only=True)
         optim_state = full_optimizer_state_by_name(parts.model, parts.optimizer, cfg.fsdp)
         if env.is_main:
             state = {
