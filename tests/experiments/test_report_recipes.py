@@ -155,3 +155,25 @@ def test_the_final_loss_table_marks_each_arm_on_another_recipe_than_the_baseline
     unknown = "\n".join(final_losses(_loss_ctx(_FINALS, recorded=False)))
     assert "| `diff` (recipe not recorded) | – |" in unknown and "\"(recipe not recorded)\": no result file" in unknown
     assert "may mix recipe and architecture" in "\n".join(verdicts(_loss_ctx(_FINALS, recorded=False)))
+
+
+def test_a_throughput_ratio_over_runs_of_other_machines_or_world_sizes_is_marked():
+    """tokens/s ÷ the baseline's compares arms only on one machine: where the recorded runs of an arm and of the
+    baseline trained on more than one (CPU, GPU, world size), the ratio says so; runs without a record are not
+    counted (a run folder's machine is not known)."""
+    def run(arm, seed, world_size, tps):
+        hardware = {"cpu": "Xeon", "world_size": world_size}
+        return Run(arm, seed, None, train=[{"step": 1, "tokens_per_s": tps}, {"step": 2, "tokens_per_s": tps}],
+                   val=[{"step": 2, "loss": 3.0 + seed / 100 + (arm == "diff") / 50}], max_steps=2, last_step=2,
+                   finished=True, record={"identity": {"train": {"max_steps": 2}}, "hardware": hardware})
+
+    def table(world_sizes: dict) -> str:
+        runs = {(arm, s): run(arm, s, world_sizes[arm], 100.0 * (1 + (arm == "diff"))) for arm in world_sizes
+                for s in (0, 1)}
+        ctx = Context(study=None, manifest={}, arms=list(world_sizes), seeds=[0, 1], baseline="transformer", runs=runs)
+        return "\n".join(final_losses(ctx))
+
+    mixed = table({"transformer": 2, "diff": 1})
+    assert "| 2.000 (other machines) |" in mixed and "\"(other machines)\": the runs of the arm" in mixed
+    same = table({"transformer": 1, "diff": 1})
+    assert "| 2.000 |" in same and "other machines" not in same

@@ -85,6 +85,15 @@ class Run:
                 "evals": self.evals, "samples": self.samples}
 
     @property
+    def machine(self) -> tuple | None:
+        """Where its tokens/s was measured: (CPU, GPU, GPU count, world size) as its result file records them; None
+        for a run read from its folder (the study's manifest records the machine of the last call only)."""
+        hw = (self.record or {}).get("hardware")
+        if not hw:
+            return None
+        return hw.get("cpu"), hw.get("gpu"), hw.get("gpu_count"), hw.get("world_size", 1)
+
+    @property
     def final_val(self) -> float | None:
         return self.val[-1]["loss"] if self.val and self.val[-1].get("loss") is not None else None
 

@@ -208,6 +208,9 @@ def final_losses(ctx: Context) -> Lines:
         marks.add(mark)
         tps = [r.tokens_per_s for r in ctx.arm_runs(arm) if r.tokens_per_s]
         ratio = f"{statistics.fmean(tps) / statistics.fmean(base_tps):.3f}" if tps and base_tps else "–"
+        if ratio != "–" and arm != baseline and _machines(ctx, arm, baseline) > 1:
+            ratio += OTHER_MACHINES
+            marks.add(OTHER_MACHINES)
         count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
         p = None if arm == baseline else ctx.comparison(arm).p
         rows.append([code_span(arm) + mark, f"{count:,}" if count else "–", fmt_ci(finals),
@@ -222,6 +225,10 @@ def final_losses(ctx: Context) -> Lines:
     if NOT_RECORDED in marks:
         L += [f"\"{NOT_RECORDED.strip()}\": no result file or run folder records its recipe or "
               f"{code_span(baseline)}'s, so its Δ may mix recipe and architecture.", ""]
+    if OTHER_MACHINES in marks:
+        L += [f"\"{OTHER_MACHINES.strip()}\": the runs of the arm and of {code_span(baseline)} trained on more than "
+              "one machine or world size (CPU, GPU, processes, as their result files record them), so the ratio "
+              "compares machines as much as arms.", ""]
     if len(seeds) > 1:
         L += ["Per seed (final validation loss):", ""]
         L += table(["seed", *[code_span(a) for a in ctx.arms]],
@@ -235,6 +242,14 @@ def final_losses(ctx: Context) -> Lines:
           "project's fused C++ kernels); the paper reports DIFF about 5-10% slower than the Transformer on H100 "
           "with its fused GPU kernels.", ""]
     return L
+
+
+OTHER_MACHINES = " (other machines)"  # a tokens/s ratio over runs of more than one machine or world size
+
+
+def _machines(ctx: Context, arm: str, base: str) -> int:
+    """How many machines (CPU, GPU, world size) the recorded runs of `arm` and `base` trained on."""
+    return len({r.machine for a in (arm, base) for r in ctx.arm_runs(a)} - {None})
 
 
 def _loss(run) -> str:
