@@ -623,8 +623,12 @@ def test_units_evaluated_with_other_options_are_refused_then_evaluated_again_on_
                                                  r"3 now\).*--replace-results"):
         run_study(study, out, report=False)
     assert (folder.results / "diff.json").read_text() == before  # refused before anything was written
+    record = json.loads(before)  # as if trained on another machine than this one
+    (folder.results / "diff.json").write_text(json.dumps(record | {"hardware": {**record["hardware"], "cpu": "A"}}))
     run_study(study, out, report=False, replace_results=True)
     assert options("diff")["documents"] == options("transformer")["documents"] == 3
+    hardware = json.loads((folder.results / "diff.json").read_text())["hardware"]
+    assert hardware["cpu"] == "A"  # evaluated again here: the machine it trained on stays its record
     run_study(study, out, report=False)  # now consistent: continues without a word
     shutil.rmtree(folder.run_dir("diff", 0, multi_seed=False).final)  # no model left to evaluate again
     study.compare = dataclasses.replace(study.compare, eval_options={})

@@ -62,8 +62,9 @@ def test_two_processes_match_one(data_dir, tmp_path, fsdp, trainable):
 
 
 def test_two_processes_match_one_on_a_synthetic_task(tmp_path):
-    """A task scores answers only and the ranks' halves of a batch hold different numbers of them: two processes
-    still train on the mean over every answer of the global batch, as one process does."""
+    """A task scores answers only and the ranks' micro-batches hold different numbers of them: two processes (FSDP2,
+    accumulating over two micro-batches each) still train on the mean over every answer of the global batch, as
+    one process does."""
     from difftransformer.data.ood import FlipFlop
     from difftransformer.data.prepare import prepare_task
 
@@ -71,7 +72,8 @@ def test_two_processes_match_one_on_a_synthetic_task(tmp_path):
     data = str(prepare_task(family, tmp_path / "data").out_dir)
     model = tiny(vocab_size=family.vocab_size, max_position_embeddings=64)
     one = train(model, make_cfg(data, tmp_path / "one", max_steps=4, ckpt_interval=4, eval_interval=2))
-    cfg2 = make_cfg(data, tmp_path / "two", max_steps=4, ckpt_interval=4, eval_interval=2)
+    cfg2 = make_cfg(data, tmp_path / "two", max_steps=4, ckpt_interval=4, eval_interval=2, fsdp=True,
+                    grad_accum_steps=2)
     mp.spawn(_ddp_worker, args=(2, _free_port(), [cfg2.to_dict()], model.to_dict()), nprocs=2, join=True)
     for a, b in zip(read_metrics(one.metrics_path), read_metrics(tmp_path / "two" / "metrics.jsonl"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), (a, b)
@@ -115,7 +117,7 @@ def _gather_worker(rank: int, world_size: int, port: int, model_dict: dict, out:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    env = init_distributed("cpu")
+    env = init_distributed("cpu", 240)
     torch.manual_seed(0)
     model = DiffTransformerLM(DiffTransformerConfig.from_dict(model_dict))
     wrapped = wrap_model(model, env, fsdp=True)

@@ -282,7 +282,7 @@ def test_grad_accumulation_on_a_synthetic_task_is_the_mean_over_every_answer(tmp
                                   grad_accum_steps=k)) for k in (1, 2, 4)]
     reference = read_metrics(runs[0].metrics_path)
     for run in runs[1:]:
-        for ra, rb in zip(reference, read_metrics(run.metrics_path)):
+        for ra, rb in zip(reference, read_metrics(run.metrics_path), strict=True):
             assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
         for pa, pb in zip(runs[0].model.parameters(), run.model.parameters()):
             assert torch.allclose(pa, pb, atol=1e-5)

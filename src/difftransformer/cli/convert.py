@@ -40,9 +40,10 @@ from difftransformer.train.run_dir import TOKENIZER_FILE, RunDir
 TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' tokenizer settings (special tokens)
 # The files of a model folder beside its config and weights that say how the model is used, not what it computes:
 # the tokenizer's transformers settings, the generation settings (EOS ids, penalties), a chat template. Every
-# conversion carries them over as they are, and the special-token ids of the source's config.json with them.
-SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
-              "chat_template.json")
+# conversion carries them over as they are (the tokenizer's two only with its tokenizer.json), and the special-token
+# ids of the source's config.json into every target with a config.json (ours, DiffLlama, Llama; not the authors').
+TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
+SIDE_FILES = (*TOKENIZER_SIDE_FILES, "generation_config.json", "chat_template.jinja", "chat_template.json")
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 HELP = "convert weights between our format, transformers' DiffLlama/Llama and the authors' layout"
@@ -89,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
         params = sum(t.numel() for n, t in state.items() if not (config.tie_word_embeddings and n == "lm_head.weight"))
         state, out_config = from_ours(args.to, state, config)
         ids = special_ids(src)
-        if args.to in ("diffllama", "llama"):  # the source's own ids, else our tokenizer's EOS
-            out_config = {**out_config, **(ids or _eos_token_id(src))}
+        if args.to in ("diffllama", "llama"):  # our tokenizer's EOS, unless the source's config names its own ids
+            out_config = {**out_config, **_eos_token_id(src), **ids}
         _write_atomically(dst, lambda folder: _write(args.to, folder, state, out_config, src, ids))
     print(f"converted {src} ({ckpt.format}) to {dst} ({args.to}): attention {config.attention!r}, "
           f"{config.num_hidden_layers} layers, {params:,} parameters")
@@ -288,9 +289,10 @@ def add_special_ids(folder: Path, ids: dict[str, Any]) -> None:
 
 def copy_side_files(src: Path, folder: Path) -> None:
     """The source's SIDE_FILES into `folder`, replacing what the target's writer made of them (transformers writes a
-    generation_config.json from the model config alone)."""
+    generation_config.json from the model config alone); a tokenizer's settings go only with the tokenizer.json they
+    describe."""
     for name in SIDE_FILES:
-        if (src / name).is_file():
+        if (src / name).is_file() and (name not in TOKENIZER_SIDE_FILES or (src / TOKENIZER_FILE).is_file()):
             shutil.copyfile(src / name, folder / name)
 
 

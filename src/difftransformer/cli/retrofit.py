@@ -5,8 +5,8 @@ model whose logits equal the source's at conversion (convert/llama_retrofit.py; 
 LLAMA is a transformers Llama folder (config.json + safetensors) or a .gguf file (dequantised by
 transformers; needs `gguf`). The result is our model folder (config.json, model.safetensors and the
 source's tokenizer.json when it has one), written complete or not at all, with the source's special-token ids,
-generation settings, tokenizer settings and chat template (cli/convert.py's SIDE_FILES; from a .gguf file the ids
-and generation settings transformers reads from it): to transformers and lm-eval the result is the source's model.
+generation settings, tokenizer settings and chat template (cli/convert.py's SIDE_FILES; from a .gguf file only the
+ids and generation settings transformers reads from it): to transformers and lm-eval the result is the source's model.
 `--check N` runs the source and the retrofitted model on N random tokens and prints the max abs logit difference.
 """
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         means = calibrate_head_norm(model.eval(), ids)
         print(f"head-norm weight fitted on {args.calibrate}: mean per layer {min(means):.3g} .. {max(means):.3g}")
 
-    ids = special_ids(src) if source is None or src.suffix != ".gguf" else _gguf_special_ids(source)
+    ids = _gguf_special_ids(source) if src.suffix == ".gguf" else special_ids(src)
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)

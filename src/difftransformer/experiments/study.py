@@ -426,8 +426,14 @@ class _Cell:
         arm = self.study.arm(unit.arm)
         write_result(path, result.to_record(unit, identity, arm=arm.to_dict(), train_config=_recipe(train_cfg),
                                             wall_s=self.manifest["wall_s"].get(str(unit.rel(True))),
-                                            hardware=self.manifest.get("hardware"),
+                                            hardware=self._trained_on(path, done),
                                             run_dir=str(run.path)))
+
+    def _trained_on(self, path: Path, done: bool) -> dict[str, Any] | None:
+        """The machine a unit's result records: this call's, unless the unit was trained before it and is only
+        evaluated again (its tokens/s were measured where it trained; the report compares them by machine)."""
+        held = (read_result(path) or {}).get("hardware") if done else None
+        return held or self.manifest.get("hardware")
 
     def _check_kept(self, unit: Unit, path: Path, evals: dict[str, Any]) -> None:
         """Before the result file `path` of a unit evaluated again is rewritten with `evals`: a task of the study

@@ -38,7 +38,6 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the me
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from difftransformer.hf.callbacks import HeadNormRampCallback
 from difftransformer.hf.configuration import MODEL_TYPE, DiffTransformerHFConfig
 from difftransformer.hf.modeling import DiffTransformerForCausalLM
 
@@ -50,5 +49,15 @@ def register() -> None:
 
 
 register()
+
+def __getattr__(name: str):
+    """`HeadNormRampCallback` on first use: its module imports transformers' trainer utilities (and with them peft
+    and accelerate, where installed), which no other use of this package needs."""
+    if name == "HeadNormRampCallback":
+        from difftransformer.hf.callbacks import HeadNormRampCallback
+
+        return HeadNormRampCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DiffTransformerForCausalLM", "DiffTransformerHFConfig", "HeadNormRampCallback", "register"]

@@ -5,7 +5,8 @@ differential by `difftransformer retrofit`, docs/interop.md): before each optimi
 layer's head-norm mix α to min(1, s / head_norm_ramp_steps), so training starts from the source model's
 function and reaches DIFF V1's arithmetic after head_norm_ramp_steps steps. Without it α stays where the folder
 stored it (0 after a retrofit: no head norm at all). It finds the wrapper inside whatever the Trainer trains
-(a PEFT model included) and does nothing for other attention kinds.
+(a PEFT model included) and does nothing for other attention kinds. α is a buffer of the base model, which a PEFT
+adapter does not save: after loading the base and the adapter again, call `model.set_training_step(steps_trained)`.
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[HeadNormRampCallback()])
 """

@@ -24,12 +24,16 @@ transformers' loop, and so does every call with a transformers release the loop 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from difftransformer.hf.compat import CACHE_KEY
 from difftransformer.model.static_decode import StaticDecoder, capacity_for, decoder_for, graph_unsupported
+
+log = logging.getLogger(__name__)
 
 # The step inputs generate() passes a decoder-only model on token ids (anything else: transformers' loop).
 _PLAIN_MODEL_KWARGS = frozenset({"attention_mask", "logits_to_keep", CACHE_KEY, "position_ids", "use_cache"})
@@ -148,7 +152,8 @@ def graph_decoder_for(model, input_ids: torch.Tensor, max_length: int, model_kwa
     """A CUDA-graph `StaticDecoder` for this call of the wrapper `model` (on the native model sharing its
     modules), or None where it would not compute this call (`static_refusal`) or a graph cannot run (not CUDA, a
     score hook, a trace: `graph_unsupported`)."""
-    if static_refusal(model, max_length, model_kwargs) is not None:
+    if (why := static_refusal(model, max_length, model_kwargs)) is not None:
+        log.debug("generate() decodes on transformers' steps, not a static cache: %s", why)
         return None
     if graph_unsupported(model, input_ids.device) is not None:
         return None

@@ -55,6 +55,7 @@ from difftransformer.hf.configuration import DiffTransformerHFConfig
 from difftransformer.hf.generation import graph_decoder_for, lean_sample, lean_sample_applies, sample_arguments
 from difftransformer.model import ATTENTION_KINDS, DiffTransformerLM
 from difftransformer.model.inputs import check_input_ids, keep_last_positions, last_rows_kept, positions_from_mask
+from difftransformer.model.modeling import raise_head_norm_mix
 from difftransformer.model.serialization import CONFIG_NAME, WEIGHTS_NAME
 from difftransformer.norm import RMSNorm
 
@@ -357,12 +358,17 @@ class DiffTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         """diff_retrofit's head-norm ramp before optimizer step `step`, as our trainer sets it
         (`DiffTransformerLM.set_training_step`; a no-op for other kinds). transformers' Trainer does not call
         it: give it `difftransformer.hf.HeadNormRampCallback()`; a loop of one's own calls this before each step."""
-        self.native().set_training_step(step)
+        raise_head_norm_mix(self.layers, self._native_config, step)
         self._ramp_unset = False
+
+    @functools.cached_property
+    def _native_config(self):
+        return self.config.to_native()
 
     def _warn_if_ramp_unset(self) -> None:
         """Once, in a training forward of a diff_retrofit model whose head-norm ramp nobody raises."""
-        if not (self.config.attention == "diff_retrofit" and self.config.head_norm_ramp_steps):
+        cfg = self._native_config
+        if not (cfg.kind.head_norm_ramp and cfg.head_norm_ramp_steps):
             self._ramp_unset = False
             return
         if all(float(block.self_attn.head_norm_mix) >= 1 for block in self.layers):

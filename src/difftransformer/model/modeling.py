@@ -28,6 +28,19 @@ from difftransformer.norm import RMSNorm
 IGNORE_INDEX = -100  # a target that is not scored (PyTorch's and transformers' convention)
 
 
+@torch.no_grad()
+def raise_head_norm_mix(layers: nn.ModuleList, config: DiffTransformerConfig, step: int) -> None:
+    """diff_retrofit's head-norm ramp before optimizer step `step`: every layer's mix α raised to
+    min(1, step / head_norm_ramp_steps), never lowered (on the device, no host sync); other kinds, and a ramp of 0
+    steps, are left as they are."""
+    steps = config.head_norm_ramp_steps
+    if not (config.kind.head_norm_ramp and steps):
+        return
+    alpha = min(1.0, max(0, step) / steps)
+    for block in layers:
+        block.self_attn.head_norm_mix.clamp_(min=alpha)
+
+
 class SwiGLU(nn.Module):
     """(silu(x Wg) * (x W1)) W2."""
 
@@ -158,12 +171,7 @@ class DiffTransformerLM(nn.Module):
         head_norm_ramp_steps > 0 raises every layer's head-norm mix α to min(1, step / head_norm_ramp_steps).
         α is never lowered (on the device, no host sync), so a new run from an already ramped model
         keeps its head norm; any other model is unchanged."""
-        steps = self.config.head_norm_ramp_steps
-        if not (self.config.kind.head_norm_ramp and steps):
-            return
-        alpha = min(1.0, max(0, step) / steps)
-        for block in self.layers:
-            block.self_attn.head_norm_mix.clamp_(min=alpha)
+        raise_head_norm_mix(self.layers, self.config, step)
 
     def _check_ids(self, input_ids: torch.Tensor, past: int) -> None:
         check_input_ids(input_ids, self.config.vocab_size)

@@ -77,7 +77,7 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return torch.device(spec)
 
 
-def init_distributed(device_spec: str, timeout_min: float = 240.0) -> DistEnv:
+def init_distributed(device_spec: str, timeout_min: float) -> DistEnv:
     """Read the torchrun environment and join (or reuse) the process group. timeout_min: how long a collective
     waits for every rank (the backends' defaults, 10 min for NCCL and 30 for gloo, fail a run whose rank 0 writes a
     large checkpoint or evaluates a study's units for longer while the others wait)."""

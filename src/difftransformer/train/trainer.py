@@ -515,15 +515,16 @@ class _Loop:
         if not isinstance(self.data.sampler, TaskSampler):  # a corpus scores every target
             return [1.0] * cfg.grad_accum_steps
         counts = (targets != IGNORE_INDEX).view(cfg.grad_accum_steps, -1).sum(1).tolist()
-        if 0 in counts:
-            raise ValueError(f"step {step + 1}: micro-batch {counts.index(0)} of rank {env.rank} scores no token "
-                             f"(every target is {IGNORE_INDEX}): its loss is undefined. Give every sequence at least "
-                             f"one scored target, or raise batch_size")
-        parts = cfg.grad_accum_steps * env.world_size
-        if env.world_size == 1:
-            return [c * parts / sum(counts) for c in counts]
-        total = env.all_reduce_sum(torch.tensor(float(sum(counts)), dtype=torch.float64, device=env.device))
-        return [(c * parts / total).float() for c in counts]  # float64 counts: exact to 2^53 tokens
+        n_micro = cfg.grad_accum_steps * env.world_size
+        # [scored tokens, micro-batches scoring none] over every rank (float64: exact to 2^53 tokens), so that an
+        # empty micro-batch stops every rank at once instead of one rank leaving the others in a collective
+        local = torch.tensor([float(sum(counts)), float(counts.count(0))], dtype=torch.float64, device=env.device)
+        total, empty = env.all_reduce_sum(local).tolist() if env.world_size > 1 else local.tolist()
+        if empty:
+            raise ValueError(f"step {step + 1}: {int(empty)} micro-batch(es) score no token (every target "
+                             f"{IGNORE_INDEX}), so their loss is undefined; every sequence of a synthetic task must "
+                             f"have an answer")
+        return [c * n_micro / total for c in counts]
 
     def weight_norm(self) -> float:
         """The global L2 norm of the weights (a collective under FSDP: every rank calls). FSDP's sharded
@@ -604,6 +605,7 @@ def _write_final(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainCon
         full = full_model_state(model, fsdp=True)
         model = DiffTransformerLM(model_config)
         model.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
+        del full  # before the plain model moves onto the device: one full copy there, not two
         model.to(env.device)
     if env.is_main:
         model.save_pretrained(run.final)
