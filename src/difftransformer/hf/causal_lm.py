@@ -18,8 +18,8 @@ Choices:
 - Loading is local and safetensors-only (`local_files_only=True`, `use_safetensors=True`): nothing
   is downloaded, and no pickle is opened.
 - Decoding is what the task asks for and nothing else: the folder's generation_config.json (a
-  repetition penalty, an n-gram ban, suppressed tokens: Qwen2.5 ships a repetition penalty of 1.05)
-  is set aside for the call, so temperature 0 is argmax decoding, as in our generate.
+  repetition penalty, an n-gram ban, suppressed tokens, as chat models often ship) is set aside for
+  the call, so temperature 0 is argmax decoding, as in our generate.
 - Sampling draws from torch's global generator seeded from the `generator` argument, since
   transformers' generate takes no generator; greedy decoding (what the tasks use) is unaffected.
 """

@@ -504,7 +504,7 @@ class _Loop:
         parts.model.set_training_step(step + 1)  # α for the model after this step (no-op for other kinds)
         return loss_val, grad_norm
 
-    def token_shares(self, step: int, targets: torch.Tensor) -> list[float | torch.Tensor]:
+    def token_shares(self, step: int, targets: torch.Tensor) -> list[float]:
         """Each micro-batch's loss weight, so that the step's objective is the mean over every scored token of the
         global batch, whatever the world size and accumulation: a micro-batch's loss is a mean over its own scored
         tokens, and accumulation and DDP average those means; weighted by (its tokens) x (micro-batches in the
@@ -516,10 +516,11 @@ class _Loop:
             return [1.0] * cfg.grad_accum_steps
         counts = (targets != IGNORE_INDEX).view(cfg.grad_accum_steps, -1).sum(1).tolist()
         n_micro = cfg.grad_accum_steps * env.world_size
-        # [scored tokens, micro-batches scoring none] over every rank (float64: exact to 2^53 tokens), so that an
-        # empty micro-batch stops every rank at once instead of one rank leaving the others in a collective
-        local = torch.tensor([float(sum(counts)), float(counts.count(0))], dtype=torch.float64, device=env.device)
-        total, empty = env.all_reduce_sum(local).tolist() if env.world_size > 1 else local.tolist()
+        total, empty = float(sum(counts)), float(counts.count(0))
+        if env.world_size > 1:  # [scored tokens, micro-batches scoring none] over every rank (float64: exact to 2^53
+            # tokens), so that an empty micro-batch stops every rank at once instead of leaving the others waiting
+            local = torch.tensor([total, empty], dtype=torch.float64, device=env.device)
+            total, empty = env.all_reduce_sum(local).tolist()  # one small collective and host read per step
         if empty:
             raise ValueError(f"step {step + 1}: {int(empty)} micro-batch(es) score no token (every target "
                              f"{IGNORE_INDEX}), so their loss is undefined; every sequence of a synthetic task must "

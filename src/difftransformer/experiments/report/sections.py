@@ -248,8 +248,9 @@ OTHER_MACHINES = " (other machines)"  # a tokens/s ratio over runs of more than 
 
 
 def _machines(ctx: Context, arm: str, base: str) -> int:
-    """How many machines (CPU, GPU, world size) the recorded runs of `arm` and `base` trained on."""
-    return len({r.machine for a in (arm, base) for r in ctx.arm_runs(a)} - {None})
+    """How many machines (CPU, GPU, world size) the recorded runs of `arm` and `base` whose tokens/s the ratio
+    averages trained on."""
+    return len({r.machine for a in (arm, base) for r in ctx.arm_runs(a) if r.tokens_per_s} - {None})
 
 
 def _loss(run) -> str:
