@@ -128,6 +128,20 @@ def test_study_and_data_settings_are_checked_before_anything_runs(override, need
         load_run_config(preset="tiny", overrides=overrides)
 
 
+def test_a_corpus_setting_beside_a_task_is_refused(tmp_path):
+    """[data.task] generates every sequence with its own tokenizer: a corpus, vocabulary or split beside it would be
+    silently unused."""
+    task = ["data.task.family='flipflop'"]
+    for extra, key in (("data.corpus='notes/'", "corpus"), ("data.vocab_size=300", "vocab_size"),
+                       ("data.split_seed=2", "split_seed")):
+        with pytest.raises(ConfigError, match=rf"\[data\] sets {key} beside \[data.task\].*remove data.{key}"):
+            load_run_config(preset="tiny", overrides=task + [extra])
+    (tmp_path / "t.toml").write_text('[data]\ncorpus = "notes/"\n[data.task]\nfamily = "maxret"\n')
+    with pytest.raises(ConfigError, match=r"t.toml: \[data\] sets corpus beside"):
+        load_run_config(tmp_path / "t.toml", preset="tiny")
+    assert load_run_config(preset="tiny", overrides=task).data.task.name == "flipflop"
+
+
 def test_yaml_reads_floats_as_yaml_1_2_keeps_quoted_strings_and_refuses_a_repeated_key(tmp_path):
     (tmp_path / "a.yaml").write_text('train: {lr: 3e-4}\ndata: {corpus: "1e3"}\n')
     cfg = load_run_config(tmp_path / "a.yaml")

@@ -243,6 +243,7 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
     if attention is not None:
         sections["model"]["attention"] = attention
     apply_overrides(sections, overrides or [])
+    _task_or_corpus(sections["data"], path)
     init_from = sections["train"].get("init_from")
     if init_from is None and not set(sections["model"]) - {"attention"}:
         sections["model"]["preset"] = "cpu-small"  # a bare `train --attention X` still does something sensible
@@ -261,6 +262,19 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
         raise ConfigError(str(e)) from None
     return RunConfig(model=built["model"], train=built["train"], data=built["data"], compare=built["compare"],
                      model_section=sections["model"], source=str(path) if path else None)
+
+
+CORPUS_ONLY_KEYS = ("corpus", "vocab_size", "tokenizer_path", "val_fraction", "test_fraction", "split_seed")
+
+
+def _task_or_corpus(data_section: dict[str, Any], path: str | Path | None) -> None:
+    """[data.task] replaces the corpus: a corpus setting beside it would be silently unused, so it is refused."""
+    given = [key for key in CORPUS_ONLY_KEYS if key in data_section]
+    if "task" in data_section and given:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}[data] sets {', '.join(given)} beside [data.task], which generates every sequence "
+                          f"with its own tokenizer and uses no corpus; remove {', '.join(f'data.{k}' for k in given)} "
+                          f"or the [data.task] table")
 
 
 def _check_model_beside_folder(folder: str, model_section: dict[str, Any]) -> None:

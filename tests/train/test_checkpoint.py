@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, a crash mid-write, corruption, mismatched configs, and kill -9."""
+"""Checkpoints and resumes: atomic writes, a crash mid-write, corruption, refused resumes, set-aside runs, kill -9."""
 
 from __future__ import annotations
 
@@ -194,3 +194,89 @@ def test_the_same_state_is_written_as_the_same_bytes(tmp_path):
             for i in range(6)]
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert len({(d / name).read_bytes() for d in dirs}) == 1, name
+
+
+def test_a_resume_runs_on_its_own_optimizer_settings(data_dir, tmp_path):
+    """Weight decay, betas and eps changed on resume (tolerated, with a warning) are the ones the optimizer uses from
+    there on: loading the checkpoint's optimizer state must not bring back its group settings."""
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3))
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=6, weight_decay=0.5, beta2=0.9, adam_eps=1e-6))
+    groups = load_checkpoint(tmp_path)["optimizer"]["param_groups"]
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.5]
+    assert all(tuple(g["betas"]) == (0.9, 0.9) and g["eps"] == 1e-6 for g in groups)
+
+
+def test_a_resume_on_another_train_split_of_the_same_corpus_is_refused(data_dir, tmp_path):
+    """Same corpus, same tokenizer, other train documents (a training mixture added): the batches would differ, so
+    the resume is refused, naming the cause."""
+    from difftransformer.data import PreparedData, prepare_data
+    from difftransformer.data.config import MixtureConfig
+
+    plain = PreparedData.load(data_dir)
+    mixed = prepare_data(corpus=plain.corpus, out_dir=tmp_path / "mixed", vocab_size=300,
+                         mixture=MixtureConfig(icl=0.3, length=128))
+    assert (mixed.corpus_hash, mixed.tokenizer_hash) == (plain.corpus_hash, plain.tokenizer_hash)
+    train(tiny(), make_cfg(data_dir, tmp_path / "run", max_steps=3))
+    with pytest.raises(CheckpointError, match="another train split of the same corpus"):
+        train(tiny(), make_cfg(str(mixed.out_dir), tmp_path / "run", max_steps=6))
+    assert train(tiny(), make_cfg(data_dir, tmp_path / "run", max_steps=4)).steps_trained == 1  # its own data: on
+
+
+def test_a_refused_resume_leaves_the_run_record_alone(data_dir, tmp_path):
+    """A resume refused because the optimizer's groups would differ names the setting and writes nothing: the
+    finished run's configs and done.json (its measured throughput) stay as they were."""
+    from difftransformer.train import RunDir
+
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3))
+    run = RunDir(tmp_path)
+    before = [p.read_text() for p in (run.train_config, run.model_config, run.done)]
+    with pytest.raises(CheckpointError, match=r"decay_norms_and_lambdas: checkpoint False vs requested True"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=6, decay_norms_and_lambdas=True))
+    assert [p.read_text() for p in (run.train_config, run.model_config, run.done)] == before
+    assert run.is_finished(3)
+
+
+def _stopped_in_the_first_step(monkeypatch):
+    import difftransformer.train.trainer as trainer_mod
+
+    def stop(self, step, lr):
+        raise KeyboardInterrupt("stopped before the first checkpoint")
+
+    monkeypatch.setattr(trainer_mod._Loop, "step", stop)
+
+
+def test_a_fresh_start_sets_the_whole_previous_run_aside_and_a_plain_resume_does_not_pass_it_by(data_dir, tmp_path,
+                                                                                             monkeypatch):
+    """--no-resume stopped before its first checkpoint keeps all of the previous run in replaced/ (done.json and its
+    configs too); the command run again without --no-resume refuses, naming replaced/, instead of training a third
+    run from step 0 beside it."""
+    from difftransformer.train import RunDir
+
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, lr=3e-3))
+    run = RunDir(tmp_path)
+    done, config = run.done.read_text(), run.train_config.read_text()
+    _stopped_in_the_first_step(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, lr=1e-3), resume=False)
+    assert (run.replaced / "done.json").read_text() == done
+    assert (run.replaced / "train_config.json").read_text() == config
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"replaced.*--no-resume"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=6))
+    assert run.replaced_checkpoints.is_dir()
+
+
+def test_the_metrics_a_checkpoint_covers_are_on_disk_before_it(data_dir, tmp_path, monkeypatch):
+    """A resume keeps the metrics rows up to its checkpoint and never writes them again, so they are fsynced
+    before the checkpoint's `latest` pointer is."""
+    events: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        events.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else "?")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3, ckpt_interval=3))
+    first_latest = next(i for i, p in enumerate(events) if Path(p).name.startswith("latest"))
+    assert "metrics.jsonl" in [Path(p).name for p in events[:first_latest]]

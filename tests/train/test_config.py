@@ -1,6 +1,7 @@
 """TrainConfig validation, the learning-rate schedule and the weight-decay parameter groups."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -72,3 +73,26 @@ def test_weight_decay_groups():
     assert all(n.endswith("proj.weight") for n in decay) and len(decay) == 2 * 7
     decay2, no_decay2 = classify_parameters(model, TrainConfig(decay_norms_and_lambdas=True, decay_embeddings=True))
     assert no_decay2 == [] and len(decay2) == len(decay) + len(no_decay)
+
+
+def test_a_weight_guard_factor_of_one_or_less_is_refused():
+    """Healthy weights' norm grows; a factor in (0, 1] would stop every run as diverged at its first checkpoint."""
+    for growth in (0.5, 1.0):
+        with pytest.raises(ValueError, match=r"max_weight_growth must be 0 \(no check\) or a factor > 1"):
+            TrainConfig(max_weight_growth=growth)
+    assert TrainConfig(max_weight_growth=0.0).max_weight_growth == 0.0 and TrainConfig(max_weight_growth=1.5)
+
+
+def test_a_warm_up_longer_than_the_run_is_named(data_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="difftransformer.train"):
+        train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, warmup_steps=8, lr=1e-3))
+    assert "warmup_steps 8 >= max_steps 2: the warm-up takes the whole run" in caplog.text
+    assert "at most 0.00025" in caplog.text  # lr 1e-3 x 2 / 8
+
+
+def test_the_last_step_runs_a_little_above_min_lr():
+    """The decay reaches min_lr at step max_steps (not run): the last step is above it by at most 1 / span of it."""
+    for schedule in ("cosine", "linear"):
+        cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=2, max_steps=6, lr_schedule=schedule)
+        last = lr_at(cfg.max_steps - 1, cfg)
+        assert 0.1 < last <= 0.1 + 0.9 / 4 + 1e-12

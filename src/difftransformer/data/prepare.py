@@ -84,6 +84,12 @@ class PreparedData:
         except StaleShardError as e:
             raise DataMismatchError(f"{e.problem}: {prepare_again_hint(self.out_dir)}") from None
 
+    def documents_hash(self, split: str) -> str | None:
+        """The content hash of one split's documents, as its shard records it (mixture documents included in
+        train); None where the folder has no such shard (a synthetic task generates its data)."""
+        meta = read_shard_meta(self.shards[split]) if split in self.shards else None
+        return None if meta is None else meta.get("documents_hash")
+
     def save(self) -> None:
         """Write the manifest atomically, with paths relative to out_dir so the folder can move."""
         def rel(p: Path) -> str:

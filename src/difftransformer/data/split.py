@@ -6,7 +6,9 @@ score depends only on (split_seed, id):
   * no document is in two splits, and long documents never straddle a boundary;
   * the result does not depend on the input order;
   * adding documents to a corpus never moves an existing document to another split, so a test
-    set stays clean across corpus versions.
+    set stays clean across corpus versions; except where the minimum-size rule below acts (a corpus
+    of a few dozen documents or fewer): the document it moved into a split goes back once a new
+    document lands there by its own score.
 
 Minimum-size rule: with >= 3 documents, every split that is asked for (train always, val/test
 when their fraction is > 0) gets at least one document. When the thresholds leave such a split

@@ -24,6 +24,8 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: rates above it overf
 # Fields that change which tokens a step sees or how a step is computed: a checkpoint can only be
 # resumed with the same values (the rest, e.g. lr after a divergence, may change with a warning).
 RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed", "trainable")
+# Fields that decide the optimizer's parameter groups: a checkpoint's optimizer state only fits the same groups.
+OPTIMIZER_GROUPS_MUST_MATCH = ("decay_norms_and_lambdas", "decay_embeddings")
 # Fields that only affect speed, I/O or how far to train: a resumed run (or a continued study) may change them.
 FREELY_CHANGEABLE = frozenset({"out_dir", "data_dir", "max_steps", "eval_interval", "eval_batches", "log_interval",
                                "ckpt_interval", "keep_last", "compile", "activation_checkpointing", "device", "fsdp",
@@ -103,6 +105,9 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "max_weight_growth"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if 0 < self.max_weight_growth <= 1:  # the norm of healthy weights grows: every run would stop as diverged
+            raise ValueError(f"TrainConfig.max_weight_growth must be 0 (no check) or a factor > 1, got "
+                             f"{self.max_weight_growth}")
         if not self.weight_decay <= FLOAT32_MAX:
             raise ValueError(f"TrainConfig.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 < self.adam_eps <= FLOAT32_MAX:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -113,6 +114,13 @@ class MetricsWriter:
         assert self._fh is not None
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
+
+    def sync(self) -> None:
+        """Put the rows written so far on disk (fsync). Called before each checkpoint: a resume keeps the rows up
+        to its checkpoint's step and never writes them again, so they must not be lost while the checkpoint lives."""
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
               elapsed_s: float, lambdas: list[float | None], lambda_inits: list[float | None]) -> None:

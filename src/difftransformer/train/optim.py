@@ -70,7 +70,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
     Warmup: a line from 0 reaching cfg.lr at step warmup_steps - 1, i.e. lr * (step + 1) / warmup_steps
     (step 0 is not wasted at lr 0). Then decay over the remaining steps to min_lr: cosine, linear,
-    or none (constant).
+    or none (constant). The decay reaches min_lr at step max_steps, which is not run: the last step,
+    max_steps - 1, runs a little above it (by 1 / (max_steps - warmup_steps) of the decay or less).
     """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

@@ -6,7 +6,7 @@
       metrics.jsonl       one JSON row per logged step: kind "train" (loss, lr, λ, λ_init, ...) or "val"
       tb/                 TensorBoard event files (when train.tensorboard)
       checkpoints/        step_XXXXXXXX/ folders and `latest` (see checkpoint.py)
-      replaced/           a fresh start's predecessor (its checkpoints, metrics, final/, done.json, tb/),
+      replaced/           a fresh start's predecessor (its checkpoints, metrics, final/, done.json, tb/, configs),
                           kept until the new run has saved a checkpoint of its own
       final/              config.json, model.safetensors, tokenizer.json: the trained model
       done.json           written by train() after final/: final step, val loss, tokens/s, wall time, peak CUDA MiB

@@ -43,7 +43,7 @@ from difftransformer.train.checkpoint import (
     set_rng_state,
     step_dir_name,
 )
-from difftransformer.train.config import FREELY_CHANGEABLE, RESUME_MUST_MATCH, TrainConfig
+from difftransformer.train.config import FREELY_CHANGEABLE, OPTIMIZER_GROUPS_MUST_MATCH, RESUME_MUST_MATCH, TrainConfig
 from difftransformer.train.distributed import (
     DistEnv,
     apply_activation_checkpointing,
@@ -182,11 +182,22 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
     if strict:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}" for k, (a, b) in strict.items())
         raise CheckpointError(f"cannot resume from {path}: the batches would differ ({detail}); {hint}")
+    groups = {k: v for k, v in tdiff.items() if k in OPTIMIZER_GROUPS_MUST_MATCH}
+    if groups:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}" for k, (a, b) in groups.items())
+        raise CheckpointError(f"cannot resume from {path}: the optimizer's parameter groups would differ ({detail}); "
+                              f"resume with the checkpoint's settings, or {hint}")
     saved_data = ckpt["state"].get("data", {})
     for key in ("corpus_hash", "tokenizer_hash"):
         if saved_data.get(key) not in (None, getattr(data, key)):
             raise CheckpointError(f"cannot resume from {path}: it was trained on other data ({key} "
                                   f"{saved_data[key][:12]} vs {getattr(data, key)[:12]} in {cfg.data_dir}); {hint}")
+    trained_on = saved_data.get(TRAIN_DOCUMENTS_KEY)  # absent from checkpoints written before it was recorded
+    if trained_on is not None and trained_on != data.documents_hash("train"):
+        raise CheckpointError(f"cannot resume from {path}: {cfg.data_dir} holds another train split of the same "
+                              f"corpus (a training mixture or the document split changed), so the batches would "
+                              f"differ and documents it trained on may now be held out; prepare the data as the run "
+                              f"had it, or {hint}")
     if ckpt["step"] > cfg.max_steps:
         raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past max_steps={cfg.max_steps}; "
                               f"raise max_steps or {hint}")
@@ -252,6 +263,9 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
            init_state: dict[str, torch.Tensor] | None, resume: bool) -> TrainResult:
     data = _TrainData.load(model_config, cfg, env)
     ckpt = _resume_point(run, model_config, cfg, data.prepared, env, init_state, resume)
+    # Built before anything in the run folder changes: a refusal here leaves the previous run's record whole.
+    parts = _build(model_config, cfg, env, ckpt, init_state)
+    aside = _set_aside_previous_run(run) if not resume and env.is_main else None
     if env.is_main:
         run.path.mkdir(parents=True, exist_ok=True)
         model_config.save(run.model_config)
@@ -260,12 +274,14 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     if env.is_main and start_step < cfg.max_steps:
         run.done.unlink(missing_ok=True)  # not done until this call has written final/
     env.barrier()
-    parts = _build(model_config, cfg, env, ckpt, init_state)
-    aside = _set_aside_previous_run(run) if not resume and env.is_main else None
     if env.is_main:
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
                  cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
+    if env.is_main and cfg.warmup_steps >= cfg.max_steps:
+        log.warning("warmup_steps %d >= max_steps %d: the warm-up takes the whole run, so the learning rate reaches "
+                    "at most %.3g (train.lr %g) and never decays; lower train.warmup_steps", cfg.warmup_steps,
+                    cfg.max_steps, lr_at(cfg.max_steps - 1, cfg), cfg.lr)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
         _warn_unaligned(model_config, env)
@@ -295,11 +311,11 @@ def _done_record_of(run: RunDir, step: int) -> bool:
 
 def _set_aside_previous_run(run: RunDir) -> Path | None:
     """Starting over (resume=False), once the new model is built: move the previous run's checkpoints,
-    metrics, final/ weights, done.json and TensorBoard logs into run.replaced.
+    metrics, final/ weights, done.json, TensorBoard logs and configs into run.replaced.
 
     They are deleted when the new run has saved its first checkpoint, so a config error, a crash or
     a kill before that loses nothing. A set-aside run is only replaced by one that has checkpoints."""
-    entries = (run.checkpoints, run.metrics, run.final, run.done, run.tensorboard)
+    entries = (run.checkpoints, run.metrics, run.final, run.done, run.tensorboard, run.model_config, run.train_config)
     if list_checkpoints(run.checkpoints) or (not run.replaced.exists() and any(e.exists() for e in entries)):
         shutil.rmtree(run.replaced, ignore_errors=True)
         run.replaced.mkdir()
@@ -352,6 +368,11 @@ def _resume_point(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainCo
     if not resume:
         return None
     latest = find_latest(run.checkpoints)
+    if latest is None and list_checkpoints(run.replaced_checkpoints):
+        raise CheckpointError(f"{run.path} has no checkpoint of its own but {run.replaced} holds the run a call with "
+                              f"--no-resume (resume=False) set aside before saving one: move the contents of "
+                              f"{run.replaced} back into {run.path} to continue that run, or pass --no-resume again "
+                              f"to start over")
     if latest is None:
         _check_same_run(run, model_config, cfg)  # a run whose checkpoints were deleted is not silently replaced
         return None
@@ -396,7 +417,12 @@ def _build(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv, 
     wrapped = wrap_model(model, env, cfg.fsdp)
     optimizer = build_optimizer(model, cfg)
     if ckpt is not None:
+        # Loading takes the checkpoint's group settings too; this call's config decides them (weight decay, betas
+        # and eps may change on resume, with a warning), so they are put back (lr is set every step anyway).
+        settings = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in optimizer.param_groups]
         load_full_optimizer_state(model, optimizer, ckpt["optimizer"], cfg.fsdp)
+        for group, own in zip(optimizer.param_groups, settings, strict=True):
+            group.update(own)
         set_rng_state(ckpt["state"]["rng"])
         log.info("resumed from %s at step %d", ckpt["path"], ckpt["step"])
     amp = (torch.autocast(env.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
@@ -417,6 +443,7 @@ class _Loop:
         self.replaced = replaced  # old checkpoints set aside by a fresh start, deleted after the first save
         self.norm_reference = _norm_reference(ckpt)  # the run's, kept in its checkpoints (None: a fresh start)
         self.backend = model_config.backend_on(env.device)  # the attention backend the steps run on here
+        self.train_documents = data.prepared.documents_hash("train")  # checkpoints record the split trained on
         if ckpt is not None and ckpt["state"].get(BACKEND_KEY, self.backend) != self.backend and env.is_main:
             old = ckpt["state"][BACKEND_KEY]
             why = " (the fused C++ kernel cannot be built here)" if old == "cpp" else ""
@@ -463,6 +490,7 @@ class _Loop:
                     metrics.val(done, val_loss, done * cfg.tokens_per_step)
                 if done % cfg.ckpt_interval == 0 or last:
                     self.check_weights(done, lr)  # never checkpoint (or finish with) a diverged state
+                    metrics.sync()  # the rows this checkpoint covers are on disk before it is
                     self.save(done)
                     self.last_good = step_dir_name(done)
             if start_step >= cfg.max_steps and self.data.val is not None:  # nothing left to train: report only
@@ -569,7 +597,7 @@ class _Loop:
                 "metrics": {"elapsed_s": self.elapsed_before + time.perf_counter() - self.t_call,
                             "tokens": step * cfg.tokens_per_step},
                 "data": {"corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash,
-                         "vocab_size": data.vocab_size},
+                         "vocab_size": data.vocab_size, TRAIN_DOCUMENTS_KEY: self.train_documents},
                 "world_size": env.world_size,
                 NORM_REFERENCE: list(self.start_norm),
                 BACKEND_KEY: self.backend,
@@ -585,6 +613,7 @@ class _Loop:
 
 NORM_REFERENCE = "weight_norm_reference"  # checkpoint state: [step, norm] the divergence guard measures against
 BACKEND_KEY = "attention_backend"  # checkpoint state: the backend its steps ran on (a resume on another is warned)
+TRAIN_DOCUMENTS_KEY = "train_documents_hash"  # checkpoint state data: the train split's documents (None: a task)
 
 
 def _norm_reference(ckpt: dict[str, Any] | None) -> tuple[int, float] | None:
