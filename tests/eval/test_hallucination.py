@@ -162,7 +162,9 @@ def test_a_model_copying_from_the_context_is_faithful_everywhere(data, data_dir)
     assert m["faithful"] == m["choice"] == 1.0
     ex = result.details["subtasks"]["summary"]["examples"][0]
     assert ex["reference"] in ex["output"] and ex["reference"] in ex["context"] and ex["faithful"]
-    assert result.settings["forced_choice_chance"] == {"qa": 0.25, "counterfactual": 0.25, "summary": 0.25}
+    chance = result.settings["forced_choice_chance"]
+    assert set(chance) == {"qa", "counterfactual", "summary", "memory_counterfactual"}
+    assert all(0 <= v <= 1 for v in chance.values())
     json.dumps(result.to_dict())
 
 
@@ -207,6 +209,78 @@ def test_runs_are_deterministic_and_a_seed_changes_the_samples(data, data_dir):
     assert [s.prompt for s in only_qa["qa"]] == [s.prompt for s in a["qa"]]  # independent of other sub-tasks
     other = t.make_samples(model, tok, cfg(data_dir, eval_seed=1))[0]
     assert [s.prompt for s in other["qa"]] != [s.prompt for s in a["qa"]]
+
+
+class UniformLM(FakeLM):
+    """Equal logits everywhere: every token costs log(vocab) nats; greedy decoding emits EOS at once."""
+
+    def forward(self, ids):
+        return SimpleNamespace(logits=torch.zeros(*ids.shape, self.vocab) + 0 * self.w)
+
+    def predict(self, ids):
+        return None
+
+
+def cue_tokens(tok, s, value):
+    return len(split_continuation(tok, s.cue, s.fact.continuation(value, s.subtask == "summary"))[1])
+
+
+def test_distractors_have_the_in_context_values_token_count_where_the_pool_allows(data, data_dir):
+    """With the vocab-300 tokenizer values of one kind differ in token count, and a sum of log-probs then picks
+    by length. The distractors have the in-context value's count where enough absent values have it, else the
+    nearest counts; the world value of a counterfactual stays."""
+    tok = data.tokenizer()
+    samples = task(samples=8).make_samples(CopyLM(data.vocab_size, tok.eos_id), tok, cfg(data_dir))[0]
+    unequal_pools = matched = 0
+    for items in samples.values():
+        for s in items:
+            fixed = [s.fact.value] + ([s.fact.world] if s.fact.world else [])
+            target = cue_tokens(tok, s, s.fact.value)
+            absent = [v for v in s.fact.pool if v not in fixed and not hal.occurs(v, f"{s.before}\n{s.after}")]
+            distance = {v: abs(cue_tokens(tok, s, v) - target) for v in absent}
+            unequal_pools += len(set(distance.values())) > 1
+            chosen = s.choices[len(fixed):]
+            assert s.choices[:len(fixed)] == fixed and len(s.choices) == 4
+            if sum(d == 0 for d in distance.values()) >= len(chosen):
+                assert all(distance[v] == 0 for v in chosen), (s.fact, s.choices)
+                matched += 1
+            else:  # too few of the same count: the nearest counts
+                assert max(distance[v] for v in chosen) <= min(d for v, d in distance.items() if v not in chosen)
+            assert s.choice_tokens == [len(split_continuation(tok, s.prompt, c)[1]) for c in s.continuations()]
+    assert unequal_pools > 12 and matched > 12  # the rule had something to do, and the pools allowed it mostly
+
+
+def test_a_uniform_model_scores_exactly_the_reported_chance(data, data_dir):
+    """Chance is what equal logits score on the very samples (from token counts, a k-way tie earning 1/k), not
+    1/choices: where a sample's candidates differ in token count the fewest tokens win outright."""
+    tok = data.tokenizer()
+    result = run_task(task(samples=8), UniformLM(data.vocab_size, tok.eos_id), tok, cfg(data_dir))
+    chance, m = result.settings["forced_choice_chance"], result.metrics
+    for key in ("qa", "counterfactual", "summary", "memory_counterfactual"):
+        assert m[f"choice_{key}"] == chance[key], key
+    assert any(v != 0.25 for v in chance.values())  # not 1/choices: counts differ where the pool or world value do
+    assert m["faithful"] == 0.0
+
+
+def test_a_failing_external_judge_keeps_the_generated_outputs(data, data_dir, tmp_path, monkeypatch):
+    """The judge runs after every generation; when it fails, its input (the records with every output) is kept
+    in a JSON-lines file that the one-line error names. A judge that answers leaves no file behind."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model, tok = CopyLM(data.vocab_size, data.tokenizer().eos_id), data.tokenizer()
+    judge = f"command:{shlex.quote(sys.executable)} -c 'import sys; sys.stdin.read(); sys.exit(3)'"
+    with pytest.raises(ValueError, match=r"exited with status 3; .* the 6 generated outputs are kept in (\S+) "
+                                         r"\(the judge's input, one JSON record per line\)") as e:
+        run_task(task(samples=2, judge=judge, forced_choice=False), model, tok, cfg(data_dir))
+    assert "\n" not in str(e.value)
+    kept = re.search(r"kept in (\S+) ", str(e.value)).group(1)
+    records = [json.loads(line) for line in open(kept, encoding="utf-8")]
+    assert [r["id"] for r in records] == [f"{sub}-{i}" for sub in ("qa", "counterfactual", "summary") for i in (0, 1)]
+    assert all(r["reference"] in r["output"] for r in records)  # the copying model's outputs, as generated
+    run_task(task(samples=2, judge=lambda records: [True] * len(records), forced_choice=False), model, tok,
+             cfg(data_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.split("/")[-1]]
 
 
 def test_batched_forced_choice_scores_equal_the_one_at_a_time_scores(data):

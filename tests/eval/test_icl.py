@@ -358,6 +358,52 @@ def test_shots_beyond_the_context_name_the_context():
         run(FakeLM(lambda q, s: truth[q], context=60), test_size=10)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(shots=(0, 1)), "needs at least 2 demonstrations, but the largest shot count is 1"),
+    (dict(shots=(1, 2), order_shots=471), "order_shots 471 is more than the 470 demonstrations"),
+    (dict(shots=(1, 2), order_shots=30), "icl.order_shots 30 on synthetic: none of 100 random draws"),
+])
+def test_an_order_set_that_cannot_be_drawn_is_refused_before_anything_is_scored(options, message):
+    """The order experiment's settings are checked, and its set drawn, before the accuracy curve runs, so a
+    refusal loses no work: the model has seen no prompt when the ValueError comes."""
+    truth = synthetic_truth()
+    model = FakeLM(lambda q, s: truth[q], context=300)
+    with pytest.raises(ValueError, match=message) as e:
+        run(model, test_size=10, draws=1, **options)
+    assert "\n" not in str(e.value)
+    assert model.seen == []
+
+
+class NaNLM(FakeLM):
+    """Logits that are NaN everywhere (a diverged model), or only at one label's first token."""
+
+    def __init__(self, value=float("nan"), only=None):
+        super().__init__(lambda q, s: "tool")
+        self.value, self.only = value, only
+
+    def forward(self, ids):
+        logits = super().forward(ids).logits.clone()
+        if self.only is None:
+            logits.fill_(self.value)
+        else:
+            logits[..., self.only] = self.value
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("model", [NaNLM(), NaNLM(only=ord("p")), NaNLM(float("inf"), only=ord("a"))],
+                         ids=["all-nan", "one-label-nan", "one-label-inf"])
+def test_non_finite_logits_are_refused_not_read_as_an_answer(model):
+    """argmax over NaN answered the lowest-id label: a NaN model scored that label's share, like a model that
+    always answers one label."""
+    trie = LabelTrie.from_tokenizer(CharTokenizer(), ["animal", "plant", "metal", "tool"])
+    with pytest.raises(ValueError, match=r"the model's logits are not finite \((nan|inf) at a label token of test "
+                                         r"prompt 0\): a diverged model or an overflow") as e:
+        constrained_decode(model, [[EOS, *CharTokenizer().encode("Item: x\nKind:")]], trie, pad_id=EOS)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not finite"):
+        run(model, shots=(0, 2), draws=1, test_size=8, orders=0)
+
+
 def test_a_missing_tokenizer_is_refused():
     with pytest.raises(ValueError, match="pass the model's tokenizer"):
         run_task(get_task("icl"), FakeLM(lambda q, p: "tool"), None)

@@ -149,3 +149,14 @@ def test_until_eos_keeps_what_comes_before_the_first_eos():
     assert until_eos([3, 4, 6, 5, 6], 6) == [3, 4]
     assert until_eos([6, 1], 6) == []
     assert until_eos([1, 2], 6) == [1, 2]
+
+
+def test_forced_choice_credits_nothing_on_a_nan_score():
+    """A NaN log-likelihood (a diverged model) gives NaN, wherever it sits, never a believable 0 or 1; an impossible
+    choice (-inf) is an ordinary loser, and all impossible tie."""
+    from difftransformer.eval.lm import first_place_share
+
+    for scores in ([math.nan, -5.0], [-5.0, math.nan], [math.nan, math.nan]):
+        assert all(math.isnan(first_place_share(scores, i)) for i in range(2))
+    assert [first_place_share([-1.0, -math.inf], i) for i in range(2)] == [1.0, 0.0]
+    assert [first_place_share([-math.inf, -math.inf], i) for i in range(2)] == [0.5, 0.5]

@@ -102,20 +102,22 @@ def test_two_bits_change_the_model_far_more_than_eight(kind):
     assert two > 1e-3 and eight < two / 20
 
 
-def quantised_nll_by_hand(model, windows: torch.Tensor, bits: int) -> float:
+def quantised_nll_by_hand(model, windows: torch.Tensor, bits: int, paired: bool = False) -> float:
     """Mean NLL of the windows (each seq_len + 1 tokens) with every layer's logits quantised per
     (sequence, map) by a quantiser written out here: step = max over heads, queries and visible keys
-    of |x|, over 2^(bits-1) - 1."""
+    of |x|, over 2^(bits-1) - 1. paired (DIFF V2): map c of pair i is head 2i + c, maps = 1."""
     from difftransformer.eval.probes import inspect_attention
 
     def quantise(scores, visible):
         out = torch.empty_like(scores)
+        visible = torch.ones_like(scores, dtype=torch.bool) if visible is None else visible.expand_as(scores)
+        groups = [(slice(c, None, 2), 0) for c in (0, 1)] if paired else [(slice(None), m)
+                                                                           for m in range(scores.shape[2])]
         for b in range(scores.shape[0]):
-            for m in range(scores.shape[2]):
-                x = scores[b, :, m]
-                seen = x if visible is None else x[visible.expand_as(scores)[b, :, m]]
-                step = seen.abs().max() / (2 ** (bits - 1) - 1)
-                out[b, :, m] = torch.round(x / step) * step
+            for heads, m in groups:
+                x = scores[b, heads, m]
+                step = x[visible[b, heads, m]].abs().max() / (2 ** (bits - 1) - 1)
+                out[b, heads, m] = torch.round(x / step) * step
         return out
 
     with inspect_attention(model, lambda i: quantise), torch.no_grad():
@@ -149,6 +151,58 @@ def test_the_task_at_eight_bits_equals_a_quantiser_written_by_hand(data_dir):
     two = run_task("heldout-loss", model, tok, EvalConfig(data_dir=data_dir, seq_len=32, max_windows=2))
     assert capped.settings["windows"] == 2 and capped.metrics["loss@tensor/16"] == pytest.approx(
         two.metrics["loss"], rel=1e-6)
+
+
+def test_diff_v2_quantises_each_map_of_a_pair_with_its_own_scale():
+    """The audit's set-up: an outlier of 100 planted in the second map of every pair (head 2i + 1 of V2's one
+    attention call). Per tensor, the first map is quantised as if alone, as V1's first map is; with one scale
+    for the pair, every entry of the first map rounded to 0 at 4 bits."""
+    from difftransformer.eval.probes import inspect_attention
+    from difftransformer.model import DiffTransformerLM
+    from tests.helpers import tiny
+
+    torch.manual_seed(0)
+    model = DiffTransformerLM(tiny("diff_v2", vocab_size=300, max_position_embeddings=64)).eval()
+    seen = {}
+
+    def plant(scores, visible):
+        scores = scores.clone()
+        scores[:, 1::2, 0, 5, 0] = 100.0
+        return scores
+
+    def quantise(scores, visible):
+        seen.update(scores=scores, visible=visible.expand_as(scores), out=fake_quantize(scores, visible, 4, "tensor",
+                                                                                          paired=True))
+        return seen["out"]
+
+    with torch.no_grad(), inspect_attention(model, lambda i: plant if i == 0 else None):
+        with inspect_attention(model, lambda i: quantise if i == 0 else None):
+            model(torch.randint(0, 300, (1, 32)))
+    x, visible, out = seen["scores"], seen["visible"], seen["out"]
+    assert x.shape[2] == 1 and x.shape[1] % 2 == 0
+    for c in (0, 1):
+        alone = fake_quantize(x[:, c::2], visible[:, c::2], 4, "tensor")
+        assert torch.equal(out[:, c::2], alone)
+    assert int((out[:, 0::2][visible[:, 0::2]] != 0).sum()) > 100  # the first map keeps its own resolution
+    as_v1 = torch.stack((x[:, 0::2, 0], x[:, 1::2, 0]), dim=2)  # (B, H, 2, T, S), V1's layout
+    v1 = fake_quantize(as_v1, torch.stack((visible[:, 0::2, 0], visible[:, 1::2, 0]), dim=2), 4, "tensor")
+    assert torch.equal(out[:, 0::2, 0], v1[:, :, 0]) and torch.equal(out[:, 1::2, 0], v1[:, :, 1])
+
+
+def test_the_task_quantises_diff_v2_per_map_as_a_quantiser_written_by_hand(data_dir):
+    from difftransformer.data import PreparedData
+    from difftransformer.eval import EvalConfig, get_task, run_task
+
+    model = _peaked_model("diff_v2")
+    data = PreparedData.load(data_dir)
+    result = run_task(get_task("logit-quant", bits=(16, 4), granularity=("tensor",), windows=2, needle_samples=0),
+                      model, data.tokenizer(), EvalConfig(data_dir=data_dir, seq_len=32))
+    tokens = torch.from_numpy(data.dataset("test").tokens[:2 * 32 + 1].astype("int64"))
+    windows = torch.stack([tokens[i * 32:(i + 1) * 32 + 1] for i in range(2)])
+    paired, shared = quantised_nll_by_hand(model, windows, 4, paired=True), quantised_nll_by_hand(model, windows, 4)
+    assert abs(paired - shared) > 1e-4  # the two rules differ on this model
+    assert result.metrics["loss@tensor/4"] == pytest.approx(paired, rel=1e-6)
+    assert result.settings["task_version"] == 3
 
 
 def test_a_foreign_model_is_refused(data_dir):

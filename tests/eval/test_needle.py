@@ -12,7 +12,7 @@ from difftransformer.data import PreparedData
 from difftransformer.eval.task import EvalConfig, get_task, run_task
 from difftransformer.eval.tasks import needle
 from difftransformer.model import DiffTransformerLM
-from tests.helpers import tiny
+from tests.helpers import UniformLM, tiny
 
 CONTEXT = 640
 
@@ -151,3 +151,62 @@ def test_bad_inputs_are_one_line_value_errors(tok, data_dir):
     bad("haystack must be one of", haystack="noise")
     with pytest.raises(ValueError, match="beyond the model's context of 600 tokens"):
         needle.forced_choice_samples(FakeLM(tok, context=600), tok, cfg, 3, 700)
+
+
+def test_a_length_too_short_for_the_needles_drawn_is_refused_before_any_forward_pass(tok, data_dir):
+    """min_prompt_length bounds the lengths up front from the shortest cities; the cities actually drawn for 6
+    needles need more, so the refusal comes from building the prompts: before anything is scored, not after
+    the N1R1 cells have run."""
+    from difftransformer.data.needle import min_prompt_length
+
+    model, calls = FakeLM(tok), []
+    forward, generate = model.forward, model.generate
+    model.forward = lambda *a, **k: (calls.append("forward"), forward(*a, **k))[1]
+    model.generate = lambda *a, **k: (calls.append("generate"), generate(*a, **k))[1]
+    task = get_task("needle", needles=(1, 6), queries=(1, 2), lengths=(min_prompt_length(tok, 6, 2, 7),), samples=2)
+    with pytest.raises(ValueError, match="rarely fit") as e:
+        run_task(task, model, tok, EvalConfig(data_dir=data_dir))
+    assert "\n" not in str(e.value)
+    assert calls == []
+
+
+def test_forced_choice_candidates_have_one_token_count_where_digits_merge():
+    """With a tokenizer that merges digits, 7-digit numbers take 2-6 tokens: the N candidates of an evaluation
+    prompt are drawn with one token count, so a model without preference ties exactly (chance, 1/N) and summed
+    log-probabilities compare equally long continuations."""
+    import random as _random
+
+    from difftransformer.data import Tokenizer
+
+    rng = _random.Random(0)
+    words = ["the", "of", "and", "number", "magic", "special", "is", "city"]
+    texts = [" ".join(rng.choice(words) if rng.random() < 0.6 else str(rng.randrange(10, 10**7)) for _ in range(300))
+             for _ in range(24)]
+    tok = Tokenizer.train(texts, vocab_size=400)
+    sizes = {len(tok.encode(" " + str(rng.randrange(10**6, 10**7)))) for _ in range(200)}
+    assert len(sizes) > 1  # the precondition: numbers of one digit count differ in tokens
+    samples = [s for seed in range(4) for s in needle.needle_samples(
+        tok, needles=4, queries=2, depth=50, length=400, count=3, seed=seed, haystack="needles")]
+    assert all(len({len(c) for c in s.candidate_ids}) == 1 for s in samples)
+    assert len({len(s.candidate_ids[0]) for s in samples}) > 1  # prompts differ from one another, not within
+    scores = needle.forced_choice_scores(UniformLM(tok.vocab_size, context=400), samples, EvalConfig())
+    assert all(v == 0.25 for row in scores for v in row)
+
+
+def test_a_tokenizer_that_prefixes_every_call_is_refused_for_needle_prompts(tok):
+    """Pieces encoded apart must be the tokens of their text: a SentencePiece-style tokenizer (a prefix space added
+    to every encode) would make the model read "1234567 ." and stray spaces; refused in one line, not scored."""
+    class Prefixing:
+        eos_id = tok.eos_id
+        vocab_size = tok.vocab_size
+
+        def encode(self, text):
+            return tok.encode(" " + text)
+
+        def decode(self, ids):
+            return tok.decode(ids)
+
+    with pytest.raises(ValueError, match="encodes the needle prompt's pieces differently alone than within one text"):
+        needle.needle_samples(Prefixing(), needles=2, queries=1, depth=50, length=600, count=1, seed=0,
+                              haystack="needles")
+    needle.needle_samples(tok, needles=2, queries=1, depth=50, length=600, count=1, seed=0, haystack="needles")

@@ -407,7 +407,7 @@ def test_a_stored_result_serves_every_min_accuracy_whose_conditions_it_scored(tm
         assert stale_evaluations({"ood": record}, ["ood"], {"ood": {**small, "min_accuracy": 0.99}}) == {}
     results.json_path("ood").write_text(json.dumps(legacy))
     digest, asked = full["provenance"]["weights_sha256"], get_task("ood", **small, min_accuracy=0.99)
-    settings = task_settings(asked, ecfg)
+    settings = task_settings(asked, ecfg, model)
     assert results.conflict("ood", digest, settings) is None and results.cached("ood", digest, settings) == legacy
     b = json.loads(json.dumps(full))
     b["settings"]["options"]["min_accuracy"] = 0.5

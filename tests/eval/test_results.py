@@ -249,3 +249,36 @@ def test_compare_table_names_results_of_other_task_versions_and_skipped_tasks():
     table = compare_table(a, b, ("a", "b"), ("t", "d"), skipped={"z": "runs/b: no held-out data"})
     assert "x: not compared, the two results differ in task_version" in table and "| x | acc" not in table
     assert "- z: could not run, runs/b: no held-out data" in table and "only one model has" not in table
+
+
+def test_the_same_tensors_under_another_configuration_are_evaluated_again(data_dir, tmp_path):
+    """A result is reused only for the model configuration it measured: a copy of the weights with a longer context
+    (the task's default length follows it), another RoPE base, no position encoding or another λ_init gives other
+    numbers; how attention is computed (the backend) does not, and reuses it. A result stored without the model's
+    configuration is computed again, and replaced without --force (it is not the user's choice of settings)."""
+    import dataclasses
+
+    from difftransformer.data import PreparedData
+
+    tok = PreparedData.load(data_dir).tokenizer()
+    cfg, results = EvalConfig(data_dir=data_dir), ResultsDir(tmp_path / "eval")
+    task = get_task("long-context", documents=2)
+    torch.manual_seed(0)
+    base = tiny(vocab_size=tok.vocab_size, max_position_embeddings=32)
+    model = DiffTransformerLM(base)
+    first, reused = evaluate_cached(task, model, tok, cfg, results)
+    assert not reused and first["settings"]["length"] == 32
+    for change in (dict(max_position_embeddings=64), dict(rope_theta=500.0), dict(position_encoding="none"),
+                   dict(lambda_init=0.5), dict(attn_backend="eager")):
+        other = DiffTransformerLM(dataclasses.replace(base, **change))
+        other.load_state_dict(model.state_dict())
+        record, reused = evaluate_cached(task, other, tok, cfg, results)
+        fresh = run_task(task, other, tok, cfg)
+        assert reused == ("attn_backend" in change), change
+        assert record["metrics"] == pytest.approx(fresh.metrics) and record["settings"]["length"] == (
+            64 if "max_position_embeddings" in change else 32), change
+        evaluate_cached(task, model, tok, cfg, results)  # back to the first configuration for the next change
+    stored = json.loads(results.json_path("long-context").read_text())
+    del stored["settings"]["model"]  # as a result saved before the configuration was recorded
+    results.json_path("long-context").write_text(json.dumps(stored))
+    assert evaluate_cached(task, model, tok, cfg, results)[1] is False

@@ -40,6 +40,8 @@ import only the base modules: the mixture cannot import `eval`, while `eval` may
 - Cities and numbers are distinct within a sample, numbers have exactly `digits` digits, and each
   number occurs exactly once in the decoded prompt (a draw colliding with haystack text is drawn
   again), so every answer is recoverable from its prompt and the substring check is unambiguous.
+  The N needles' numbers (the forced-choice candidates) also have one token count, so their summed
+  log-probabilities compare like with like and a model without preference ties (`draw_needles`).
 
 `length` is the exact token count of `ids`, BOS and question included. The other queried cities'
 prompts differ only by their city's tokens in the cue (`cue_slack` bounds the difference).
@@ -186,12 +188,33 @@ def draw_number(rng: random.Random, digits: int, taken: set[str]) -> str:
             return number
 
 
-def draw_needles(rng: random.Random, count: int, digits: int) -> tuple[list[str], list[str], set[str]]:
+SIZED_ATTEMPTS = 1000  # draws per number before a prompt's numbers of one token count are given up on
+
+
+def draw_needles(rng: random.Random, count: int, digits: int, size: Callable[[str], int] | None = None
+                 ) -> tuple[list[str], list[str], set[str]] | None:
     """(cities, their numbers, the set of those numbers): `count` distinct cities, then one distinct
-    `digits`-digit number per city, in that order."""
+    `digits`-digit number per city, in that order.
+
+    size: None, or a number's size (its token count): every number then has the first's size, redrawn up to
+    SIZED_ATTEMPTS times each (None when one cannot be found). An evaluation's forced choice sums each
+    candidate's token log-probabilities, so candidates of unequal token counts would be told apart by their
+    count (each extra token costs up to log V nats) before any preference, and a model without one would not
+    score chance exactly."""
     cities = pick_cities(rng, count)
     taken: set[str] = set()
-    return cities, [draw_number(rng, digits, taken) for _ in cities], taken
+    numbers = [draw_number(rng, digits, taken)]
+    wanted = None if size is None else size(numbers[0])
+    for _ in cities[1:]:
+        for _ in range(SIZED_ATTEMPTS):
+            number = draw_number(rng, digits, taken)
+            if wanted is None or size(number) == wanted:
+                numbers.append(number)
+                break
+            taken.discard(number)
+        else:
+            return None
+    return cities, numbers, taken
 
 
 T = TypeVar("T")
@@ -245,6 +268,23 @@ def _memo(tokenizer, key: tuple, compute: Callable[[], Any]):
 def template_ids(tokenizer, text: str) -> list[int]:
     """tokenizer.encode(text) for a fixed template string (memoised per tokenizer; a fresh list)."""
     return list(_memo(tokenizer, ("encode", text), lambda: tuple(tokenizer.encode(text))))
+
+
+def check_pieces(tokenizer) -> None:
+    """ValueError unless the prompt's pieces encoded apart are the tokens of their text encoded whole (memoised per
+    tokenizer). A prompt is laid down piece by piece so that every span is exact; that reads as its text only where
+    a tokenizer splits at the pieces' leading space or newline anyway (byte-level BPE). A SentencePiece-style
+    tokenizer that adds a prefix space to every call (Llama-2, Mistral v0.1) would give the model "1234567 ." and
+    stray space tokens instead: refused, not scored."""
+    city, other = CITIES[0], CITIES[1]
+    pieces = (INSTRUCTION, NEEDLE_HEAD.format(city=city), " 1234567", NEEDLE_TAIL, NEEDLE_HEAD.format(city=other),
+              " 7654321", NEEDLE_TAIL, question_text([city]), question_text([other, city]), CUE.format(city=city))
+    agree = _memo(tokenizer, ("pieces agree",), lambda: [t for piece in pieces for t in template_ids(tokenizer, piece)]
+                  == tokenizer.encode("".join(pieces)))
+    if not agree:
+        raise ValueError("this tokenizer encodes the needle prompt's pieces differently alone than within one text (it "
+                         "adds a prefix space to every call, as SentencePiece tokenizers such as Llama-2's do), so the "
+                         "prompt would not read as its text; needle prompts need a byte-level BPE tokenizer")
 
 
 def needle_tokens(tokenizer, city: str, number: str) -> tuple[list[int], int, int]:
@@ -458,6 +498,7 @@ def needle_prompt(tokenizer, rng: random.Random, *, length: int, depth: float, n
     `length` is refused. Bad values are a one-line ValueError."""
     check_needle_args(length=length, depth=depth, needles=needles, queries=queries, haystack=haystack,
                       digits=digits, context=context)
+    check_pieces(tokenizer)
     if haystack == "text" and text is None:
         raise ValueError("haystack 'text' needs held-out tokens (HeldoutText of a held-out split, e.g. "
                          "eval.tasks.needle.haystack_text); pass text=... or use haystack 'needles'")
@@ -525,7 +566,11 @@ class _Plan:
 
 def _draw(tokenizer, rng, n_needles: int, n_queries: int, digits: int) -> tuple[_Draw, list[str]]:
     """The draw, and the queried cities in the order the R > 1 question shows them."""
-    cities, nums, numbers = draw_needles(rng, n_needles, digits)
+    drawn = draw_needles(rng, n_needles, digits, size=lambda number: len(tokenizer.encode(" " + number)))
+    if drawn is None:
+        raise _Redraw(f"could not draw {n_needles} {digits}-digit numbers of one token count (forced choice compares "
+                      f"equally long candidates); use more digits or fewer needles")
+    cities, nums, numbers = drawn
     queried = [cities[0]] + rng.sample(cities[1:], n_queries - 1)
     shown = list(queried)
     rng.shuffle(shown)

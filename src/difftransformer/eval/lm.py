@@ -16,6 +16,7 @@ returning `.logits` (DiffTransformerLM); `tokenizer` has `encode`, `decode` and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,7 +148,11 @@ def continuation_logprob(model, tokenizer, context: str, continuation: str,
 def first_place_share(scores: Sequence[float], index: int) -> float:
     """The credit of choice `index` in forced choice among `scores` (log-likelihoods): 1 when it scores above every
     other choice, 1/k when it ties with k - 1 others for the top (within a relative 1e-9: sums of the same
-    log-probabilities in another order), else 0; so a model without preference scores chance, 1/len(scores)."""
+    log-probabilities in another order), else 0; so a model without preference scores chance, 1/len(scores).
+    NaN when a score is NaN (a diverged model, an overflow): no choice can be credited, and a mean over such
+    samples stays NaN instead of turning into a believable accuracy."""
+    if any(math.isnan(v) for v in scores):
+        return math.nan
     best = max(scores)
     tied = [i for i, v in enumerate(scores) if v >= best - 1e-9 * max(1.0, abs(best))]
     return 1.0 / len(tied) if index in tied else 0.0

@@ -133,10 +133,13 @@ class ResultsDir:
         return {k: v for k, v in found.items() if v is not None}
 
     def cached(self, task: str, weights_sha256: str, settings: dict[str, Any]) -> dict[str, Any] | None:
-        """The stored result if it was computed from these weights with these settings and its figure is the
-        one it was saved with (`figure_matches`), else None."""
+        """The stored result if it was computed from these weights under this model configuration with these
+        settings and its figure is the one it was saved with (`figure_matches`), else None. A result stored
+        without its model's configuration is not reused: it may have measured these tensors under another."""
         stored = self.load(task)
         if stored is None or stored.get("provenance", {}).get("weights_sha256") != weights_sha256:
+            return None
+        if stored.get("settings", {}).get("model") != settings.get("model"):
             return None
         settings = settings_served(task, settings, stored)
         if comparable_settings(stored.get("settings", {})) != comparable_settings(settings):
@@ -260,7 +263,7 @@ def evaluate_cached(task: Task, model: torch.nn.Module, tokenizer, cfg: EvalConf
     digest = weights_sha256 or weights_hash(model)  # keys the reuse and stamps a new result
     with folder_lock(results.path, purpose="keep these results in another folder "
                                            "(eval --out-dir DIR)"):
-        settings = task_settings(task, cfg)
+        settings = task_settings(task, cfg, model)
         refused = task.reusable()
         cached = None if force or refused else results.cached(task.name, digest, settings)
         if refused and log and results.load(task.name) is not None:

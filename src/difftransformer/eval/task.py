@@ -237,16 +237,36 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def task_settings(task: Task, cfg: EvalConfig) -> dict[str, Any]:
+def task_settings(task: Task, cfg: EvalConfig, model: torch.nn.Module | None = None) -> dict[str, Any]:
     """The settings every result records besides the task's own: the task's version, the EvalConfig, the
-    task's options, and which prepared data cfg.data_dir held (`data_identity`: a folder prepared again with
-    other text under the same name gives other numbers, so a stored result is not reused for it)."""
+    task's options, which prepared data cfg.data_dir held (`data_identity`: a folder prepared again with
+    other text under the same name gives other numbers, so a stored result is not reused for it) and, given
+    the model, its configuration (`model_settings`)."""
     settings: dict[str, Any] = {"task_version": task.version, "eval_config": dataclasses.asdict(cfg)}
     if task.Options is not NoOptions:
         settings["options"] = task.options_dict()
     if cfg.data_dir is not None:
         settings["data"] = data_identity(cfg.data_dir)
+    if model is not None:
+        settings["model"] = model_settings(model)
     return settings
+
+
+MODEL_BOOKKEEPING = ("_name_or_path", "transformers_version")  # a transformers config's: where and by what it was saved
+
+
+def model_settings(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The model's configuration as JSON holds it, without what cannot change a number (how attention is computed:
+    RUNTIME_FIELDS; a transformers config's path and version): the same tensors under another configuration (a
+    longer context, another RoPE base, no position encoding, another λ_init) give other numbers, so a result stored
+    for one is not reused for the other. None for a model without a `config.to_dict()`."""
+    from difftransformer.model.config import RUNTIME_FIELDS
+
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if not callable(to_dict):
+        return None
+    config = {k: v for k, v in to_dict().items() if k not in RUNTIME_FIELDS and k not in MODEL_BOOKKEEPING}
+    return json.loads(json.dumps(config, sort_keys=True, default=str))  # as a stored result reads it back
 
 
 def data_identity(data_dir: str | Path) -> dict[str, Any] | None:
@@ -290,7 +310,7 @@ def run_task(task: str | Task, model: torch.nn.Module, tokenizer, cfg: EvalConfi
     finally:
         _RUNNING.reset(running)
         model.train(was_training)
-    result.settings = {**result.settings, **task_settings(task, cfg)}
+    result.settings = {**result.settings, **task_settings(task, cfg, model)}
     result.provenance = {"weights_sha256": weights_sha256 or weights_hash(model), "package_version": __version__,
                          "started": started.isoformat(timespec="seconds"),
                          "seconds": round(time.perf_counter() - t0, 3)}

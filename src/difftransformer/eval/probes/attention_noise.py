@@ -154,6 +154,7 @@ class AttentionNoise(Task):
                    "noise), per answer depth, DIFF map A1 - λA2 normalised per row (paper Fig. 1, Table 3)")
     Options = AttentionNoiseOptions
     white_box = True
+    version = 2  # 2: a prompt's needle numbers have one token count (data/needle.py draw_needles): other prompts
 
     def check_options(self) -> None:
         o = self.options

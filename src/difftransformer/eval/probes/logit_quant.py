@@ -10,7 +10,9 @@ Choices where the paper is silent, all recorded in the result:
 - 16 bits means unquantised (the paper's reference is its BF16 model); 8, 6, 4 (and any b >= 2) are
   quantised as above.
 - Granularity: "tensor" = one scale per sequence, layer and map (the max over every head, query and
-  key: the harshest), "row" = one scale per query row of each head and map. Both by default.
+  key: the harshest), "row" = one scale per query row of each head and map. Both by default. DIFF V2
+  computes its two maps in one attention call (heads 2i and 2i + 1 of pair i); they are quantised as
+  V1's, each map with its own scale (`fake_quantize(..., paired=True)`).
 - The max is over the entries a query may see: causally masked logits are never computed by a real
   kernel, so they neither set the scale nor matter after the softmax.
 - The metrics are the held-out loss (the `heldout-loss` windows of the test split, read once for
@@ -37,15 +39,25 @@ UNQUANTISED_BITS = 16
 GRANULARITIES = ("tensor", "row")
 
 
-def fake_quantize(scores: torch.Tensor, visible: torch.Tensor | None, bits: int, granularity: str) -> torch.Tensor:
+def fake_quantize(scores: torch.Tensor, visible: torch.Tensor | None, bits: int, granularity: str,
+                  paired: bool = False) -> torch.Tensor:
     """Dynamic absmax fake quantisation of scores (B, heads, maps, T, S) to `bits` bits.
 
     The scale comes from the visible entries only: per (sequence, map) for "tensor", per
-    (sequence, head, map, query) for "row". A group whose visible entries are all 0 stays 0."""
+    (sequence, head, map, query) for "row". A group whose visible entries are all 0 stays 0.
+    paired: DIFF V2's scores (B, 2H, 1, T, S), where head 2i + c holds map c of pair i (one ordinary
+    attention call, attention/functional.py `paired_difference`); they are quantised as V1's (B, H, 2, T, S),
+    so "tensor" gives each of the two maps its own scale, as V1 gets."""
     if bits < 2:
         raise ValueError(f"bits must be >= 2 (one sign bit and at least one magnitude bit), got {bits}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if paired:
+        if scores.shape[1] % 2 or scores.shape[2] != 1:
+            raise ValueError(f"paired scores are (B, 2H, 1, T, S) with an even head count, got {tuple(scores.shape)}")
+        as_v1 = lambda x: x.unflatten(1, (-1, 2)).flatten(2, 3)  # noqa: E731  (B, 2H, 1, T, S) -> (B, H, 2, T, S)
+        seen = None if visible is None else as_v1(visible.expand_as(scores))
+        return fake_quantize(as_v1(scores), seen, bits, granularity).unflatten(2, (2, 1)).flatten(1, 2)
     magnitude = scores.abs() if visible is None else scores.abs().masked_fill(~visible, 0.0)
     if granularity == "row":
         absmax = magnitude.amax(dim=-1, keepdim=True)
@@ -77,7 +89,9 @@ class LogitQuant(Task):
                    "16/8/6/4 bits (dynamic absmax, per tensor and per row)")
     Options = LogitQuantOptions
     white_box = True
-    version = 2  # 2: EvalConfig.max_windows caps the loss windows, as in heldout-loss (version 1 ignored it)
+    # 2: EvalConfig.max_windows caps the loss windows, as in heldout-loss (version 1 ignored it); 3: DIFF V2's two
+    # maps get a scale each under "tensor", as V1's (version 2 gave the pair one scale)
+    version = 3
 
     def check_options(self) -> None:
         o = self.options
@@ -140,10 +154,12 @@ class LogitQuant(Task):
                  granularity: str) -> dict[str, float]:
         """The held-out loss over `text` (tokens, seq_len, windows) and the needle accuracy, with the
         attention logits quantised to `bits` (None: as they are)."""
+        paired = model.config.kind.v2  # DIFF V2: a pair's two maps sit side by side in the head axis
+
         def make_hook(_layer: int):
             if bits is None:
                 return None
-            return lambda scores, visible: fake_quantize(scores, visible, bits, granularity)
+            return lambda scores, visible: fake_quantize(scores, visible, bits, granularity, paired)
 
         with inspect_attention(model, make_hook):
             total, count = windowed_nll(model, *text, probe_batch(model, text[1], cfg.batch_size, cfg.device),

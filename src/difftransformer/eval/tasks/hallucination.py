@@ -5,7 +5,9 @@ Lens protocol) and reports the fraction judged faithful, 100 samples per data se
 neither the data sets nor the judge, so every sample here is built so that its answer is fully
 determined by the context and checkable by matching (eval/judge.py), and the judge is pluggable for
 users who have an LLM judge: `judge="python:package.module:function"`, `"command:<shell command>"`,
-or from Python any callable, `get_task("hallucination", judge=fn)`.
+or from Python any callable, `get_task("hallucination", judge=fn)`. Such a judge runs after every
+output is generated; one that fails does not lose them: its error names the JSON-lines file that
+keeps its input (`Hallucination._verdicts`).
 
 Sub-tasks (50 samples each by default; the paper used 100), all on real held-out text:
   qa              a fact about a made-up person, from a seeded generator ("Maria Lopez was born in
@@ -35,9 +37,9 @@ Metrics per sub-task:
   faithful_<sub>  the paper's metric: the fraction of greedy outputs the judge calls faithful.
   choice_<sub>    forced choice: the fraction of samples whose in-context value has the highest
                   log-probability as the continuation, among `choices` candidate values (the others:
-                  values of the same kind that the passage does not contain, and, for counterfactuals,
-                  always the world-knowledge value). It separates tiny models long before greedy
-                  decoding states anything right.
+                  values of the same kind that the passage does not contain, of the in-context value's
+                  token count where the pool allows, and, for counterfactuals, always the world-knowledge
+                  value). It separates tiny models long before greedy decoding states anything right.
   memory_counterfactual, choice_memory_counterfactual  how often the output states the
                   world-knowledge value / the forced choice picks it: answering from memory.
   faithful, choice  the means over the sub-tasks run.
@@ -63,16 +65,28 @@ Choices made where the paper is silent (it used real data sets and an LLM judge)
     value, candidates =
     values of the same kind (the judge's contradicting candidates). See eval/judge.py.
   - Forced-choice score: log P(" value" | prompt), summed over the value's tokens (for the summary,
-    the whole restated predicate with each value). A sample counts when the in-context value
-    scores strictly highest. Chance is reported per sub-task (1 / the mean number of choices).
+    the whole restated predicate with each value). A sample counts 1 when the in-context value scores
+    highest, 1/k when it ties with k - 1 others for the top (eval/lm.py `first_place_share`).
+  - A sum over tokens charges each extra token a whole token's log-probability, so candidates of unequal
+    token counts are chosen by length more than by preference. The distractors are therefore drawn from
+    the pool values whose continuation (counted after the cue) has the in-context value's token count;
+    where fewer than `choices` - 1 such values are absent from the passage, the rest are the values
+    nearest in token count. The world value of a counterfactual is a candidate whatever its count.
+  - Chance (`settings.forced_choice_chance`, per sub-task and for `memory_counterfactual`) is what a
+    model with equal logits scores on these very samples, from each choice's token count: the fewest
+    tokens win, a k-way tie earning 1/k. It is 1/`choices` only where every sample's candidates have
+    equal token counts.
   - Each sub-task draws its samples from its own seeded stream (eval_seed and the sub-task's name),
     so the samples of one sub-task do not depend on which others run.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +186,7 @@ class Sample:
     depth: float
     prompt_tokens: int  # EOS + prompt, in the model's tokenizer
     choices: list[str] = field(default_factory=list)  # forced-choice values; choices[0] is the in-context one
+    choice_tokens: list[int] = field(default_factory=list)  # tokens of each choice's continuation after the prompt
 
     @property
     def reference(self) -> str:
@@ -179,6 +194,11 @@ class Sample:
 
     def continuations(self) -> list[str]:
         return [self.fact.continuation(v, self.subtask == "summary") for v in self.choices]
+
+    def chance(self, value: str) -> float:
+        """What a model with equal logits scores for choosing `value`: every token costs it log(vocabulary), so
+        the choices with the fewest tokens tie for first and share its credit (`first_place_share`'s 1/k)."""
+        return first_place_share([-n for n in self.choice_tokens], self.choices.index(value))
 
 
 def _prompt_length(tokenizer, prompt: str) -> int:
@@ -215,12 +235,25 @@ def _conflicts(sample: Sample) -> bool:
     return any(find_phrase(text, normalize(v)) >= 0 for v in values)
 
 
-def _choose_values(sample: Sample, n: int, rng: random.Random) -> list[str]:
-    """The in-context value, the world value (counterfactuals), then others of the pool absent from the text."""
+def _choose_values(sample: Sample, n: int, rng: random.Random, tokenizer) -> list[str]:
+    """The in-context value, the world value (counterfactuals), then others of the pool absent from the text:
+    values whose continuation after the cue has as many tokens as the in-context value's, drawn at random, and
+    where the pool has too few of them, the values nearest to it in token count (so that a sum of log-probs
+    compares equally long continuations wherever the pool allows)."""
     fixed = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
     text = normalize(f"{sample.before}\n{sample.after}")
     rest = [v for v in sample.fact.pool if v not in fixed and find_phrase(text, normalize(v)) < 0]
-    return (fixed + rng.sample(rest, min(len(rest), max(0, n - len(fixed)))))[:max(n, len(fixed))]
+    summary = sample.subtask == "summary"
+    size = {v: len(split_continuation(tokenizer, sample.cue, sample.fact.continuation(v, summary))[1])
+            for v in [sample.fact.value, *rest]}
+    rng.shuffle(rest)
+    rest.sort(key=lambda v: abs(size[v] - size[sample.fact.value]))  # stable: random among equally near
+    return (fixed + rest[:max(0, n - len(fixed))])[:max(n, len(fixed))]
+
+
+def _choice_tokens(tokenizer, sample: Sample) -> list[int]:
+    """Tokens of each choice's continuation as scored: after the whole prompt (`score_continuations`)."""
+    return [len(split_continuation(tokenizer, sample.prompt, c)[1]) for c in sample.continuations()]
 
 
 def build_samples(subtask: str, count: int, tokens: np.ndarray, target: int, rng: random.Random, text_tokenizer,
@@ -239,12 +272,14 @@ def build_samples(subtask: str, count: int, tokens: np.ndarray, target: int, rng
         else:
             raise ValueError(f"the held-out text states the answer of every {subtask} fact drawn in {MAX_ATTEMPTS} "
                              f"tries; use another split or corpus")
-        sample.choices = _choose_values(sample, choices, rng)
-        longest = max(len(split_continuation(tokenizer, sample.prompt, c)[1]) for c in sample.continuations())
+        sample.choices = _choose_values(sample, choices, rng, tokenizer)
+        sample.choice_tokens = _choice_tokens(tokenizer, sample)
+        longest = max(sample.choice_tokens)
         if limit is not None and sample.prompt_tokens + longest > limit:  # less held-out text: the values stay absent
             shorter = _fit_sample(subtask, fact, tokens, start, limit - longest, depth, text_tokenizer, tokenizer,
                                   eos_id)
             shorter.choices, sample = sample.choices, shorter
+            sample.choice_tokens = _choice_tokens(tokenizer, sample)
         samples.append(sample)
     return samples
 
@@ -315,7 +350,10 @@ class HallucinationOptions:
 class Hallucination(Task):
     name = "hallucination"
     reads_seq_len = False  # prompt lengths come from its own options and the model's context
-    version = 2  # 2: a k-way tie at the top of a forced choice earns 1/k (version 1 counted it as wrong)
+    # 2: a k-way tie at the top of a forced choice earns 1/k (version 1 counted it as wrong); 3: distractors have the
+    # in-context value's token count where the pool allows, and the chance is an equal-logits model's score on the
+    # samples (version 2: random distractors, chance 1/k)
+    version = 3
     description = ("contextual hallucination: fraction of greedy answers judged faithful to facts inserted in "
                    "held-out text (QA, counterfactual, summary), plus a forced choice")
     Options = HallucinationOptions
@@ -403,7 +441,7 @@ class Hallucination(Task):
                                      device=cfg.device).text
                 outputs[sub].append((first_sentence(full), full))
                 records.append(judge_record(s, *outputs[sub][-1], i))
-        verdicts = iter(judge(records))
+        verdicts = iter(self._verdicts(judge, records))
         metrics: dict[str, float] = {}
         details: dict[str, Any] = {"subtasks": {}}
         chance = {}
@@ -413,11 +451,12 @@ class Hallucination(Task):
             metrics[f"faithful_{sub}"] = float(np.mean(cell["faithful"]))
             if o.forced_choice:
                 metrics[f"choice_{sub}"] = float(np.mean(cell["choice_correct"]))
-                chance[sub] = 1.0 / float(np.mean([len(s.choices) for s in items]))
+                chance[sub] = float(np.mean([s.chance(s.fact.value) for s in items]))
             if sub == "counterfactual":
                 metrics["memory_counterfactual"] = float(np.mean(cell["states_world"]))
                 if o.forced_choice:
                     metrics["choice_memory_counterfactual"] = float(np.mean(cell["choice_world"]))
+                    chance["memory_counterfactual"] = float(np.mean([s.chance(s.fact.world) for s in items]))
         metrics["faithful"] = float(np.mean([metrics[f"faithful_{s}"] for s in samples]))
         if o.forced_choice:
             metrics["choice"] = float(np.mean([metrics[f"choice_{s}"] for s in samples]))
@@ -431,6 +470,25 @@ class Hallucination(Task):
                       "corpus_hash": data.corpus_hash, "tokenizer_hash": data.tokenizer_hash},
             details=details,
         )
+
+    def _verdicts(self, judge, records: list[dict[str, Any]]) -> list[dict]:
+        """The judge's verdicts on `records`. An external judge (a Python function or a command) gets them only after
+        they are written as JSON lines (its input, one record per line: generation's work) to a file in the system's
+        temporary folder, removed once the judge has answered; a judge that fails is a one-line ValueError naming
+        the file (a run stopped while the judge works leaves it too), so the outputs are not lost and the judge can
+        be run on them by hand."""
+        if self.reusable() is None:  # the built-in matching judge: in this process, and quick
+            return judge(records)
+        fd, path = tempfile.mkstemp(prefix=f"{self.name}-outputs-", suffix=".jsonl")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        try:
+            verdicts = judge(records)
+        except ValueError as e:
+            raise ValueError(f"{e}; the {len(records)} generated outputs are kept in {path} (the judge's input, one "
+                             f"JSON record per line)") from e
+        os.unlink(path)
+        return verdicts
 
     def _score(self, sub: str, items: list[Sample], outputs: list[tuple[str, str]], verdicts: list[dict],
                model, tokenizer, cfg: EvalConfig) -> dict[str, Any]:

@@ -13,6 +13,8 @@ greedy decoding, and accuracy is the share of test items whose answer is their (
   every step, only the tokens that continue some label; the model's greedy choice among them (argmax
   of its logits over the allowed tokens, ties to the lowest id) is taken until a leaf, so every answer
   is a label. A step with a single allowed token needs no forward pass (greedy would take it anyway).
+  A NaN or infinite logit among the allowed tokens (a diverged model, an overflow) is a ValueError, not
+  an answer: argmax over NaN would name the lowest-id label, a believable accuracy.
 - Accuracy vs k: for each shot count, `draws` independent draws of k demonstrations from the pool
   (by eval_seed; each k has its own stream, so adding a k changes no other cell), each scored on the
   whole test set; the result gives mean, min and max over draws. k = 0 (zero-shot) has one draw.
@@ -25,7 +27,9 @@ greedy decoding, and accuracy is the share of test items whose answer is their (
   balanced over classes, floor(k / C) each and the remainder to random classes), permuted over seeds:
   `orders` random orders, and `orders` class-alternating orders (round-robin interleave of classes:
   the class order and the order within each class vary with the seed; once a class runs out the
-  others continue in turn). The metric is best - worst accuracy over the orders of each kind.
+  others continue in turn). The metric is best - worst accuracy over the orders of each kind. The set
+  is drawn (and refused, where it cannot be: k < 2, k beyond the pool, no draw that fits) before the
+  accuracy curve is scored, so a refusal loses no work.
 
 Choices where the paper is silent, or where a CPU budget differs from it:
 - Defaults: 5 draws, 50 test items, 5 orders of each kind, so that they take about a minute on a
@@ -134,7 +138,9 @@ def constrained_decode(model, prompts: Sequence[Sequence[int]], trie: LabelTrie,
                        pad_id: int = 0, device: str | torch.device = "cpu") -> list[str]:
     """The label greedy decoding picks for each prompt (token ids), restricted to the trie: at each
     step the allowed token with the largest logit (ties: the lowest id). Prompts are right-padded in
-    batches and each row's logits are read at its own last token (causal: padding after it is unseen)."""
+    batches and each row's logits are read at its own last token (causal: padding after it is unseen).
+    A non-finite logit among the allowed tokens (NaN or inf: a diverged model, an overflow) is a ValueError,
+    never an answer."""
     prefixes: list[list[int]] = [[] for _ in prompts]
     answers: list[str | None] = [None] * len(prompts)
     pending = list(range(len(prompts)))
@@ -161,7 +167,12 @@ def constrained_decode(model, prompts: Sequence[Sequence[int]], trie: LabelTrie,
                 if allowed[-1] >= last.shape[-1]:
                     raise ValueError(f"label token id {allowed[-1]} is beyond the model's vocabulary of "
                                      f"{last.shape[-1]}; the tokenizer does not belong to this model")
-                prefixes[i].append(allowed[int(torch.argmax(last[r, allowed]))])
+                scores = last[r, allowed]
+                if not torch.isfinite(scores).all():  # argmax over NaN would answer the lowest-id label
+                    bad = scores[~torch.isfinite(scores)][0].item()
+                    raise ValueError(f"the model's logits are not finite ({bad} at a label token of test prompt {i}): "
+                                     f"a diverged model or an overflow; check the weights, or evaluate in float32")
+                prefixes[i].append(allowed[int(torch.argmax(scores))])
         pending = need
     return answers  # type: ignore[return-value]
 
@@ -395,8 +406,9 @@ class ICL(Task):
         plan = _plan(model, tokenizer, data, test, pool, trie)
         seed = f"{cfg.eval_seed}/{data.name}"
         shots, k_auto, hint = self._shots(data, pool, plan, seed)
+        fixed = self._order_set(data, pool, plan, seed, shots, hint)  # refused (if at all) before anything is scored
         curve = self._curve(model, tokenizer, data, test, pool, plan, trie, cfg, seed, shots, hint)
-        orders = self._orders(model, tokenizer, data, test, pool, plan, trie, cfg, seed, shots, hint)
+        orders = self._orders(model, tokenizer, data, test, trie, cfg, seed, fixed)
         test_counts = data.counts(test)
         metrics = {f"accuracy_k{c['k']}": c["mean"] for c in curve}
         metrics["accuracy_at_max_k"] = curve[-1]["mean"]
@@ -423,11 +435,11 @@ class ICL(Task):
             details={"curve": curve, "orders": orders, "test_labels": test_counts},
         )
 
-    def _orders(self, model, tokenizer, data, test, pool, plan, trie, cfg, seed, shots, hint) -> dict:
-        """The order experiment: one balanced set, `orders` random and `orders` alternating permutations."""
+    def _order_set(self, data, pool, plan, seed, shots, hint) -> list[Item] | None:
+        """The order experiment's fixed balanced set (None when orders = 0); a ValueError where it cannot be drawn."""
         o = self.options
         if not o.orders:
-            return {}
+            return None
         k = o.order_shots or max(shots)
         if k < 2:
             raise ValueError(f"icl order robustness needs at least 2 demonstrations, but the largest shot count is "
@@ -436,8 +448,15 @@ class ICL(Task):
             raise ValueError(f"icl.order_shots {k} is more than the {len(pool)} demonstrations left beside the "
                              f"test set of {data.name}; lower it")
         rng = random.Random(f"{seed}/orders/set")
-        fixed, _ = _draw(pool, k, plan, rng, f"icl.order_shots {k} on {data.name}", hint,
-                         draw=lambda: balanced_draw(pool, data.labels, k, rng))
+        return _draw(pool, k, plan, rng, f"icl.order_shots {k} on {data.name}", hint,
+                     draw=lambda: balanced_draw(pool, data.labels, k, rng))[0]
+
+    def _orders(self, model, tokenizer, data, test, trie, cfg, seed, fixed: list[Item] | None) -> dict:
+        """The order experiment on the fixed set: `orders` random and `orders` alternating permutations."""
+        o = self.options
+        if fixed is None:
+            return {}
+        k = len(fixed)
         out: dict = {"shots": k, "set_labels": data.counts(fixed)}
         for kind in ("random", "alternating"):
             accs, sequences = [], []

@@ -31,7 +31,9 @@ Choices where the paper is silent:
   removed; a data folder tokenised with another tokenizer than the model's is tokenised again with the
   model's (eval/heldout.py; checked by hash when the tokenizer has one).
 - Prompts are seeded per cell from cfg.eval_seed, N, R, depth, length, haystack and digits, so a
-  cell's prompts do not change when the grid around it does.
+  cell's prompts do not change when the grid around it does. Every cell's prompts are built before
+  the first forward pass (and again, the same, when the cell is scored), so a length that cannot hold
+  the needles drawn is refused before any work is done.
 - Headline metrics: per (N, R), the mean over every scored (prompt, city) of the pair's cells;
   `greedy` / `forced_choice` are the unweighted means over the pairs.
 
@@ -218,6 +220,7 @@ class Needle(Task):
     description = ("multi-needle retrieval (city -> magic number): accuracy per (N needles, R queried) by greedy "
                    "decoding and by forced choice, over answer depths and prompt lengths")
     Options = NeedleOptions
+    version = 2  # 2: a prompt's needle numbers have one token count (forced choice compares equally long candidates)
 
     def check_options(self) -> None:
         o = self.options
@@ -274,25 +277,32 @@ class Needle(Task):
             text, source = haystack_text(cfg, tokenizer, self.name)
         slack = cue_slack(tokenizer)
         pairs = list(zip(o.needles, o.queries))
-        plan = {pair: self.grid_lengths(tokenizer, context, *pair, slack) for pair in pairs}  # all checked first
+        plan = {pair: self.grid_lengths(tokenizer, context, *pair, slack) for pair in pairs}
+        grid = [(n, r, length, depth) for (n, r), lengths in plan.items() for length in lengths for depth in o.depths]
+
+        def cell_samples(n: int, r: int, length: int, depth: int) -> list[NeedleSample]:
+            return needle_samples(tokenizer, needles=n, queries=r, depth=depth, length=length, count=o.samples,
+                                  seed=cfg.eval_seed, haystack=o.haystack, text=text, digits=o.digits, context=context)
+
+        # every cell's prompts are built (tokenizer work only) before any forward pass, so a length that cannot
+        # hold the needles drawn is refused before anything is scored; they are built again (the same: seeded
+        # by the cell) when scored, as holding every cell's prompts at once could take gigabytes at long lengths
+        for cell in grid:
+            cell_samples(*cell)
 
         cells, examples, scores = [], {}, {}
-        for (n, r), lengths in plan.items():
+        for n, r, length, depth in grid:
             key = f"N{n}R{r}"
-            scores[key] = ([], [])
-            for length in lengths:
-                for depth in o.depths:
-                    samples = needle_samples(tokenizer, needles=n, queries=r, depth=depth, length=length,
-                                             count=o.samples, seed=cfg.eval_seed, haystack=o.haystack, text=text,
-                                             digits=o.digits, context=context)
-                    outputs = greedy_outputs(model, tokenizer, samples, o.max_new_tokens, cfg)
-                    g = [v for row in greedy_scores(outputs, samples) for v in row]
-                    f = [v for row in forced_choice_scores(model, samples, cfg) for v in row]
-                    scores[key][0].extend(g)
-                    scores[key][1].extend(f)
-                    cells.append({"needles": n, "queries": r, "depth": depth, "length": length, "greedy": _mean(g),
-                                  "forced_choice": _mean(f), "forced_choice_chance": 1 / n, "scored": len(g)})
-                    examples.setdefault(key, _example(tokenizer, samples[0], outputs[0]))
+            samples = cell_samples(n, r, length, depth)
+            outputs = greedy_outputs(model, tokenizer, samples, o.max_new_tokens, cfg)
+            g = [v for row in greedy_scores(outputs, samples) for v in row]
+            f = [v for row in forced_choice_scores(model, samples, cfg) for v in row]
+            scores.setdefault(key, ([], []))
+            scores[key][0].extend(g)
+            scores[key][1].extend(f)
+            cells.append({"needles": n, "queries": r, "depth": depth, "length": length, "greedy": _mean(g),
+                          "forced_choice": _mean(f), "forced_choice_chance": 1 / n, "scored": len(g)})
+            examples.setdefault(key, _example(tokenizer, samples[0], outputs[0]))
         metrics = {}
         for key, (g, f) in scores.items():
             metrics[f"greedy@{key}"], metrics[f"forced_choice@{key}"] = _mean(g), _mean(f)
