@@ -25,7 +25,7 @@ from difftransformer.experiments import (
 )
 from difftransformer.experiments.config import baseline_arm
 from difftransformer.experiments.report.runs import Run
-from difftransformer.experiments.units import ResultFileError, find_results, result_path
+from difftransformer.experiments.units import ResultFileError, find_results, read_result, result_path
 from difftransformer.model import get_preset
 from difftransformer.train import TrainConfig
 from tests.helpers import lock_held_by_another_process, tiny, unit_record
@@ -821,3 +821,17 @@ def test_a_units_initial_weights_do_not_depend_on_the_arms_one_command_trains(da
     for name, tensor in together.items():
         assert torch.equal(tensor, alone[name]), name
     assert torch.equal(alone["embed_tokens.weight"], seen["both", "diff"]["embed_tokens.weight"])
+
+
+def test_a_one_seed_study_continued_with_more_seeds_uses_the_first_seeds_run_where_it_is(data_dir, tmp_path):
+    """A one-seed study whose unit trained into <arm>/ but has no result file yet (stopped before its evaluation),
+    continued with two seeds: seed 0 continues in <arm>/, as its result file would be found there, and is not
+    trained again from its start in seed0/<arm>/."""
+    results, out = tmp_path / "committed", tmp_path / "machine"
+    run_study(_study(data_dir, results), out, report=False)
+    for arm in ("diff", "transformer"):
+        result_path(results, Unit(None, None, 0, arm), False).unlink()  # as if stopped before its result file
+    run_study(_study(data_dir, results, seeds=[0, 1]), out, report=False)
+    assert not (out / "seed0").exists() and (out / "seed1" / "diff").is_dir()
+    for arm in ("diff", "transformer"):
+        assert read_result(result_path(results, Unit(None, None, 0, arm), True))["final_val_loss"] is not None

@@ -16,7 +16,8 @@ from difftransformer.run_config import ConfigError, load_run_config
 HELP = "train DIFF and its matched Transformer side by side, then report"
 DESCRIPTION = ("Train every arm (an attention kind at the same size: DIFF and its matched Transformer by "
                "default) on the same data with paired initialisation and the same batches, for each training "
-               "seed, then write <out>/report.md. One seed: <out>/<arm>/; several: <out>/seed<s>/<arm>/. "
+               "seed, then write <out>/report.md. One seed: <out>/<arm>/; several: <out>/seed<s>/<arm>/ (a one-seed "
+               "study continued with more seeds keeps its first seed's units in <out>/<arm>/). "
                "Re-running continues unfinished arms and skips finished ones.")
 EXAMPLES = """
     examples:

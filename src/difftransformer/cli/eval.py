@@ -1,6 +1,6 @@
 """`difftransformer eval`: the paper's measurements on one trained model, and two models side by side.
 
-    difftransformer eval needle runs/demo/diff --lengths 128,256
+    difftransformer eval needle runs/demo/diff --lengths 192,229
     difftransformer eval all runs/demo/diff
     difftransformer eval compare runs/demo/transformer runs/demo/diff
 
@@ -54,7 +54,7 @@ DESCRIPTION = ("Run one of the paper's evaluations on a trained model (a run fol
 EXAMPLES = """
     examples:
       difftransformer eval needle runs/demo/diff
-      difftransformer eval needle runs/demo/diff --lengths 128,256 --samples 20 --haystack needles
+      difftransformer eval needle runs/demo/diff --lengths 192,229 --samples 20 --haystack needles
       difftransformer eval outliers runs/demo/transformer --tokens 20000
       difftransformer eval all runs/demo/diff
       difftransformer eval compare runs/demo/transformer runs/demo/diff --out runs/demo/eval.md
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                           "models." if cls.white_box else ""),
                             epilog=epilog(f"""
                                 example:
-                                  difftransformer eval {name} runs/demo/diff"""))
+                                  difftransformer eval {name} runs/demo{"-ood" if name == "ood" else ""}/diff"""))
         tp.add_argument("model", metavar="MODEL", help="run folder, final/ folder or checkpoint folder")
         _add_shared(tp)
         _add_options(tp, cls)

@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p, "attention kind: " + ", ".join(ATTENTION_KINDS), "[model], [train], [data]")
     p.add_argument("--init-from", metavar="MODEL_DIR",
                    help="start from the weights of this model folder (a run's final/, a `retrofit` or `convert --to "
-                        "ours` output) instead of a random init: the model and its tokenizer are the folder's, so "
-                        "leave out --preset/--attention and [model] size settings (same as train.init_from)")
+                        "difftransformer` output) instead of a random init: the model and its tokenizer are the "
+                        "folder's, so leave out --preset/--attention and [model] size settings (same as "
+                        "train.init_from)")
 
 
 def run(args: argparse.Namespace) -> int:

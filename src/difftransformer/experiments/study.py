@@ -223,7 +223,7 @@ class _Cell:
         this recipe's max_steps or toward another one (its weights are not a result of this recipe)."""
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
             unit, train_cfg = self.unit(arm), self.recipe(arm)
-            run = self.folder.unit_dir(unit, self.multi)
+            run = self._run_dir(unit)
             if self._has_result(unit, unit_identity(config, train_cfg, self.data), reuse=False):
                 self._check_evaluations(unit, run)
                 continue
@@ -247,7 +247,7 @@ class _Cell:
         units = [self.unit(a) for a in arms]
         identities = [unit_identity(c, r, self.data) for c, r in zip(configs, recipes)]
         done = [resume and self._has_result(u, ident) for u, ident in zip(units, identities)]
-        dirs = [self.folder.unit_dir(u, self.multi) for u in units]
+        dirs = [self._run_dir(u) for u in units]
         pending = [i for i in range(len(arms)) if not done[i] and not (resume and dirs[i].is_finished(
             recipes[i].max_steps))]
         for i in range(len(arms)):
@@ -332,6 +332,13 @@ class _Cell:
             raise StudyMismatchError(f"{path} was evaluated with other options ({what}) and its trained model "
                                      f"({run.final}) is not on this machine to be evaluated again; run on the "
                                      f"machine that has it, or restore the options in [compare.eval_options]")
+
+    def _run_dir(self, unit: Unit) -> RunDir:
+        """Where this unit trains: in this invocation's layout, else where a run of it already is in the other (a
+        study run with one seed and continued with several continues seed 0's unfinished run in <arm>/ rather than
+        training it again from its start in seed0/<arm>/), as `_result_file` finds its result."""
+        here = self.folder.unit_dir(unit, self.multi)
+        return here if here.has_metrics() else (self.folder.find_unit(unit) or here)
 
     def _result_file(self, unit: Unit) -> Path:
         """Where this unit's result file is: in this invocation's layout, else in the other one (a study
