@@ -399,3 +399,21 @@ def test_forced_choice_splits_a_tie_at_the_top_so_no_preference_scores_chance():
     assert [first_place_share([-1.0, -2.0, -3.0, -4.0], i) for i in range(4)] == [1.0, 0.0, 0.0, 0.0]
     assert [first_place_share([-28.52] * 4, i) for i in range(4)] == [0.25] * 4  # flat logits: chance, 1/4
     assert [first_place_share([-1.0, -1.0 - 1e-12, -5.0], i) for i in range(3)] == [0.5, 0.5, 0.0]  # rounding ties
+
+
+def test_a_counterfactual_states_a_value_as_long_as_the_world_value_where_the_pool_has_one(data, data_dir):
+    """The forced choice between the context's value and memory's (choice_memory_counterfactual) compares equally
+    long continuations wherever the pool allows: the stated value is drawn with the world value's token count."""
+    tok = data.tokenizer()
+    items = task(samples=12, subtasks=("counterfactual",)).make_samples(
+        CopyLM(data.vocab_size, tok.eos_id), tok, cfg(data_dir))[0]["counterfactual"]
+    size = {}
+    for s in items:
+        for v in s.fact.pool:
+            size[v] = cue_tokens(tok, s, v)
+        same = [v for v in s.fact.pool if v != s.fact.world and size[v] == size[s.fact.world]]
+        if same:
+            assert size[s.fact.value] == size[s.fact.world], (s.fact.world, s.fact.value)
+    assert len({size[s.fact.world] for s in items}) > 1  # world values differ in count: the rule had work to do
+    assert all(s.chance(s.fact.value) == s.chance(s.fact.world) for s in items if size[s.fact.value]
+               == size[s.fact.world])

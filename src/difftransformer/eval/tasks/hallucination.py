@@ -71,7 +71,8 @@ Choices made where the paper is silent (it used real data sets and an LLM judge)
     token counts are chosen by length more than by preference. The distractors are therefore drawn from
     the pool values whose continuation (counted after the cue) has the in-context value's token count;
     where fewer than `choices` - 1 such values are absent from the passage, the rest are the values
-    nearest in token count. The world value of a counterfactual is a candidate whatever its count.
+    nearest in token count. The world value of a counterfactual is always a candidate, and the value the
+    passage states instead is drawn with the world value's token count where the pool has one.
   - Chance (`settings.forced_choice_chance`, per sub-task and for `memory_counterfactual`) is what a
     model with equal logits scores on these very samples, from each choice's token count: the fewest
     tokens win, a k-way tie earning 1/k. It is 1/`choices` only where every sample's candidates have
@@ -87,6 +88,7 @@ import os
 import random
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,9 +151,15 @@ WORLD_FACTS = tuple(
 )
 
 
-def counterfactual_fact(rng: random.Random) -> Fact:
+def counterfactual_fact(rng: random.Random, size: Callable[[str], int] | None = None) -> Fact:
+    """A world fact stated with another value of its kind. size: None, or a value's size as forced choice scores it
+    (its continuation's token count): the value then has the world value's size where the pool has one, so that the
+    forced choice between the two (context against memory) compares equally long continuations."""
     subject, relation, world, pool, tail, question = rng.choice(WORLD_FACTS)
-    value = rng.choice([v for v in pool if v != world])
+    others = [v for v in pool if v != world]
+    if size is not None:
+        others = [v for v in others if size(v) == size(world)] or others
+    value = rng.choice(others)
     return Fact(subject, relation, value, tail, question, pool, world)
 
 
@@ -261,7 +269,10 @@ def build_samples(subtask: str, count: int, tokens: np.ndarray, target: int, rng
     """`count` samples of `subtask` over the held-out `tokens`, each prompt at most `target` tokens and short
     enough that the prompt and its longest forced-choice continuation fit in `limit` tokens (the model's
     context; None: no such bound)."""
-    make = counterfactual_fact if subtask == "counterfactual" else person_fact
+    if subtask == "counterfactual":
+        make = lambda r: counterfactual_fact(r, size=lambda v: len(tokenizer.encode(" " + v)))  # noqa: E731
+    else:
+        make = person_fact
     samples = []
     for _ in range(count):
         for _attempt in range(MAX_ATTEMPTS):
