@@ -193,9 +193,16 @@ def test_forced_choice_candidates_have_one_token_count_where_digits_merge():
     assert all(v == 0.25 for row in scores for v in row)
 
 
-def test_a_tokenizer_that_prefixes_every_call_is_refused_for_needle_prompts(tok):
-    """Pieces encoded apart must be the tokens of their text: a SentencePiece-style tokenizer (a prefix space added
-    to every encode) would make the model read "1234567 ." and stray spaces; refused in one line, not scored."""
+def test_needle_prompts_need_pieces_that_read_as_their_text(tok):
+    """Pieces encoded apart must read as their text: a SentencePiece-style tokenizer (a prefix space added to every
+    encode) would make the model read "1234567 ." and stray spaces, and is refused in one line; a byte-level BPE whose
+    pre-tokenizer joins "." and a following newline (Llama 3's, cl100k) gives other ids at that junction but reads
+    the same, and is accepted, as the project's own tokenizer is."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from difftransformer.data import needle as layout
+
     class Prefixing:
         eos_id = tok.eos_id
         vocab_size = tok.vocab_size
@@ -206,7 +213,30 @@ def test_a_tokenizer_that_prefixes_every_call_is_refused_for_needle_prompts(tok)
         def decode(self, ids):
             return tok.decode(ids)
 
-    with pytest.raises(ValueError, match="encodes the needle prompt's pieces differently alone than within one text"):
+    llama3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.decoder = decoders.ByteLevel()
+    text = "\n".join(layout.needle_sentence(c, "1234567") + "\nWhat is it?" for c in layout.CITIES) * 3
+    raw.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+
+    class Llama3Style:
+        eos_id = raw.token_to_id("<|endoftext|>")
+        vocab_size = raw.get_vocab_size()
+
+        def encode(self, text):
+            return raw.encode(text).ids
+
+        def decode(self, ids):
+            return raw.decode(list(ids))
+
+    joined = Llama3Style()
+    assert joined.encode(".") + joined.encode("\nWhat") != joined.encode(".\nWhat")  # the junction's ids differ
+    with pytest.raises(ValueError, match="needle-prompt pieces, encoded apart, do not read as their text"):
         needle.needle_samples(Prefixing(), needles=2, queries=1, depth=50, length=600, count=1, seed=0,
                               haystack="needles")
-    needle.needle_samples(tok, needles=2, queries=1, depth=50, length=600, count=1, seed=0, haystack="needles")
+    for accepted in (tok, joined):
+        needle.needle_samples(accepted, needles=2, queries=1, depth=50, length=600, count=1, seed=0, haystack="needles")

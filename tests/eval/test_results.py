@@ -282,3 +282,24 @@ def test_the_same_tensors_under_another_configuration_are_evaluated_again(data_d
     del stored["settings"]["model"]  # as a result saved before the configuration was recorded
     results.json_path("long-context").write_text(json.dumps(stored))
     assert evaluate_cached(task, model, tok, cfg, results)[1] is False
+
+
+def test_a_chosen_folder_keeps_a_result_of_the_same_weights_under_another_configuration(data_dir, tmp_path):
+    """In a folder that is not one model's own (eval --out-dir), the result of these tensors under another model
+    configuration is another model's: refused without --force, as a result of other weights is."""
+    import dataclasses
+
+    from difftransformer.data import PreparedData
+
+    tok = PreparedData.load(data_dir).tokenizer()
+    cfg, results = EvalConfig(data_dir=data_dir), ResultsDir(tmp_path / "chosen", own=False)
+    task = get_task("long-context", documents=2)
+    torch.manual_seed(0)
+    base = tiny(vocab_size=tok.vocab_size, max_position_embeddings=32)
+    model = DiffTransformerLM(base)
+    evaluate_cached(task, model, tok, cfg, results)
+    other = DiffTransformerLM(dataclasses.replace(base, rope_theta=500.0))
+    other.load_state_dict(model.state_dict())
+    with pytest.raises(StoredResultError, match="under another model configuration"):
+        evaluate_cached(task, other, tok, cfg, results)
+    assert not evaluate_cached(task, other, tok, cfg, results, force=True)[1]

@@ -100,3 +100,28 @@ def test_the_cli_takes_a_transformers_folder(pair, data_dir, capsys, tmp_path):
     assert main(["eval", "heldout-loss", str(folder), "--out-dir", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "".join(err) and "set EvalConfig.data_dir (--data-dir)" in err[-1]
+
+
+def test_a_result_is_kept_for_the_folders_configuration(pair, data_dir, tmp_path):
+    """A transformers folder's result records its configuration: the same tensors with another RoPE base (the usual
+    context-extension edit of config.json) are evaluated again, not served the stored result."""
+    import shutil
+
+    from difftransformer.eval.results import ResultsDir, evaluate_cached
+
+    _, folder = pair
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)
+    config = json.loads((edited / "config.json").read_text())
+    if "rope_parameters" in config:
+        config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": 10.0}
+    config["rope_theta"] = 10.0
+    (edited / "config.json").write_text(json.dumps(config))
+    cfg, results = EvalConfig(data_dir=data_dir, seq_len=32, max_windows=4), ResultsDir(tmp_path / "eval")
+    task = get_task("heldout-loss")
+    (a, tok), (b, _) = load_causal_lm(folder), load_causal_lm(edited)
+    first, _ = evaluate_cached(task, a, tok, cfg, results)
+    assert first["settings"]["model"]["context"] == a.config.max_position_embeddings
+    again, reused = evaluate_cached(task, b, tok, cfg, results)
+    assert not reused and again["metrics"]["loss"] != first["metrics"]["loss"]
+    assert evaluate_cached(task, b, tok, cfg, results)[1]  # the same configuration again: reused

@@ -244,11 +244,15 @@ class _Model:
         """Where a stored result's settings differ from what the flags ask (split, seq_len, data, eval seed, the
         task's default options); [] when they match or the task cannot say (it cannot run on this model)."""
         try:
-            wanted = comparable_settings(settings_served(name, task_settings(self.task(name, {}), self.cfg), record))
+            settings = task_settings(self.task(name, {}), self.cfg, self.model)
+            wanted = comparable_settings(settings_served(name, settings, record))
         except ValueError:
             return []
         stored = comparable_settings(record.get("settings", {}))
-        return [] if stored == wanted else differing_keys(stored, wanted)
+        differ = [] if stored == wanted else differing_keys(stored, wanted)
+        if record.get("settings", {}).get("model") != settings.get("model"):
+            differ.append("the model's configuration")
+        return differ
 
     def task(self, name: str, options: dict[str, Any]) -> Task:
         return task_for_run(name, self.run, options)
@@ -262,7 +266,7 @@ class _Model:
                 task = self.task(name, {})
             except ValueError:  # a task that cannot run on this model is named when it is skipped
                 continue
-            conflict = self.results.conflict(name, self.hash, task_settings(task, self.cfg))
+            conflict = self.results.conflict(name, self.hash, task_settings(task, self.cfg, self.model))
             if conflict:
                 out.append(conflict)
         return out

@@ -271,20 +271,24 @@ def template_ids(tokenizer, text: str) -> list[int]:
 
 
 def check_pieces(tokenizer) -> None:
-    """ValueError unless the prompt's pieces encoded apart are the tokens of their text encoded whole (memoised per
-    tokenizer). A prompt is laid down piece by piece so that every span is exact; that reads as its text only where
-    a tokenizer splits at the pieces' leading space or newline anyway (byte-level BPE). A SentencePiece-style
-    tokenizer that adds a prefix space to every call (Llama-2, Mistral v0.1) would give the model "1234567 ." and
-    stray space tokens instead: refused, not scored."""
+    """ValueError unless the prompt's pieces, encoded apart, read as their text (they decode as the whole text's
+    tokens do; memoised per tokenizer). A prompt is laid down piece by piece so that every span is exact. A byte-level
+    BPE reads the same either way, though a pre-tokenizer that joins "." and a following newline (Llama 3's, cl100k)
+    gives other ids at that junction; a SentencePiece-style tokenizer that adds a prefix space to every call (Llama 2,
+    Mistral v0.1) would give the model "1234567 ." and stray spaces instead: refused, not scored."""
     city, other = CITIES[0], CITIES[1]
     pieces = (INSTRUCTION, NEEDLE_HEAD.format(city=city), " 1234567", NEEDLE_TAIL, NEEDLE_HEAD.format(city=other),
               " 7654321", NEEDLE_TAIL, question_text([city]), question_text([other, city]), CUE.format(city=city))
-    agree = _memo(tokenizer, ("pieces agree",), lambda: [t for piece in pieces for t in template_ids(tokenizer, piece)]
-                  == tokenizer.encode("".join(pieces)))
-    if not agree:
-        raise ValueError("this tokenizer encodes the needle prompt's pieces differently alone than within one text (it "
-                         "adds a prefix space to every call, as SentencePiece tokenizers such as Llama-2's do), so the "
-                         "prompt would not read as its text; needle prompts need a byte-level BPE tokenizer")
+
+    def reads_alike() -> bool:
+        apart = [t for piece in pieces for t in template_ids(tokenizer, piece)]
+        return tokenizer.decode(apart) == tokenizer.decode(tokenizer.encode("".join(pieces)))
+
+    if not _memo(tokenizer, ("pieces read alike",), reads_alike):
+        raise ValueError("this tokenizer's needle-prompt pieces, encoded apart, do not read as their text (it adds a "
+                         "prefix space to every call, as SentencePiece tokenizers such as Llama 2's do), so the model "
+                         "would not read the prompt the task states; needle prompts need a tokenizer whose pieces "
+                         "concatenate, such as a byte-level BPE")
 
 
 def needle_tokens(tokenizer, city: str, number: str) -> tuple[list[int], int, int]:

@@ -159,10 +159,11 @@ class ResultsDir:
         """Why running `task` here would replace a stored result that is the user's work, in words naming the
         file and the settings that differ: a result for these very weights with other settings (the task's
         options and the EvalConfig, the user's choices), or, in a folder that is not one model's own (`own`),
-        a result of other weights (another model's). None when there is none: no result, a broken one, one
-        with these settings or of an older task version (it measured with code that is gone), or, in a model's
-        own folder, one of other weights or of a data folder prepared again since (it measured a model or text
-        that is gone). A result of a newer task version than this package's is refused too."""
+        a result of other weights or of these weights under another model configuration (another model's). None
+        when there is none: no result, a broken one, one with these settings or of an older task version (it
+        measured with code that is gone), or, in a model's own folder, one of other weights, of another
+        configuration or of a data folder prepared again since (it measured a model or text that is gone). A
+        result of a newer task version than this package's is refused too."""
         stored = self.load(task)
         if stored is None:
             return None
@@ -172,6 +173,9 @@ class ResultsDir:
                 return None
             return f"{self.json_path(task)} holds {task}'s result for other weights ({str(theirs)[:12]}), " \
                    f"perhaps another model's"
+        theirs_model = stored.get("settings", {}).get("model")
+        if not self.own and theirs_model is not None and theirs_model != settings.get("model"):
+            return f"{self.json_path(task)} holds {task}'s result for these weights under another model configuration"
         version, ours = comparable_settings(stored.get("settings", {}))["task_version"], settings.get("task_version", 1)
         if version < ours:
             return None

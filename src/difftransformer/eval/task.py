@@ -34,6 +34,7 @@ import torch
 from difftransformer._config import check_field_types
 from difftransformer._version import __version__
 from difftransformer.dist import is_device_name
+from difftransformer.model.config import model_identity
 
 OPTION_LIMIT = 10**9  # the magnitude every numeric setting of a task (a count, a length, a ratio) stays within
 
@@ -252,20 +253,19 @@ def task_settings(task: Task, cfg: EvalConfig, model: torch.nn.Module | None = N
     return settings
 
 
-MODEL_BOOKKEEPING = ("_name_or_path", "transformers_version")  # a transformers config's: where and by what it was saved
+SAVED_BY = ("_name_or_path", "transformers_version")  # a transformers config's record of where and by what it was saved
 
 
 def model_settings(model: torch.nn.Module) -> dict[str, Any] | None:
-    """The model's configuration as JSON holds it, without what cannot change a number (how attention is computed:
-    RUNTIME_FIELDS; a transformers config's path and version): the same tensors under another configuration (a
-    longer context, another RoPE base, no position encoding, another λ_init) give other numbers, so a result stored
-    for one is not reused for the other. None for a model without a `config.to_dict()`."""
-    from difftransformer.model.config import RUNTIME_FIELDS
-
+    """The model's configuration as JSON holds it: the same tensors under another configuration (a longer context,
+    another RoPE base, no position encoding, another λ_init) give other numbers, so a result stored for one is not
+    reused for the other. Left out: how attention is computed (`model_identity`: a backend changes a number only in
+    its last bits, as the device does) and where a transformers config was saved from. None for a model without a
+    `config.to_dict()`."""
     to_dict = getattr(getattr(model, "config", None), "to_dict", None)
     if not callable(to_dict):
         return None
-    config = {k: v for k, v in to_dict().items() if k not in RUNTIME_FIELDS and k not in MODEL_BOOKKEEPING}
+    config = {k: v for k, v in model_identity(to_dict()).items() if k not in SAVED_BY}
     return json.loads(json.dumps(config, sort_keys=True, default=str))  # as a stored result reads it back
 
 

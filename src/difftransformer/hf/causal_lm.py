@@ -74,8 +74,11 @@ class HFCausalLM(nn.Module):
         self.hf = model
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         self._stop_ids = {int(e) for e in ([] if eos is None else eos if isinstance(eos, list) else [eos])}
-        self.config = SimpleNamespace(max_position_embeddings=context, vocab_size=model.config.vocab_size,
-                                      attention=f"hf:{model.config.model_type}")
+        source = model.config
+        # to_dict: the folder's configuration and the context the tasks give it, what an evaluation result is kept for
+        self.config = SimpleNamespace(max_position_embeddings=context, vocab_size=source.vocab_size,
+                                      attention=f"hf:{source.model_type}",
+                                      to_dict=lambda: {**source.to_dict(), "context": context})
 
     def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
         if input_ids.shape[1] > self.config.max_position_embeddings:

@@ -194,10 +194,11 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
                                   f"{saved_data[key][:12]} vs {getattr(data, key)[:12]} in {cfg.data_dir}); {hint}")
     trained_on = saved_data.get(TRAIN_DOCUMENTS_KEY)  # absent from checkpoints written before it was recorded
     if trained_on is not None and trained_on != data.documents_hash("train"):
+        now = str(data.documents_hash("train"))
         raise CheckpointError(f"cannot resume from {path}: {cfg.data_dir} holds another train split of the same "
-                              f"corpus (a training mixture or the document split changed), so the batches would "
-                              f"differ and documents it trained on may now be held out; prepare the data as the run "
-                              f"had it, or {hint}")
+                              f"corpus (train documents hash {trained_on[:12]} vs {now[:12]}: a training mixture or "
+                              f"the document split changed), so the batches would differ and documents it trained on "
+                              f"may now be held out; prepare the data as the run had it, or {hint}")
     if ckpt["step"] > cfg.max_steps:
         raise CheckpointError(f"checkpoint {path} is at step {ckpt['step']}, past max_steps={cfg.max_steps}; "
                               f"raise max_steps or {hint}")
@@ -278,8 +279,8 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
         log.info("training %s (%s params) on %s x%d: %d steps of %d tokens (micro-batch %d x %d accumulation)",
                  model_config.attention, f"{parts.model.num_parameters():,}", env.device, env.world_size,
                  cfg.max_steps, cfg.tokens_per_step, data.micro, cfg.grad_accum_steps)
-    if env.is_main and cfg.warmup_steps >= cfg.max_steps:
-        log.warning("warmup_steps %d >= max_steps %d: the warm-up takes the whole run, so the learning rate reaches "
+    if env.is_main and cfg.warmup_steps > cfg.max_steps:
+        log.warning("warmup_steps %d > max_steps %d: the warm-up is longer than the run, so the learning rate reaches "
                     "at most %.3g (train.lr %g) and never decays; lower train.warmup_steps", cfg.warmup_steps,
                     cfg.max_steps, lr_at(cfg.max_steps - 1, cfg), cfg.lr)
     if env.device.type == "cuda":

@@ -363,8 +363,9 @@ class Hallucination(Task):
     reads_seq_len = False  # prompt lengths come from its own options and the model's context
     # 2: a k-way tie at the top of a forced choice earns 1/k (version 1 counted it as wrong); 3: distractors have the
     # in-context value's token count where the pool allows, and the chance is an equal-logits model's score on the
-    # samples (version 2: random distractors, chance 1/k)
-    version = 3
+    # samples (version 2: random distractors, chance 1/k); 4: a counterfactual states a value of the world value's
+    # token count where the pool has one
+    version = 4
     description = ("contextual hallucination: fraction of greedy answers judged faithful to facts inserted in "
                    "held-out text (QA, counterfactual, summary), plus a forced choice")
     Options = HallucinationOptions
@@ -382,10 +383,14 @@ class Hallucination(Task):
         """The judge the options name (or the callable given)."""
         return self._judge or make_judge(self.options.judge, self.options.judge_timeout)
 
+    def _builtin_judge(self) -> bool:
+        """Whether the judge is the built-in matching one (fixed by its name, run in this process, quick)."""
+        return self._judge is None and self.options.judge == "match"
+
     def reusable(self) -> str | None:
         """Only the built-in matching judge is fixed by its name: a Python function or a command may give other
         verdicts tomorrow under the same name, so their results are judged again, never reused."""
-        if self._judge is None and self.options.judge == "match":
+        if self._builtin_judge():
             return None
         return f"the judge {self.options.judge!r} may give other verdicts under the same name"
 
@@ -488,7 +493,7 @@ class Hallucination(Task):
         temporary folder, removed once the judge has answered; a judge that fails is a one-line ValueError naming
         the file (a run stopped while the judge works leaves it too), so the outputs are not lost and the judge can
         be run on them by hand."""
-        if self.reusable() is None:  # the built-in matching judge: in this process, and quick
+        if self._builtin_judge():
             return judge(records)
         fd, path = tempfile.mkstemp(prefix=f"{self.name}-outputs-", suffix=".jsonl")
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -171,7 +171,7 @@ def constrained_decode(model, prompts: Sequence[Sequence[int]], trie: LabelTrie,
                 if not torch.isfinite(scores).all():  # argmax over NaN would answer the lowest-id label
                     bad = scores[~torch.isfinite(scores)][0].item()
                     raise ValueError(f"the model's logits are not finite ({bad} at a label token of test prompt {i}): "
-                                     f"a diverged model or an overflow; check the weights, or evaluate in float32")
+                                     f"a diverged model or an overflow; check the model's weights")
                 prefixes[i].append(allowed[int(torch.argmax(scores))])
         pending = need
     return answers  # type: ignore[return-value]
