@@ -291,10 +291,15 @@ def check_pieces(tokenizer) -> None:
                          "concatenate, such as a byte-level BPE")
 
 
+def number_ids(tokenizer, number: str) -> list[int]:
+    """A number's tokens as a needle states it and forced choice scores it: " {number}"."""
+    return tokenizer.encode(" " + number)
+
+
 def needle_tokens(tokenizer, city: str, number: str) -> tuple[list[int], int, int]:
     """(tokens of the needle sentence, number start, number end) with the number span exact."""
     head = template_ids(tokenizer, NEEDLE_HEAD.format(city=city))
-    num = tokenizer.encode(" " + number)
+    num = number_ids(tokenizer, number)
     return head + num + template_ids(tokenizer, NEEDLE_TAIL), len(head), len(head) + len(num)
 
 
@@ -320,7 +325,7 @@ def _min_prompt_length(tokenizer, needles: int, queries: int, digits: int, typic
         mid = len(by_length) // 2
         cities = by_length[mid - needles // 2:][:needles]
         rng = random.Random(0)
-        sizes = sorted(len(tokenizer.encode(" " + str(rng.randrange(10 ** (digits - 1), 10 ** digits))))
+        sizes = sorted(len(number_ids(tokenizer, str(rng.randrange(10 ** (digits - 1), 10 ** digits))))
                        for _ in range(64))
         number = sizes[len(sizes) // 2]
     else:
@@ -570,7 +575,7 @@ class _Plan:
 
 def _draw(tokenizer, rng, n_needles: int, n_queries: int, digits: int) -> tuple[_Draw, list[str]]:
     """The draw, and the queried cities in the order the R > 1 question shows them."""
-    drawn = draw_needles(rng, n_needles, digits, size=lambda number: len(tokenizer.encode(" " + number)))
+    drawn = draw_needles(rng, n_needles, digits, size=lambda number: len(number_ids(tokenizer, number)))
     if drawn is None:
         raise _Redraw(f"could not draw {n_needles} {digits}-digit numbers of one token count (forced choice compares "
                       f"equally long candidates); use more digits or fewer needles")
@@ -686,7 +691,7 @@ def _sample(tokenizer, prompt: _Prompt, draw: _Draw, cues: list[list[int]], answ
     return NeedleSample(
         ids=tuple(ids), prompts=tuple(tuple(prompt.ids + cue) for cue in cues), queried=tuple(draw.queried),
         targets=tuple(number_of[c] for c in draw.queried), needles=tuple(prompt.placed),
-        candidate_ids=tuple(tuple(tokenizer.encode(" " + n.number)) for n in real), segments=segments,
+        candidate_ids=tuple(tuple(number_ids(tokenizer, n.number)) for n in real), segments=segments,
         depth=depth, length=length, haystack=haystack, source_offset=offset, context_start=prompt.context_start)
 
 
