@@ -193,8 +193,8 @@ def _check_resume(ckpt: dict[str, Any], model_config: DiffTransformerConfig, cfg
             raise CheckpointError(f"cannot resume from {path}: it was trained on other data ({key} "
                                   f"{saved_data[key][:12]} vs {getattr(data, key)[:12]} in {cfg.data_dir}); {hint}")
     trained_on = saved_data.get(TRAIN_DOCUMENTS_KEY)  # absent from checkpoints written before it was recorded
-    if trained_on is not None and trained_on != data.documents_hash("train"):
-        now = str(data.documents_hash("train"))
+    now = str(data.documents_hash("train"))
+    if trained_on is not None and trained_on != now:
         raise CheckpointError(f"cannot resume from {path}: {cfg.data_dir} holds another train split of the same "
                               f"corpus (train documents hash {trained_on[:12]} vs {now[:12]}: a training mixture or "
                               f"the document split changed), so the batches would differ and documents it trained on "
