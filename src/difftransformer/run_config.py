@@ -34,6 +34,7 @@ import yaml
 
 from difftransformer._config import did_you_mean
 from difftransformer.data import DataConfig
+from difftransformer.data.config import CORPUS_ONLY_FIELDS
 from difftransformer.data.tokenizer import Tokenizer
 from difftransformer.experiments.config import StudyConfig
 from difftransformer.model import DiffTransformerConfig
@@ -264,12 +265,9 @@ def load_run_config(path: str | Path | None = None, *, preset: str | None = None
                      model_section=sections["model"], source=str(path) if path else None)
 
 
-CORPUS_ONLY_KEYS = ("corpus", "vocab_size", "tokenizer_path", "val_fraction", "test_fraction", "split_seed")
-
-
 def _task_or_corpus(data_section: dict[str, Any], path: str | Path | None) -> None:
     """[data.task] replaces the corpus: a corpus setting beside it would be silently unused, so it is refused."""
-    given = [key for key in CORPUS_ONLY_KEYS if key in data_section]
+    given = [key for key in CORPUS_ONLY_FIELDS if key in data_section]
     if "task" in data_section and given:
         where = f"{path}: " if path else ""
         raise ConfigError(f"{where}[data] sets {', '.join(given)} beside [data.task], which generates every sequence "

@@ -250,6 +250,11 @@ def test_data_config_with_a_task_has_its_own_folder_and_record():
     assert DataConfig(**{**cfg.to_dict()}).task == cfg.task
     with pytest.raises(ValueError, match="no data.mixture"):
         DataConfig(task={"family": "mqar"}, mixture={"needle": 0.1})
+    for setting in ({"corpus": "notes/"}, {"vocab_size": 300}, {"tokenizer_path": "t.json"}, {"split_seed": 2},
+                    {"val_fraction": 0.1}, {"test_fraction": 0.0}):
+        (name, value), = setting.items()
+        with pytest.raises(ValueError, match=rf"uses no corpus, but data.{name} = {value!r} is set beside it"):
+            DataConfig(task={"family": "mqar"}, **setting)
 
 
 def test_a_prepared_task_folder_is_reused_without_its_lock(tmp_path, monkeypatch):

@@ -101,6 +101,7 @@ def _field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+CORPUS_ONLY_FIELDS = ("corpus", "vocab_size", "tokenizer_path", "val_fraction", "test_fraction", "split_seed")
 MAX_VOCAB_SIZE = 2**20  # a billion made the tokenizer trainer abort the process asking for 70 GB
 
 
@@ -129,6 +130,7 @@ class DataConfig:
         if self.task is not None and self.mixture.active:
             raise ValueError("data.task generates every training sequence, so it takes no data.mixture; remove "
                              "one of the two tables")
+        self._no_corpus_settings_beside_task()
         if not isinstance(self.corpus, str) or not self.corpus:
             raise ValueError(f"data.corpus must be a non-empty corpus spec such as 'sotu' or 'notes/', "
                              f"got {self.corpus!r}")
@@ -146,6 +148,18 @@ class DataConfig:
         if self.val_fraction + self.test_fraction >= 1:
             raise ValueError(f"data.val_fraction + data.test_fraction must be < 1 to leave a train split, got "
                              f"{self.val_fraction} + {self.test_fraction}")
+
+    def _no_corpus_settings_beside_task(self) -> None:
+        """A task brings its own tokenizer and sequences: a corpus setting beside it would be silently unused.
+        Here only changed values can be seen; the run-config loader also refuses a key given at its default."""
+        if self.task is None:
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = [name for name in CORPUS_ONLY_FIELDS if getattr(self, name) != defaults[name]]
+        if given:
+            raise ValueError(f"data.task generates every sequence with its own tokenizer and uses no corpus, but "
+                             f"{', '.join(f'data.{k} = {getattr(self, k)!r}' for k in given)} is set beside it; "
+                             f"remove it or the task")
 
     @property
     def split(self) -> dict[str, Any]:

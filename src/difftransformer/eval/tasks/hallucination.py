@@ -83,6 +83,7 @@ Choices made where the paper is silent (it used real data sets and an LLM judge)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -151,16 +152,16 @@ WORLD_FACTS = tuple(
 )
 
 
-def counterfactual_fact(rng: random.Random, size: Callable[[str], int] | None = None) -> Fact:
+def counterfactual_fact(rng: random.Random, size: Callable[[Fact, str], int] | None = None) -> Fact:
     """A world fact stated with another value of its kind. size: None, or a value's size as forced choice scores it
-    (its continuation's token count): the value then has the world value's size where the pool has one, so that the
-    forced choice between the two (context against memory) compares equally long continuations."""
+    (`value_size`): the value then has the world value's size where the pool has one, so that the forced choice
+    between the two (context against memory) compares equally long continuations."""
     subject, relation, world, pool, tail, question = rng.choice(WORLD_FACTS)
+    fact = Fact(subject, relation, world, tail, question, pool, world)
     others = [v for v in pool if v != world]
     if size is not None:
-        others = [v for v in others if size(v) == size(world)] or others
-    value = rng.choice(others)
-    return Fact(subject, relation, value, tail, question, pool, world)
+        others = [v for v in others if size(fact, v) == size(fact, world)] or others
+    return dataclasses.replace(fact, value=rng.choice(others))
 
 
 # ---------------------------------------------------------------- prompts
@@ -243,6 +244,13 @@ def _conflicts(sample: Sample) -> bool:
     return any(find_phrase(text, normalize(v)) >= 0 for v in values)
 
 
+def value_size(tokenizer, subtask: str, fact: Fact, value: str) -> int:
+    """Tokens of the continuation that states `value` after the fact's cue, as forced choice scores it (the cue
+    depends on the fact and subtask only, not on the passage)."""
+    cue = build_prompt(subtask, "", fact)[2]
+    return len(split_continuation(tokenizer, cue, fact.continuation(value, subtask == "summary"))[1])
+
+
 def _choose_values(sample: Sample, n: int, rng: random.Random, tokenizer) -> list[str]:
     """The in-context value, the world value (counterfactuals), then others of the pool absent from the text:
     values whose continuation after the cue has as many tokens as the in-context value's, drawn at random, and
@@ -251,9 +259,7 @@ def _choose_values(sample: Sample, n: int, rng: random.Random, tokenizer) -> lis
     fixed = [sample.fact.value] + ([sample.fact.world] if sample.fact.world else [])
     text = normalize(f"{sample.before}\n{sample.after}")
     rest = [v for v in sample.fact.pool if v not in fixed and find_phrase(text, normalize(v)) < 0]
-    summary = sample.subtask == "summary"
-    size = {v: len(split_continuation(tokenizer, sample.cue, sample.fact.continuation(v, summary))[1])
-            for v in [sample.fact.value, *rest]}
+    size = {v: value_size(tokenizer, sample.subtask, sample.fact, v) for v in [sample.fact.value, *rest]}
     rng.shuffle(rest)
     rest.sort(key=lambda v: abs(size[v] - size[sample.fact.value]))  # stable: random among equally near
     return (fixed + rest[:max(0, n - len(fixed))])[:max(n, len(fixed))]
@@ -270,7 +276,7 @@ def build_samples(subtask: str, count: int, tokens: np.ndarray, target: int, rng
     enough that the prompt and its longest forced-choice continuation fit in `limit` tokens (the model's
     context; None: no such bound)."""
     if subtask == "counterfactual":
-        make = lambda r: counterfactual_fact(r, size=lambda v: len(tokenizer.encode(" " + v)))  # noqa: E731
+        make = lambda r: counterfactual_fact(r, size=lambda f, v: value_size(tokenizer, subtask, f, v))  # noqa: E731
     else:
         make = person_fact
     samples = []
