@@ -206,6 +206,32 @@ def test_a_resume_runs_on_its_own_optimizer_settings(data_dir, tmp_path):
     assert all(tuple(g["betas"]) == (0.9, 0.9) and g["eps"] == 1e-6 for g in groups)
 
 
+def test_a_resume_holds_no_copy_of_the_checkpoint_while_it_trains(data_dir, tmp_path, monkeypatch):
+    """The loaded checkpoint's model tensors are in the model once it is built: no second copy of the weights stays
+    in host memory for the rest of the run."""
+    import weakref
+
+    import difftransformer.train.trainer as trainer_mod
+
+    train(tiny(), make_cfg(data_dir, tmp_path, max_steps=2, ckpt_interval=2))
+    loaded, alive = [], []
+    real_load, real_run = trainer_mod.load_checkpoint, trainer_mod._Loop.run
+
+    def load(path):
+        ckpt = real_load(path)
+        loaded.extend(weakref.ref(t) for t in ckpt["model"].values())
+        return ckpt
+
+    def run(self, start_step):
+        alive.append(sum(ref() is not None for ref in loaded))
+        return real_run(self, start_step)
+
+    monkeypatch.setattr(trainer_mod, "load_checkpoint", load)
+    monkeypatch.setattr(trainer_mod._Loop, "run", run)
+    assert train(tiny(), make_cfg(data_dir, tmp_path, max_steps=3)).steps_trained == 1
+    assert loaded and alive == [0]
+
+
 def test_a_resume_on_another_train_split_of_the_same_corpus_is_refused(data_dir, tmp_path):
     """Same corpus, same tokenizer, other train documents (a training mixture added): the batches would differ, so
     the resume is refused, naming the cause."""

@@ -426,6 +426,9 @@ def _build(model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv, 
             group.update(own)
         set_rng_state(ckpt["state"]["rng"])
         log.info("resumed from %s at step %d", ckpt["path"], ckpt["step"])
+        # the model and optimizer hold them now: the loaded copies (the whole model and its Adam moments, on every
+        # rank) would otherwise stay in host memory for the whole run
+        ckpt["model"] = ckpt["optimizer"] = None
     amp = (torch.autocast(env.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
            else contextlib.nullcontext())
     return _Parts(model, wrapped, optimizer, amp)
