@@ -15,7 +15,16 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from difftransformer.convert import ConversionError, calibrate_head_norm, retrofit_llama  # noqa: E402
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM  # noqa: E402
-from tests.convert import VOCAB, ids, logits, randomise_, rel, transformers_in_float64, transformers_model  # noqa: E402
+from tests.convert import (  # noqa: E402
+    VOCAB,
+    ids,
+    logits,
+    randomise_,
+    rel,
+    same_tensors,
+    transformers_in_float64,
+    transformers_model,
+)
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 # 9 query / 3 kv heads of dim 8 (SmolLM2's shape, scaled down), tied; 4 / 2 heads of dim 16, untied.
@@ -177,3 +186,106 @@ def test_the_retrofitted_folder_keeps_the_sources_tokens_and_generation_settings
 
 def cfg_head_dim(model) -> int:
     return model.config.head_dim
+
+
+def _write_gguf(path, source: LlamaForCausalLM, tokenizer) -> None:
+    """`source` and its byte-level BPE as an F32 .gguf file, laid out as llama.cpp's converter writes a Llama: its
+    tensor names, and the q and k rows of each head permuted into its RoPE layout (transformers undoes that)."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    cfg = source.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t.startswith("<|") else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+
+    def rope_layout(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}" for ours, theirs in parts.items()})
+    state = source.state_dict()
+    for name, theirs in names.items():
+        w = state[name].numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            w = rope_layout(w, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = rope_layout(w, cfg.num_key_value_heads)
+        writer.add_tensor(f"{theirs}.weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_retrofits_as_its_transformers_folder_does(tmp_path, capsys):
+    """A .gguf file (read through transformers and `gguf`) gives the same model, bit for bit, as the same Llama's
+    transformers folder, with the source's logits, its special-token ids and generation settings, and its
+    tokenizer (encoding as the source's)."""
+    pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM
+
+    from difftransformer.cli import main
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["the cat sat on the mat, and the dog sat on the log. " * 4], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = dict(model_type="llama", vocab_size=tokenizer.get_vocab_size(), intermediate_size=96, num_hidden_layers=2,
+              hidden_act="silu", max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e5, attention_bias=False,
+              mlp_bias=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2, **CASES["9q3kv-tied"])
+    source = randomise_(transformers_model(LlamaForCausalLM, hf), seed=3)
+    source.save_pretrained(tmp_path / "llama")
+    _write_gguf(tmp_path / "tiny.gguf", source, tokenizer)
+
+    assert main(["retrofit", str(tmp_path / "tiny.gguf"), str(tmp_path / "from-gguf"), "--check", "16"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("max abs logit difference on 16 random tokens:") and float(line.rsplit(" ", 1)[1]) < 1e-4
+    assert main(["retrofit", str(tmp_path / "llama"), str(tmp_path / "from-folder")]) == 0
+    assert same_tensors(*(load_file(tmp_path / name / "model.safetensors") for name in ("from-gguf", "from-folder")))
+    out = tmp_path / "from-gguf"
+    model = DiffTransformerLM.from_pretrained(out).eval()
+    assert rel(logits(model, ids()), logits(source, ids())) < 1e-5
+    import difftransformer.hf  # noqa: F401  (registers the auto classes)
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert (loaded.config.bos_token_id, loaded.config.eos_token_id, loaded.generation_config.eos_token_id) == (1, 2, 2)
+    text = "the dog sat on the cat"
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(text).ids == tokenizer.encode(text).ids
+
+
+def test_a_gguf_file_without_the_gguf_package_is_refused_naming_it(tmp_path, monkeypatch):
+    import importlib.util
+
+    from difftransformer.hf.load import load_llama_model
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(ValueError, match=r"m.gguf is a GGUF file; reading it needs the gguf package: pip install gguf"):
+        load_llama_model(tmp_path / "m.gguf")

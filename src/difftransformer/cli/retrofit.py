@@ -3,7 +3,7 @@ model whose logits equal the source's at conversion (convert/llama_retrofit.py; 
 "Retrofit"), ready for continued training with `difftransformer train` (init from OUT_DIR).
 
 LLAMA is a transformers Llama folder (config.json + safetensors) or a .gguf file (dequantised by
-transformers; needs `gguf`). The result is our model folder (config.json, model.safetensors and the
+transformers; needs the `gguf` extra). The result is our model folder (config.json, model.safetensors and the
 source's tokenizer.json when it has one), written complete or not at all, with the source's special-token ids,
 generation settings, tokenizer settings and chat template (cli/convert.py's SIDE_FILES; from a .gguf file only the
 ids and generation settings transformers reads from it): to transformers and lm-eval the result is the source's model.
