@@ -144,3 +144,37 @@ def test_an_fsdp_checkpoint_is_gathered_on_rank_0_only(tmp_path):
     assert zero["model"] == len(DiffTransformerLM(tiny()).state_dict()) and zero["optimizer"] > 0
     assert zero["devices"] == ["cpu"] and zero["plain"]
     assert one["model"] == 0 and one["optimizer"] == 0
+
+
+def _final_worker(rank: int, world_size: int, port: int, cfg_dict: dict, model_dict: dict, out: str) -> None:
+    """Records what each rank holds of the final model train() returns under FSDP."""
+    import json
+
+    from difftransformer.model import DiffTransformerConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    model = train(DiffTransformerConfig.from_dict(model_dict), TrainConfig.from_dict(cfg_dict)).model
+    held = None if model is None else {
+        "devices": sorted({str(t.device) for t in model.state_dict().values()}),
+        "plain": type(model) is DiffTransformerLM and all(type(p) is torch.nn.Parameter for p in model.parameters()),
+        "weights": {k: v.tolist() for k, v in model.state_dict().items()}}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(held, f)
+
+
+def test_the_final_fsdp_model_is_gathered_on_rank_0_only(data_dir, tmp_path):
+    """Writing final/ under FSDP gathers the whole model into rank 0's host memory alone, as a checkpoint does:
+    train() returns it there (the weights final/ holds) and None on the other ranks."""
+    import json
+
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=2, ckpt_interval=2, eval_interval=2, fsdp=True)
+    mp.spawn(_final_worker, args=(2, _free_port(), cfg.to_dict(), tiny().to_dict(), str(tmp_path)), nprocs=2,
+             join=True)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert one is None and zero["devices"] == ["cpu"] and zero["plain"]
+    saved = DiffTransformerLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    assert zero["weights"].keys() == saved.keys()
+    assert all(torch.equal(torch.tensor(zero["weights"][k], dtype=v.dtype), v) for k, v in saved.items())
+

@@ -79,7 +79,9 @@ class TrainResult:
     final_val_loss: float | None
     tokens_per_s: float  # mean training throughput of this call (excluding eval and checkpointing)
     metrics_path: Path
-    model: DiffTransformerLM  # unwrapped, on the training device
+    # unwrapped, on the training device; under FSDP on several processes gathered into rank 0's host memory, None on
+    # the other ranks (no rank holds the whole model on its device beside its shards and optimizer state)
+    model: DiffTransformerLM | None
     peak_memory_mib: float | None = None  # CUDA only: this rank's peak of allocated tensor memory in this call
     steps_trained: int = 0  # optimizer steps this call took (0: the run had already reached max_steps)
 
@@ -289,12 +291,12 @@ def _train(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, e
     t0 = time.perf_counter()
     loop = _Loop(run, model_config, cfg, env, data, parts, ckpt, replaced=aside)
     val_loss, train_time = loop.run(start_step)
+    peak = _peak_memory_mib(env.device)  # of training: writing final/ is not part of it
     model = _write_final(run, model_config, cfg, env, parts.model, data.prepared)
     trained = cfg.max_steps - start_step
     result = TrainResult(out_dir=run.path, final_step=cfg.max_steps, final_val_loss=val_loss,
                          tokens_per_s=trained * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
-                         metrics_path=run.metrics, model=model, peak_memory_mib=_peak_memory_mib(env.device),
-                         steps_trained=trained)
+                         metrics_path=run.metrics, model=model, peak_memory_mib=peak, steps_trained=trained)
     if env.is_main and not (trained == 0 and _done_record_of(run, cfg.max_steps)):
         # after final/: a run is finished only once its final weights are on disk. A finished run run
         # again (nothing trained) keeps the record of the call that trained it: throughput, wall time, memory
@@ -631,16 +633,18 @@ def _norm_reference(ckpt: dict[str, Any] | None) -> tuple[int, float] | None:
 
 
 def _write_final(run: RunDir, model_config: DiffTransformerConfig, cfg: TrainConfig, env: DistEnv,
-                 model: DiffTransformerLM, data: PreparedData) -> DiffTransformerLM:
-    """Write final/ (weights in save_pretrained format and the tokenizer); returns the plain model."""
+                 model: DiffTransformerLM, data: PreparedData) -> DiffTransformerLM | None:
+    """Write final/ (weights in save_pretrained format and the tokenizer); returns the plain model (TrainResult.model:
+    under FSDP gathered into rank 0's host memory alone, as a checkpoint is, and None on the other ranks)."""
     if cfg.activation_checkpointing:
         remove_activation_checkpointing(model.layers)
-    if cfg.fsdp and env.distributed:  # gather the shards into a plain model
-        full = full_model_state(model, fsdp=True)
-        model = DiffTransformerLM(model_config)
-        model.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
-        del full  # before the plain model moves onto the device: one full copy there, not two
-        model.to(env.device)
+    if cfg.fsdp and env.distributed:  # gather the shards into a plain model on rank 0's host
+        full = full_model_state(model, fsdp=True, rank0_only=True)
+        model = None
+        if env.is_main:
+            model = DiffTransformerLM(model_config)
+            model.load_state_dict(full)
+        del full
     if env.is_main:
         model.save_pretrained(run.final)
         if data.tokenizer_path.is_file():
