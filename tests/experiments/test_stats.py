@@ -10,7 +10,9 @@ from scipy import stats as sst
 
 from difftransformer.experiments.stats import (
     Interval,
+    beside,
     compare_paired,
+    format_p,
     holm,
     mean_std,
     number_format,
@@ -229,10 +231,24 @@ def test_numbers_printed_together_keep_two_significant_digits():
     assert number_format([0.9998, 0.9991])(0.9998) == "0.9998"
     assert number_format([0.0012, None])(0.0012) == "0.0012"  # two significant digits at 4 decimals: fixed
     assert number_format([9.1e-4, 1.1e-5])(1.1e-5) == "1.10e-05"  # 0.0009 would keep one: scientific
-    assert number_format([0.5, -1e-6], signed=True)(-1e-6) == "+0.0000"  # rounds to zero: no minus sign
+    f = number_format([-0.0288, -0.0576, -1.96e-6], signed=True)  # an interval that excludes 0 by little
+    assert [f(v) for v in (-0.0288, -0.0576, -1.96e-6)] == ["-0.0288000", "-0.0576000", "-0.0000020"]
+    f = number_format([0.092, 4.2e-4, 0.183], digits=3, signed=True)
+    assert [f(v) for v in (0.092, 4.2e-4, 0.183)] == ["+0.09200", "+0.00042", "+0.18300"]
+    assert number_format([0.5, -1e-9], signed=True)(-1e-9) == "-1.00e-09"  # past two more decimals: scientific
+    assert number_format([0.5, -1e-17], signed=True)(-1e-17) == "+0.0000"  # float rounding beside 0.5: no sign
     assert number_format([0.0, 0.0])(0.0) == "0.0000" and number_format([math.nan, None])(0.25) == "0.2500"
     assert number_format([2e-4], digits=3)(2e-4) == "2.00e-04"
     tiny = verdict("diff", "transformer", [2e-6, 3e-6, 4e-6])
     assert "= +3.00e-06 nats" in tiny and "[+5.16e-07, +5.48e-06]" in tiny and "0.0000" not in tiny
     small = verdict("a", "b", [3e-5, 4e-5, 2e-5])  # an interval that excludes 0 never prints as touching it
     assert "= +3.00e-05 nats" in small and "[+5.16e-06, +5.48e-05]" in small
+
+
+def test_a_p_value_is_never_printed_on_the_other_side_of_the_significance_level():
+    """Three decimals would print 0.0499 as 0.050, beside a separation read at p < 0.05."""
+    assert [format_p(p) for p in (0.049862, 0.050293, 0.04999999, 0.05, 0.123456, 0.0004)] == [
+        "0.0499", "0.0503", "0.04999999", "0.050", "0.123", "4.0e-04"]
+    assert [beside(v, 1.0, 2) for v in (0.996, 1.004, 1.0, 0.5)] == ["0.996", "1.004", "1.00", "0.50"]
+    assert format_p(None) == "–" and format_p(None, none="undefined") == "undefined"
+

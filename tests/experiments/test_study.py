@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -541,6 +542,25 @@ def test_a_manifest_from_before_keeps_working(tmp_path):
     assert "baseline for differences is `diff`" in Path(write_report(root, samples=False)).read_text()
 
 
+def test_results_and_manifests_recorded_before_a_model_field_existed_continue(data_dir, tmp_path, caplog):
+    """A model field added later (position_encoding, ssmax_init_length) is read at its default in what was recorded
+    before it existed: what the code built then. The study continues from its result files, training nothing,
+    rather than refusing them as another experiment's."""
+    results = tmp_path / "results"
+    out = run_study(_study(data_dir, results), tmp_path / "study", report=False)
+    for path in {Path(out) / "compare.json", *results.glob("*.json")}:
+        record = json.loads(path.read_text())
+        models = record["models"].values() if "models" in record else [record["identity"]["model"]]
+        for model in models:
+            assert model.pop("position_encoding") == "rope" and model.pop("ssmax_init_length") is None
+        path.write_text(json.dumps(record))
+    before = {p: p.stat().st_mtime_ns for p in results.glob("*.json") if p.name != "compare.json"}
+    with caplog.at_level(logging.INFO, logger="difftransformer"):
+        run_study(_study(data_dir, results), out, report=False)
+    assert "training into" not in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
 def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplog):
     study = _arms_study(data_dir, ["diff", "transformer"])
     study.compare = StudyConfig(arms=["diff", "transformer"], sample_tokens=2,
@@ -606,6 +626,27 @@ def test_an_arm_on_its_own_recipe_trains_to_it_is_recorded_and_named_in_the_repo
     run_study(study, out)  # continues: both result files match their own recipes
     with pytest.raises(ValueError, match="sets its own train.max_steps, but compare.tokens"):
         run_study(_study(data_dir, arms=arms, tokens=[256]), tmp_path / "grid")
+
+
+def test_a_study_refuses_other_validation_windows_or_an_arms_recipe_changed_after_it_trained(data_dir, tmp_path):
+    """Every final loss a study compares is measured on the first eval_batches validation windows, and every seed of
+    an arm trains on its one recipe: a continued study that changes either (for seeds it does not run now: an arm's
+    own train changes against the results of its other seeds) is refused before anything trains, naming it; an arm
+    that has no result yet may still change its table."""
+    arms = ["transformer", {"name": "diff_lr", "attention": "diff", "train": {"lr": 5e-4}},
+            {"name": "diff_later", "attention": "diff", "train": {"lr": 2e-3}}]
+    out = run_study(_study(data_dir, arms=arms[:2]), tmp_path / "study", report=False)
+    more_windows = _study(data_dir, arms=arms[:2])
+    more_windows.train = dataclasses.replace(more_windows.train, eval_batches=2)
+    with pytest.raises(StudyMismatchError, match=r"eval_batches: 1 before, 2 now.*same validation windows"):
+        run_study(more_windows, out, seeds=[1], report=False)
+    edited = [arms[0], {**arms[1], "train": {"lr": 1e-3}}, {**arms[2], "train": {"lr": 3e-3}}]
+    with pytest.raises(ResultFileError, match=r"diff_lr\.json holds the result of another experiment \(train "
+                                              r"differ: train\.lr: 0\.0005 before, 0\.001 now\)"):
+        run_study(_study(data_dir, arms=edited), out, seeds=[1], report=False)
+    assert not (Path(out) / "seed1").exists()  # refused before anything trained
+    run_study(_study(data_dir, arms=[arms[0], arms[1], edited[2]]), out, arms=["diff_later"], seeds=[1],
+              report=False)  # an arm that has no result yet takes its new table
 
 
 def test_units_evaluated_with_other_options_are_refused_then_evaluated_again_on_request(data_dir, tmp_path):

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import OptimizeWarning, curve_fit, minimize_scalar
 
+from difftransformer.experiments.stats import beside
+
 MIN_POINTS_IRREDUCIBLE = 4
 MIN_DISTINCT_X_IRREDUCIBLE = 3
 MIN_DISTINCT_X_PURE = 2
@@ -266,8 +268,9 @@ def headline(result: ScalingResult, arm: str, baseline: str, what: str = "parame
     low, high = result.interval
     failed = (f"; {result.n_failed} of {result.n_boot} resamples gave no fraction and are left out"
               if result.n_failed else "")
-    span = f"{100 * low:.0f}–{100 * high:.0f}%"
-    text = (f"{arm} matches the {baseline} with {result.fraction:.0%} ({pct} interval {span}, {result.n_boot} "
+    span = f"{beside(100 * low, 100, 0)}–{beside(100 * high, 100, 0)}%"  # 99.6% is not printed as 100%
+    text = (f"{arm} matches the {baseline} with {beside(100 * result.fraction, 100, 0)}% ({pct} interval {span}, "
+            f"{result.n_boot} "
             f"bootstrap resamples over {n} seeds{failed}) of the {what} {where}.")
     if n <= FEW_SEEDS:
         text += (f" With only {n} seeds a bootstrap interval is too narrow: read it as a lower bound on the "

@@ -53,19 +53,45 @@ SPREAD_RTOL = 1e-12  # a spread up to this fraction of the numbers' magnitude is
 
 
 def number_format(values: Sequence[float | None], digits: int = 4, signed: bool = False):
-    """One format for numbers printed together (a mean and its interval): `digits` decimals, unless the largest
-    magnitude would keep fewer than two significant digits there (a loss of 3e-5 nats, an error rate of 2e-4 with
-    3 decimals), then scientific with three; so a small value is never printed as 0, nor an interval that
-    excludes 0 as one that touches it. A number that rounds to zero prints without a minus sign."""
+    """One format for numbers printed together (a mean and its interval): `digits` decimals, more (up to two more)
+    where the smallest non-zero magnitude needs them to show its first significant digit, else scientific with three
+    significant digits (a loss of 3e-5 nats; an interval bound of -2e-6 beside a mean of -0.03): so no value prints
+    as 0 or with another sign, and an interval that excludes 0 never prints as one that touches it. Only a value
+    that is float rounding beside the others (SPREAD_RTOL of the largest) prints as 0, without a sign."""
     sign = "+" if signed else ""
-    big = max((abs(v) for v in values if v is not None and math.isfinite(v)), default=0.0)
-    if 0 < big < 10 ** (1 - digits):
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    big = max(finite, default=0.0)
+    small = min((a for a in finite if a > SPREAD_RTOL * big), default=big)
+    first = 0 if small == 0 else -math.floor(math.log10(small))  # the decimals that show small's first digit
+    if 0 < big < 10 ** (1 - digits) or first > digits + 2:
         return lambda v: f"{v:{sign}.2e}"
+    places = digits if first <= digits else first + 1  # past `digits`: two significant digits of the smallest
 
     def fixed(v: float) -> str:
-        text = f"{v:{sign}.{digits}f}"
-        return f"{0.0:{sign}.{digits}f}" if text.lstrip("+-").strip("0.") == "" else text
+        if abs(v) <= SPREAD_RTOL * big:
+            return f"{0.0:{sign}.{places}f}"
+        return f"{v:{sign}.{places}f}"
     return fixed
+
+
+def beside(value: float, threshold: float, places: int) -> str:
+    """`value` at `places` decimals, or more (up to 8) where fewer would print it on the threshold or across it,
+    when it is not: a p of 0.0499 beside 0.05 prints 0.0499, a bound of 0.996 beside 1 prints 0.996, not 1.00."""
+    side = (value > threshold) - (value < threshold)
+    for n in range(places, 9):
+        text = f"{value:.{n}f}"
+        shown = float(text)
+        if (shown > threshold) - (shown < threshold) == side:
+            break
+    return text
+
+
+def format_p(p: float | None, none: str = "–") -> str:
+    """A p-value for a table or a sentence: three decimals (scientific below 0.001), or as many more as keep it on
+    its side of 0.05, the significance level (`beside`)."""
+    if p is None:
+        return none
+    return f"{p:.1e}" if p < 1e-3 else beside(p, 0.05, 3)
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:
@@ -245,12 +271,6 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     return out
 
 
-def _fmt_p(p: float | None) -> str:
-    if p is None:
-        return "undefined"
-    return f"{p:.1e}" if p < 1e-3 else f"{p:.3f}"
-
-
 def verdict_text(cmp: PairedComparison, unit: str = "nats") -> str:
     """One honest Markdown sentence on the comparison; it names a better arm only if the interval excludes 0."""
     head = f"**{cmp.arm} vs {cmp.baseline}:**"
@@ -270,9 +290,9 @@ def verdict_text(cmp: PairedComparison, unit: str = "nats") -> str:
     if iv.std == 0 and iv.mean == 0:
         return (f"{head} identical {cmp.metric} on all {cmp.n} seeds (every paired difference is 0): "
                 f"no difference to separate.")
-    tests = f"paired t-test p = {_fmt_p(cmp.p)}"
+    tests = f"paired t-test p = {format_p(cmp.p, none='undefined')}"
     if cmp.wilcoxon_p is not None:
-        tests += f", Wilcoxon signed-rank p = {_fmt_p(cmp.wilcoxon_p)}"
+        tests += f", Wilcoxon signed-rank p = {format_p(cmp.wilcoxon_p, none='undefined')}"
     if iv.std == 0:
         tests = "the same difference on every seed, so no t-test"
     f = number_format([iv.mean, iv.low, iv.high], signed=True)

@@ -44,6 +44,8 @@ from difftransformer.experiments.units import (
     check_identity,
     find_results,
     identity_differences,
+    model_defaults,
+    predating,
     read_result,
     result_path,
     write_result,
@@ -180,6 +182,9 @@ def _run_study(study: Study, folder: StudyDir, arms: list[str] | None, seeds: li
             cell.check(arms)
         else:
             cell.check_result_identity(arms)
+    for size, tokens in study.cells():  # and the arms' results on the seeds not run now: one recipe per arm
+        for seed in sorted(set(manifest["seeds"]) - set(seeds)):
+            _Cell(study, folder, manifest, results, data, size, tokens, seed, multi).check_result_identity(arms)
     if dist.is_main():
         folder.path.mkdir(parents=True, exist_ok=True)
         _save_manifest(folder, results, manifest)
@@ -569,22 +574,30 @@ def _merge_one(source: Path, new: dict[str, Any]) -> dict[str, Any]:
     return new
 
 
+# A run may change these on resume, but a study may not: every final validation loss it compares is measured on
+# the first eval_batches windows of the validation split, so the units of one study must share them.
+STUDY_MUST_MATCH = ("eval_batches",)
+
+
 def _check_same_study(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
     """Resuming into a folder that holds another study would mix two studies in one report."""
-    recipe = {k: v for k, v in new["train"].items() if k not in FREELY_CHANGEABLE}
+    recipe = {k: v for k, v in new["train"].items() if k not in FREELY_CHANGEABLE or k in STUDY_MUST_MATCH}
     changed = {k: (old.get("train", {}).get(k), v) for k, v in recipe.items()
                if "train" in old and old["train"].get(k, v) != v}
     if changed:
         detail = ", ".join(f"{k}: {a!r} before, {b!r} now" for k, (a, b) in changed.items())
         raise StudyMismatchError(f"{path} was trained with another recipe ({detail}); every arm of a study trains "
-                                 f"with one recipe. Use another --out-dir for the new one")
+                                 f"with one recipe and is measured on the same validation windows. Use another "
+                                 f"--out-dir for the new one")
     for key in ("models", "data"):
         o, n = dict(old.get(key, {})), dict(new[key])
         if key == "data":  # what the tokens are matters; where they are cached does not
             o = {k: o.get(k) for k in ("corpus_hash", "vocab_size")}
             n = {k: n.get(k) for k in ("corpus_hash", "vocab_size")}
-        else:  # arms may be added to a study; the ones it already has must be the same models
-            o = {a: model_identity(c) for a, c in o.items() if a in n}
+        else:  # arms may be added to a study; the ones it already has must be the same models (a field the
+            # recorded one predates at its default: what the code built before the field existed)
+            defaults = model_defaults()
+            o = {a: model_identity(predating(c, n[a], defaults)) for a, c in o.items() if a in n}
             n = {a: model_identity(c) for a, c in n.items() if a in o}
         if o != n:
             raise StudyMismatchError(f"{path} was written for a different study ({key} differ); use another "

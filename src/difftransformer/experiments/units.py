@@ -18,6 +18,7 @@ runner refuses, naming the file and what differs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -159,9 +160,9 @@ def _is_unit(d: Any) -> bool:
 
 def identity_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The parts (model, train, data) in which a recorded identity differs from `new`. A recipe recorded
-    before a training setting existed is read with that setting at its default (a new field's default
-    is what the code did before it: adding `init_from` must not make every committed result "another
-    experiment", retrained or refused). The training seed is left out (`_seedless`)."""
+    before a training setting or model field existed is read with it at its default (a new field's default
+    is what the code did before it: adding `init_from` or `position_encoding` must not make every committed result
+    "another experiment", retrained or refused). The training seed is left out (`_seedless`)."""
     old, new = _seedless(old), _seedless(new)
     old = _with_defaults(old, new)
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -183,14 +184,28 @@ def train_defaults() -> dict[str, Any]:
     return TrainConfig().to_dict()
 
 
+def model_defaults() -> dict[str, Any]:
+    """Every model field with a default, at it: what a record written before the field existed built (a model
+    without `position_encoding` used RoPE)."""
+    from difftransformer.model import DiffTransformerConfig
+
+    return {f.name: f.default for f in dataclasses.fields(DiffTransformerConfig)
+            if f.default is not dataclasses.MISSING}
+
+
+def predating(mine: dict[str, Any], theirs: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`mine` (a recorded config) with the fields of `theirs` that it predates at their `defaults`."""
+    return {**{k: defaults[k] for k in theirs if k not in mine and k in defaults}, **mine}
+
+
 def _with_defaults(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """`old` with the training settings it predates at their defaults (see identity_differences)."""
-    old_train, new_train = old.get("train"), new.get("train")
-    if not (isinstance(old_train, dict) and isinstance(new_train, dict)):
-        return old
-    defaults = train_defaults()
-    return {**old, "train": {**{k: defaults[k] for k in new_train if k not in old_train and k in defaults},
-                             **old_train}}
+    """`old` with the training settings and model fields it predates at their defaults (see identity_differences)."""
+    out = dict(old)
+    for part, defaults in (("train", train_defaults), ("model", model_defaults)):
+        mine, theirs = old.get(part), new.get(part)
+        if isinstance(mine, dict) and isinstance(theirs, dict) and set(theirs) - set(mine):
+            out[part] = predating(mine, theirs, defaults())
+    return out
 
 
 def check_identity(path: Path, record: dict[str, Any], identity: dict[str, Any], *, replace: bool = False) -> bool:

@@ -31,10 +31,10 @@ import math
 from typing import Any
 
 from difftransformer.eval.paper import PAPER, STUDY_TASKS, paper_number
-from difftransformer.experiments.report.fmt import fmt_p, holm_separations, metric_values, table
+from difftransformer.experiments.report.fmt import fmt_interval, holm_separations, metric_values, table
 from difftransformer.experiments.report.recipes import single_recipe
 from difftransformer.experiments.report.runs import finished_val
-from difftransformer.experiments.stats import compare_paired
+from difftransformer.experiments.stats import beside, compare_paired, format_p
 
 DIFF, BASE = "diff", "transformer"
 VERDICTS = {"better": "reproduced", "worse": "opposite", "inconclusive": "not shown", "single seed": "one seed"}
@@ -53,8 +53,7 @@ def _row(name: str, ref: str, paper_t: float | None, paper_d: float | None, ours
     if not cmp.diffs:
         return None
     iv = cmp.interval
-    ours_text = (f"{iv.mean:+.{digits}f}" if iv.low is None else
-                 f"{iv.mean:+.{digits}f} [{iv.low:+.{digits}f}, {iv.high:+.{digits}f}]")
+    ours_text = fmt_interval(iv, digits, signed=True)
     effect = abs(paper_d - paper_t)
     need = None
     if iv.std and iv.std > 0:
@@ -72,10 +71,10 @@ def _adjust(rows: list[dict[str, Any]]) -> int:
     separations = holm_separations([r["cmp"] for r in tested])
     m = sum(adj is not None for adj, _ in separations)
     for r, (adj, separation) in zip(tested, separations):
-        r["p"], r["holm"] = fmt_p(r["cmp"].p), fmt_p(adj)
+        r["p"], r["holm"] = format_p(r["cmp"].p), format_p(adj)
         if separation == "not after Holm":
             r["verdict"] += BEFORE_HOLM
-            r["note"] = f"adjusted p {fmt_p(adj)} over {m} claims"
+            r["note"] = f"adjusted p {format_p(adj)} over {m} claims"
         elif separation == "no test":
             r["verdict"] += NO_TEST
             r["note"] = "the same difference on every seed: a zero-width interval, no test"
@@ -117,10 +116,10 @@ def _scaling_claims(ctx) -> list[dict[str, Any]]:
     if res.fraction is None:
         ours, verdict = "no fraction (the Transformer's fit never reaches DIFF's loss)", "not shown"
     elif res.interval is None:
-        ours, verdict = f"{res.fraction:.2f}", "one seed"
+        ours, verdict = beside(res.fraction, 1.0, 2), "one seed"
     else:
         low, high = res.interval
-        ours = f"{res.fraction:.2f} [{low:.2f}, {high:.2f}]"
+        ours = f"{beside(res.fraction, 1.0, 2)} [{beside(low, 1.0, 2)}, {beside(high, 1.0, 2)}]"
         verdict = "reproduced" if high < 1 else "opposite" if low > 1 else "not shown"
     pts = points(ctx, which)  # a seed with fewer grid points than another: the fit is over an incomplete grid
     if len({len(series) for arm in (DIFF, ctx.baseline) for series in pts.get(arm, {}).values()}) > 1:

@@ -6,7 +6,15 @@ import math
 import re
 from typing import Any
 
-from difftransformer.experiments.stats import PairedComparison, holm, mean_std, number_format, t_interval
+from difftransformer.experiments.stats import (
+    Interval,
+    PairedComparison,
+    format_p,
+    holm,
+    mean_std,
+    number_format,
+    t_interval,
+)
 
 Lines = list[str]
 
@@ -28,15 +36,13 @@ def fmt_ms(xs: list[float], digits: int = 4, signed: bool = False) -> str:
 def fmt_ci(xs: list[float], digits: int = 4, signed: bool = False) -> str:
     """'mean [low, high]' with the 95% t-interval over seeds ('mean' alone for one value, '–' for none), in one
     `number_format`."""
-    if not xs:
-        return "–"
-    iv = t_interval(xs)
+    return fmt_interval(t_interval(xs), digits, signed) if xs else "–"
+
+
+def fmt_interval(iv: Interval, digits: int = 4, signed: bool = False) -> str:
+    """'mean [low, high]' ('mean' alone without an interval), in one `number_format`."""
     f = number_format([iv.mean, iv.low, iv.high], digits, signed)
     return f(iv.mean) if iv.low is None else f"{f(iv.mean)} [{f(iv.low)}, {f(iv.high)}]"
-
-
-def fmt_p(p: float | None) -> str:
-    return "–" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
 
 
 def metric_values(ctx, arm: str, task: str, metric: str, runs=None) -> dict[int, float]:
@@ -98,7 +104,7 @@ def holm_readings(cmps: list[PairedComparison], arm: str) -> list[tuple[str, str
             reading += f" (not after Holm over {m})"
         elif separation == "no test":
             reading += " (the same difference on every seed: a zero-width interval, no test)"
-        out.append((fmt_p(adj), reading))
+        out.append((format_p(adj), reading))
     return out
 
 

@@ -32,7 +32,6 @@ from difftransformer.experiments.report.fmt import (
     Lines,
     code_span,
     fmt_ci,
-    fmt_p,
     holm_readings,
     holm_separations,
     table,
@@ -46,7 +45,7 @@ from difftransformer.experiments.report.recipes import (
     single_recipe,
     unencoded,
 )
-from difftransformer.experiments.stats import compare_paired, t_interval
+from difftransformer.experiments.stats import compare_paired, format_p, t_interval
 from difftransformer.model import ATTENTION_KINDS
 
 TASK = "ood"
@@ -567,7 +566,7 @@ def _differences(ctx, ref: str, arms, cells, conditions, read, what: str, read_o
         name = code_span(other) + mark
         for (c, cmp), (adjusted, reading) in zip(kept, holm_readings([cmp for _, cmp in kept], ref)):
             rows.append([name, code_span(c), str(cmp.n), fmt_ci(list(cmp.diffs), 4, signed=True),
-                         fmt_p(cmp.p), adjusted, reading])
+                         format_p(cmp.p), adjusted, reading])
         marks.add(mark if kept else "")
         if verdicts is not None and kept and not mark:
             _add_verdict(verdicts, ref, other, glance, conditions, kept)

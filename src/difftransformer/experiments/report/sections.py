@@ -21,7 +21,6 @@ from difftransformer.experiments.report.fmt import (
     fmt_ci,
     fmt_ms,
     fmt_num,
-    fmt_p,
     holm_readings,
     md_name,
     metric_values,
@@ -37,7 +36,7 @@ from difftransformer.experiments.report.recipes import (
     same_recipe,
 )
 from difftransformer.experiments.report.runs import Run, finished_val
-from difftransformer.experiments.stats import compare_paired, number_format, paired_differences, verdict_text
+from difftransformer.experiments.stats import compare_paired, format_p, number_format, paired_differences, verdict_text
 from difftransformer.experiments.study_dir import LAMBDA_PLOT_FILE, LOSS_PLOT_FILE, StudyDir
 from difftransformer.experiments.units import cell_label
 from difftransformer.model import ATTENTION_KINDS
@@ -214,7 +213,7 @@ def final_losses(ctx: Context) -> Lines:
         count = params.get(arm) or next((r.parameters for r in ctx.arm_runs(arm) if r.parameters), None)
         p = None if arm == baseline else ctx.comparison(arm).p
         rows.append([code_span(arm) + mark, f"{count:,}" if count else "–", fmt_ci(finals),
-                     "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), fmt_p(p),
+                     "(baseline)" if arm == baseline else fmt_ci(ctx.paired(arm), 4, signed=True), format_p(p),
                      fmt_ms(tps, 0) if tps else "–", ratio])
     L = ["## Final validation loss and throughput", "", *table(head, rows), ""]
     if OTHER_RECIPE in marks:
@@ -376,7 +375,7 @@ def evaluation(ctx: Context) -> Lines:
             paper = paper_number(task, metric)
             rows.append([f"{task}", f"`{metric}`", fmt_ci(list(base.values()), 3), fmt_ci(list(own.values()), 3),
                          fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–",
-                         "–" if source else fmt_p(cmp.p), adjusted,
+                         "–" if source else format_p(cmp.p), adjusted,
                          reading, "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
         L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
         L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "Holm p",
@@ -454,7 +453,7 @@ def ablations(ctx: Context) -> Lines:
         pv = (paper.arms or {}).get(arm) if paper else None
         rows.append([code_span(arm), spec.get("description") or spec.get("attention", ""), fmt_ci(finals),
                      "(baseline)" if cmp is None else fmt_ci(list(cmp.diffs), 4, signed=True),
-                     "–" if cmp is None else fmt_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
+                     "–" if cmp is None else format_p(cmp.p), "–" if cmp is None else direction(cmp.outcome, arm),
                      *([] if paper is None else ["–" if pv is None else f"{pv:.3f}"])])
     own = [md_name(a) for a in ctx.arms if ctx.spec(a).get("train")]
     recipe = "recipe" if not own else f"recipe (but {', '.join(own)}, trained on its own: see Training)"
