@@ -261,6 +261,7 @@ def test_the_cache_is_written_in_place_and_grows_by_doubling():
         assert cache._buffers[0][0].data_ptr() == buffer.data_ptr() and torch.equal(ks[:, :, -1:], k1)
     ks, vs = cache.update(0, torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 16))  # 9 > 8: doubled, kept
     assert cache._buffers[0][0].shape[2] == 16 and torch.equal(ks[:, :, :5], k) and cache.length(0) == 9
+    assert torch.equal(vs[:, :, :5], v)  # the values are kept too
     assert KVCache(capacity=40).update(1, k, v)[0].shape[2] == 5
     with pytest.raises(ValueError, match="capacity must be a positive"):
         KVCache(capacity=0)

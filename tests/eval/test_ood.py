@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from difftransformer import DiffTransformerLM, get_preset
-from difftransformer.data.ood import MQAR, TRAIN, Condition, FlipFlop
+from difftransformer.data.ood import MQAR, TRAIN, Condition, FlipFlop, Induction
 from difftransformer.data.ood.sampler import eval_set
 from difftransformer.data.prepare import prepare_task
 from difftransformer.eval import EvalConfig, get_task, run_task
@@ -24,6 +24,7 @@ from difftransformer.eval.probes.ood import (
     adaptive_temperature_queries,
     conditions,
     mechanism,
+    position_masses,
     query_accuracy,
     row_entropy,
     score,
@@ -244,6 +245,20 @@ def test_attention_planted_on_the_target_measures_target_mass_one(attention):
 
 
 
+def test_attention_on_the_answer_positions_own_key_is_other_mass_not_target():
+    """On induction the answer position holds the trigger, whose key supports the answer item: attention on it is
+    "other" (a query never reads its answer from itself); on the trigger's earlier occurrence it is target mass."""
+    episodes = eval_set(Induction(), TRAIN, 4)
+    b, t = (int(i) for i in np.argwhere(episodes.answer_mask)[0])
+    item = episodes.answer_item[b, t]
+    S = episodes.inputs.shape[1]
+    earlier = [j for j in range(t) if episodes.support[b, j] == item]
+    assert earlier and episodes.support[b, t] == item  # the case that tells "< t" from "<= t"
+    rows = torch.zeros(2, S, dtype=torch.float64)
+    rows[0, t], rows[1, earlier[0]] = 1.0, 1.0
+    assert position_masses(rows, episodes, b, t).tolist() == [[0, 0, 0, 1], [1, 0, 0, 0]]
+
+
 def test_the_signed_map_keeps_its_positive_and_negative_parts_apart():
     """DIFF with A1 planted on the target and A2 on the leading EOS (key 0, "other"): A1 - λA2 is +1 on the
     target and -λ on key 0; the signed masses say target 1, other -λ; the parts say positive target 1 and
@@ -374,6 +389,9 @@ def test_min_accuracy_skips_every_condition_out_of_distribution_below_it_and_non
     assert task._skip(family, TRAIN, 1024, _fake_cells(0.5)) is None  # the training condition itself is scored
     assert get_task("ood")._skip(family, far, 1024, _fake_cells(0.0)) is None  # 0: always
     assert task._skip(family, far, 20, _fake_cells(1.0))["cause"] == "position_limit"
+    longest = family.max_length(far)  # a model whose positions just hold the condition's longest sequence scores it
+    assert task._skip(family, far, longest, []) is None
+    assert task._skip(family, far, longest - 1, [])["cause"] == "position_limit"
     with pytest.raises(ValueError, match=r"min_accuracy is an accuracy in \[0, 1\]"):
         get_task("ood", min_accuracy=1.5)
 

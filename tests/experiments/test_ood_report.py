@@ -134,6 +134,30 @@ def test_differences_of_one_error_in_ten_thousand_are_printed():
     assert "not after Holm" not in row  # the only defined test of its family (p 0.010): nothing to adjust
 
 
+def test_the_in_distribution_bar_is_at_least_99_percent():
+    """9,900 right answers of 10,000 queries is exactly 0.99: past the bar; one fewer is below it."""
+    from difftransformer.experiments.report.ood_view import TRAIN_CONDITION, _passed
+
+    assert _passed({TRAIN_CONDITION: {"accuracy": 1 - 100 / 10_000}})
+    assert not _passed({TRAIN_CONDITION: {"accuracy": 1 - 101 / 10_000}})
+    assert not _passed({TRAIN_CONDITION: {"accuracy": float("nan")}}) and not _passed({})
+
+
+def test_an_adjusted_p_of_exactly_the_level_is_not_a_separation_after_holm():
+    """"After Holm" needs an adjusted p below 0.05; two tests of p 0.025 adjust to exactly 0.05 (and 1 - 0.95 is
+    0.05000000000000004 in floating point, which must not let them through)."""
+    from difftransformer.experiments.report.fmt import holm_separations
+    from difftransformer.experiments.stats import Interval, PairedComparison
+
+    def cmp(p):
+        return PairedComparison("a", "b", "accuracy", False, (0, 1, 2), (0.4, 0.5, 0.6),
+                                Interval(0.5, 0.1, 0.9, 3, 0.1, 0.95), t=8.66, p=p, wilcoxon_p=None)
+
+    assert [s for _, s in holm_separations([cmp(0.025), cmp(0.025)])] == ["not after Holm"] * 2
+    assert [s for _, s in holm_separations([cmp(0.05)])] == ["not after Holm"]
+    assert [s for _, s in holm_separations([cmp(0.0249), cmp(0.0249)])] == ["after Holm"] * 2
+
+
 def test_a_separation_among_several_tests_says_whether_it_survives_holm():
     """Two conditions, one family: at 4x the diffs 0.100, 0.050, 0.075 (t = 5.196, df 2: p = 1 - t / sqrt(t^2 + 2)
     = 0.0351) separate on their own, but Holm doubles the smallest p of two (0.070): the reading says so."""

@@ -335,11 +335,13 @@ def test_layer_cache_follows_parameter_changes():
 
 
 def test_layer_under_grad_gets_lambda_and_norm_gradients():
+    """λ and the head norm held in a cache filled without gradients are not reused by a step that needs them."""
     torch.manual_seed(1)
-    layer = MultiheadDiffAttention(64, 0, 2, backend="cpp")
+    layer, cache = MultiheadDiffAttention(64, 0, 2, backend="cpp"), KVCache()
     with torch.no_grad():
-        layer(torch.randn(1, 3, 64))  # fills the cache; training must not use it
-    layer(torch.randn(1, 1, 64)).sum().backward()
+        layer(torch.randn(1, 3, 64), kv_cache=cache)  # fills the cache and its held constants
+    assert layer.depth in cache.constants
+    layer(torch.randn(1, 1, 64), kv_cache=cache).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0
                for p in (layer.lambda_q1, layer.lambda_k2, layer.subln.weight))
 

@@ -70,6 +70,8 @@ def test_grad_accumulation_matches_single_batch(data_dir, tmp_path):
     assert [r["kind"] for r in la] == [r["kind"] for r in lb]
     for ra, rb in zip(la, lb):
         assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+        if ra["kind"] == "train":  # the gradient itself, not only Adam's scale-free step, is the batch's
+            assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.allclose(pa, pb, atol=1e-5)
 
@@ -284,5 +286,7 @@ def test_grad_accumulation_on_a_synthetic_task_is_the_mean_over_every_answer(tmp
     for run in runs[1:]:
         for ra, rb in zip(reference, read_metrics(run.metrics_path), strict=True):
             assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+            if ra["kind"] == "train":
+                assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
         for pa, pb in zip(runs[0].model.parameters(), run.model.parameters()):
             assert torch.allclose(pa, pb, atol=1e-5)

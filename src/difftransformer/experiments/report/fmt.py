@@ -77,7 +77,7 @@ def holm_separations(cmps: list[PairedComparison]) -> list[tuple[float | None, s
     zero width (every seed the same difference, so no p), "none" where it holds 0 or there is no interval."""
     out = []
     for cmp, adj in zip(cmps, holm([c.p for c in cmps])):
-        level = 1 - cmp.interval.confidence if cmp.interval else 0.05
+        level = round(1 - cmp.interval.confidence, 12) if cmp.interval else 0.05  # 1 - 0.95 is 0.05000000000000004
         if cmp.outcome not in ("better", "worse"):
             out.append((adj, "none"))
         elif cmp.p is None:
