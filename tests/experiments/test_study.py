@@ -170,6 +170,27 @@ def _write_results(root: Path, records: list[dict], sizes: list[str], seeds: lis
         p.write_text(json.dumps(r))
 
 
+def test_an_unfinished_run_is_never_shown_as_a_final_loss_and_a_grid_counts_every_cell(tmp_path):
+    """Seed 2's DIFF stopped at step 3 of 10: the per-seed table gives its latest loss with the step, never as a
+    final one; a grid's note on runs read from result files alone counts the runs of every cell."""
+    records = []
+    for seed in (0, 1, 2):
+        records.append(unit_record(Unit(None, None, seed, "transformer"), 3.00 + 0.01 * seed))
+        record = unit_record(Unit(None, None, seed, "diff"), 2.98 + 0.01 * seed)
+        if seed == 2:
+            record.update(finished=False, last_step=3, max_steps=10, final_val_loss=7.5,
+                          val=[{"step": 3, "loss": 7.5, "tokens": 300}])
+        records.append(record)
+    _write_results(tmp_path / "one", records, [], [0, 1, 2])
+    lines = Path(write_report(tmp_path / "one", samples=False)).read_text().splitlines()
+    assert "| 2 | 7.5000 (step 3 of 10) | 3.0200 |" in lines
+    grid = [unit_record(Unit(size, None, seed, arm), loss) for size, loss in (("s32", 3.0), ("s64", 2.5))
+            for seed in (0, 1) for arm in ("diff", "transformer")]
+    _write_results(tmp_path / "grid", grid, ["s32", "s64"], [0, 1])
+    text = Path(write_report(tmp_path / "grid", samples=False)).read_text()
+    assert "8 of the 8 runs were read from their result files alone" in text
+
+
 def test_scaling_section_reads_the_known_fraction_off_result_files(tmp_path):
     """Losses from L(x) = 1 + 10 x^-0.3 (Transformer) and L(x / 0.6) (DIFF), over non-embedding parameters:
     the report must say DIFF matches the Transformer with about 60% of the parameters."""
@@ -559,6 +580,23 @@ def test_results_and_manifests_recorded_before_a_model_field_existed_continue(da
         run_study(_study(data_dir, results), out, report=False)
     assert "training into" not in caplog.text
     assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_a_grid_narrowed_later_keeps_every_cell_and_the_baseline_follows_the_config(data_dir, tmp_path):
+    """A token budget dropped from the config keeps its cell (its results are still the study's) and the report's
+    headline is the largest budget; re-running one arm of a study without `transformer` keeps the config's last
+    arm as the baseline (the sign of every difference)."""
+    per_step = 4 * 32
+    out = run_study(_study(data_dir, tokens=[3 * per_step, 4 * per_step], arms=["diff", "diff_v2"]),
+                    tmp_path / "grid", report=False)
+    narrowed = _study(data_dir, tokens=[3 * per_step], arms=["diff", "diff_v2"])
+    run_study(narrowed, out, arms=["diff_v2"])
+    manifest = StudyDir(out).read_manifest()
+    assert manifest["tokens"] == [3 * per_step, 4 * per_step]
+    assert manifest["arms"] == ["diff", "diff_v2"] and manifest["baseline"] == "diff_v2"
+    report = StudyDir(out).report.read_text()
+    assert "the sections up to \"Scaling\" are for the largest one, 512 tokens" in report
+    assert "## Scaling" in report and "`diff` vs `diff_v2`" in report.replace("**", "")
 
 
 def test_finished_arms_are_evaluated_once_and_reported(data_dir, tmp_path, caplog):

@@ -521,6 +521,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
     counts = {k: DiffTransformerLM(c, device="meta").num_parameters() for k, c in models.items()}
     train_record = study.train.to_dict()
     train_record.pop("out_dir")
+    arms = _in_config_order(arms, study.compare.arm_names)
     return {
         "format": "difftransformer-compare-v1",
         "arms": arms,
@@ -528,9 +529,9 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
         "baseline": baseline_arm(arms),
         # every arm the config defines, so that an arm's spec edited in the config is never left stale in the
         # manifest (and its report) by an invocation that does not run it
-        "arm_specs": {a: study.arm(a).to_dict() for a in dict.fromkeys([*arms, *study.compare.arm_names])},
+        "arm_specs": {a: study.arm(a).to_dict() for a in dict.fromkeys([*study.compare.arm_names, *arms])},
         "sizes": [dataclasses.asdict(s) for s in study.compare.sizes],
-        "tokens": list(study.compare.tokens),
+        "tokens": sorted(study.compare.tokens),
         "results_dir": str(study.results_dir(Path(study.compare.out_dir))) if study.compare.results_dir else None,
         "models": {k: c.to_dict() for k, c in models.items()},
         "parameters": counts,
@@ -549,6 +550,13 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
     }
 
 
+def _in_config_order(arms: list[str], config_arms: list[str]) -> list[str]:
+    """`arms` in the order the config lists them (arms it no longer lists after, as they were), so the baseline
+    (the last arm, without `transformer`) is the config's whichever arms an invocation runs."""
+    rank = {a: i for i, a in enumerate(config_arms)}
+    return sorted(arms, key=lambda a: (rank.get(a, len(rank)), arms.index(a)))
+
+
 def _merge_manifest(folder: StudyDir, results: Path, new: dict[str, Any]) -> dict[str, Any]:
     """Continue the manifests of earlier invocations: the study folder's and the one beside the result files
     (a study continued on another machine, or another study folder writing the same results_dir), refusing
@@ -565,10 +573,16 @@ def _merge_one(source: Path, new: dict[str, Any]) -> dict[str, Any]:
     _check_same_study(old, new, source)
     new["started"] = min(str(old.get("started", new["started"])), new["started"])
     new["wall_s"] = {**new["wall_s"], **(old.get("wall_s") or {})}
-    new["arms"] = new["arms"] + [a for a in old.get("arms", []) if a not in new["arms"]]
+    new["arms"] = _in_config_order(new["arms"] + [a for a in old.get("arms", []) if a not in new["arms"]],
+                                   list(new["arm_specs"]))
     new["baseline"] = baseline_arm(new["arms"])
     new["seeds"] = sorted(set(new["seeds"]) | set(old.get("seeds", [])))
-    new["arm_specs"] = {**old.get("arm_specs", {}), **new["arm_specs"]}
+    # a budget or size dropped from the config keeps its results in every report
+    new["tokens"] = sorted(set(new["tokens"]) | set(old.get("tokens") or []))
+    names = {size["name"] for size in new["sizes"]}
+    new["sizes"] = new["sizes"] + [size for size in old.get("sizes") or [] if size.get("name") not in names]
+    new["arm_specs"] = {**new["arm_specs"], **{a: spec for a, spec in (old.get("arm_specs") or {}).items()
+                                               if a not in new["arm_specs"]}}  # the config's first, in its order
     new["models"] = {**old.get("models", {}), **new["models"]}
     new["parameters"] = {**old.get("parameters", {}), **new["parameters"]}
     return new

@@ -65,6 +65,17 @@ def _cells(manifest: dict[str, Any]) -> list[tuple[str | None, int | None]]:
     return [(s, t) for s in sizes for t in tokens]
 
 
+def _headline(manifest: dict[str, Any], cells: list[tuple[str | None, int | None]],
+              arms: list[str]) -> tuple[str | None, int | None] | None:
+    """The cell the report's sections up to "Scaling" describe: the largest size (most parameters of any arm) with
+    results, at its largest token budget; None without a cell with results."""
+    parameters = manifest.get("parameters") or {}
+
+    def size(cell):
+        return max((parameters.get(f"{cell[0]}/{a}", 0) for a in arms), default=0) if cell[0] else 0
+    return max(cells, key=lambda c: (size(c), c[1] or 0, cells.index(c)), default=None)
+
+
 def _with_every_result(manifest: dict[str, Any], arms: list[str], seeds: list[int],
                        records: dict[Unit, Any]) -> tuple[list[str], list[int]]:
     """The manifest's arms and seeds, plus those of result files it does not list (files copied in from another
@@ -99,7 +110,7 @@ def _context(study: StudyDir, samples: bool = False) -> sections.Context:
                 if run is not None:
                     found[arm, seed] = Run.read(arm, seed, run, default_max_steps if cell[1] is None else None)
         cells[cell] = found
-    headline = next((c for c in reversed(list(cells)) if cells[c]), None)
+    headline = _headline(manifest, [c for c in cells if cells[c]], arms)
     if headline is None:
         raise FileNotFoundError(f"{study.path} lists arms {arms} but none has a {METRICS_FILE} or a result file yet")
     return sections.Context(study, manifest, arms, seeds, baseline_arm(arms), cells[headline], cells, headline)

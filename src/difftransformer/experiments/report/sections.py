@@ -253,10 +253,14 @@ def _machines(ctx: Context, arm: str, base: str) -> int:
 
 
 def _loss(run) -> str:
-    """A run's final validation loss, small losses (a learned synthetic task's 1e-6 nats) in scientific form."""
+    """A run's final validation loss, small losses (a learned synthetic task's 1e-6 nats) in scientific form; an
+    unfinished run's latest one says at which step (it is no final loss, and no comparison uses it)."""
     if run is None or run.final_val is None:
         return "–"
-    return number_format([run.final_val])(run.final_val)
+    text = number_format([run.final_val])(run.final_val)
+    if not run.finished:
+        text += f" (step {run.last_step:,} of {run.max_steps:,})" if run.max_steps else f" (step {run.last_step:,})"
+    return text
 
 
 def loss_curves(ctx: Context) -> Lines:
@@ -264,11 +268,11 @@ def loss_curves(ctx: Context) -> Lines:
 
 
 def lambdas(ctx: Context, has_plot: bool) -> Lines:
-    """λ and λ_init per layer at the end of training, as the trainer logged them."""
-    lam_arms = [a for a in ctx.arms if any(r.lambdas for r in ctx.arm_runs(a))]
+    """λ and λ_init per layer at the end of training, as the trainer logged them (finished runs only)."""
+    lam_arms = [a for a in ctx.arms if any(r.lambdas and r.finished for r in ctx.arm_runs(a))]
     if not lam_arms:
         return []
-    lam_runs = [r for a in lam_arms for r in ctx.arm_runs(a) if r.lambdas]
+    lam_runs = [r for a in lam_arms for r in ctx.arm_runs(a) if r.lambdas and r.finished]
     n_layers = max(len(r.lambdas) for r in lam_runs)
     inits = next((r.lambda_inits for r in lam_runs if r.lambda_inits), None)
     rows = []
@@ -277,7 +281,7 @@ def lambdas(ctx: Context, has_plot: bool) -> Lines:
         row = [str(layer), "–" if init is None else f"{init:.3f}"]
         for a in lam_arms:
             vals = [r.lambdas[layer] for r in ctx.arm_runs(a)
-                    if r.lambdas and layer < len(r.lambdas) and r.lambdas[layer] is not None]
+                    if r.finished and r.lambdas and layer < len(r.lambdas) and r.lambdas[layer] is not None]
             row.append(fmt_ms(vals, 3))
         rows.append(row)
     many = " (mean ± std)" if len(ctx.seeds) > 1 else ""
@@ -417,10 +421,12 @@ def _outdated(ctx: Context) -> Lines:
             (True, "a newer version of the task than this package's", "update the package to read them with the "
              "code that measured them (`compare` never replaces them with an older one)")):
         found: dict[str, list[str]] = {}
-        for (arm, seed), run in sorted(ctx.runs.items()):
+        every = {(cell, key): run for cell, runs in ctx.cells.items() for key, run in runs.items()}
+        for (cell, (arm, seed)), run in sorted(every.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            where = f"{cell_label(cell)} " if ctx.grid else ""
             for task, versions in outdated_evaluations(run.evals, list(run.evals), newer=newer).items():
-                found.setdefault(f"{task} ({versions})", []).append(f"{arm} seed {seed}")
-        lines += [f"- **{task}** was computed by {what} for {len(units)} of {len(ctx.runs)} units "
+                found.setdefault(f"{task} ({versions})", []).append(f"{where}{arm} seed {seed}")
+        lines += [f"- **{task}** was computed by {what} for {len(units)} of {len(every)} units "
                   f"({', '.join(units[:4])}{', ...' if len(units) > 4 else ''}): {advice}."
                   for task, units in found.items()]
     return [*lines, ""] if lines else []
@@ -583,12 +589,13 @@ def _provenance(ctx: Context) -> Lines:
               + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
-    folders = [r.dir.path for r in ctx.runs.values() if r.dir is not None]
+    every = [r for runs in ctx.cells.values() for r in runs.values()]  # every cell of a grid, not the headline's
+    folders = [r.dir.path for r in every if r.dir is not None]
     if folders:
         L += ["Run folders: " + ", ".join(f"`{_rel(p, ctx.study.path)}`" for p in folders)
               + f" (each has {METRICS_FILE}, TensorBoard logs in {TENSORBOARD_DIR}/, {CHECKPOINTS_DIR}/ and "
               f"{FINAL_DIR}/).", ""]
-    if len(folders) < len(ctx.runs):
-        L += [f"{len(ctx.runs) - len(folders)} of the runs were read from their result files alone (no run folder "
-              f"on this machine).", ""]
+    if len(folders) < len(every):
+        L += [f"{len(every) - len(folders)} of the {len(every)} runs were read from their result files alone (no run "
+              f"folder on this machine).", ""]
     return L
