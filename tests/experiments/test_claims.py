@@ -15,6 +15,7 @@ from difftransformer.experiments.report import _context, sections
 from difftransformer.experiments.report.claims import claim_lines
 from difftransformer.experiments.report.fmt import metric_values
 from difftransformer.experiments.report.scaling_view import scaling_lines
+from difftransformer.experiments.stats import format_p
 from difftransformer.experiments.study_dir import StudyDir
 from difftransformer.experiments.units import Unit, result_path
 from tests.helpers import unit_record
@@ -127,6 +128,27 @@ def test_a_metric_that_is_a_function_of_another_is_tested_once_under_its_source(
     assert "tested as `loss`" in rows["`perplexity`"] and "tested as `loss`" in rows["`bits_per_token`"]
     p = sst.ttest_1samp([-0.20, -0.15, -0.25], 0).pvalue  # the loss differences
     assert f"| {p:.3f} | {min(1.0, 2 * p):.3f} |" in rows["`loss`"]  # Holm over loss and needle accuracy: m = 2
+
+
+def test_a_metric_equal_to_another_on_every_run_is_tested_once(tmp_path):
+    """long-context's NLL within the training length is its final NLL when the context is the training length: the
+    same numbers, so one test in the arm's Holm family (2 with the needle, not 3); a metric that differs on one run
+    is its own test."""
+    nll = {"diff": [3.00, 3.10, 2.90], "transformer": [3.20, 3.25, 3.15]}
+
+    def records(shift):
+        return [unit_record(Unit(None, None, s, arm), 3.0, evals={
+            "long-context": {"metrics": {"final_cumulative_nll": nll[arm][s],
+                                         "nll_within_train_length": nll[arm][s] + (shift if s == 2 else 0.0)}},
+            "needle": {"metrics": {"accuracy": [0.5, 0.6, 0.7][s] if arm == "diff" else 0.6}}})
+            for arm in ("diff", "transformer") for s in range(3)]
+
+    for shift, tests in ((0.0, 2), (0.01, 3)):
+        text = "\n".join(sections.evaluation(_context_of(tmp_path / f"r{shift}", records(shift), [0, 1, 2])))
+        rows = {r.split("|")[2].strip(): r for r in text.splitlines() if r.startswith(("| long-context", "| needle"))}
+        p = sst.ttest_1samp([-0.20, -0.15, -0.25], 0).pvalue
+        assert f"| {format_p(p)} | {format_p(min(1.0, tests * p))} |" in rows["`final_cumulative_nll`"]
+        assert ("tested as `final_cumulative_nll`" in rows["`nll_within_train_length`"]) == (shift == 0.0)
 
 
 def test_claims_of_arms_on_different_recipes_say_what_each_difference_mixes(tmp_path):

@@ -170,6 +170,16 @@ def test_headline_wording():
     assert "no fraction" in headline(none, "DIFF", "Transformer")
     with pytest.raises(ValueError, match="no fit for 'diff'"):
         headline(res, "diff", "Transformer")
+    near = ScalingResult(fits, 0.996, (0.98, 0.999), 1000, 0, 1e6, 0.95, True, tuple(range(8)))
+    assert "with 99.6% (95% interval 98–99.9%," in headline(near, "DIFF", "Transformer")  # never 100% beside < 1
+    # the Transformer measured at 0.8M-8M: at 2.36M a fraction of 21.49 reads its fit at 110K, 7.28x below 0.8M
+    far = ScalingResult(fits, 21.49, (11.8, 29.1), 1000, 0, 2.36e6, 0.95, True, (0, 1, 2), (8e5, 8e6))
+    assert far.extrapolated() == "7.28x below its smallest measured 800K"
+    assert headline(far, "DIFF", "Transformer").endswith(
+        "The Transformer's fit is read there at 110K parameters, 7.28x below its smallest measured 800K: an "
+        "extrapolation of its fit, not a measurement.")
+    inside = ScalingResult(fits, 0.62, (0.55, 0.70), 1000, 0, 1.2e6, 0.95, True, (0, 1, 2), (8e5, 8e6))
+    assert inside.extrapolated() is None and "extrapolation" not in headline(inside, "DIFF", "Transformer")
 
 
 @pytest.mark.parametrize("x, y, kwargs, match", [

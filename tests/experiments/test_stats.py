@@ -250,5 +250,6 @@ def test_a_p_value_is_never_printed_on_the_other_side_of_the_significance_level(
     assert [format_p(p) for p in (0.049862, 0.050293, 0.04999999, 0.05, 0.123456, 0.0004)] == [
         "0.0499", "0.0503", "0.04999999", "0.050", "0.123", "4.0e-04"]
     assert [beside(v, 1.0, 2) for v in (0.996, 1.004, 1.0, 0.5)] == ["0.996", "1.004", "1.00", "0.50"]
+    assert format_p(np.float64(0.0499)) == "0.0499"  # scipy's p-values are numpy floats
     assert format_p(None) == "–" and format_p(None, none="undefined") == "undefined"
 

@@ -838,6 +838,33 @@ def test_a_unit_trained_again_from_scratch_records_its_own_wall_time_only(data_d
     assert json.loads((folder.results / "diff.json").read_text())["wall_s"] < 1e5
 
 
+def test_a_unit_whose_train_call_was_killed_records_the_training_its_run_kept(data_dir, tmp_path, monkeypatch):
+    """A call killed before train() returned records nothing itself; the run's own clock (elapsed_s, carried from
+    checkpoint to checkpoint into metrics.jsonl) still counts its training, so the unit's wall time is not the
+    last call's alone."""
+    import difftransformer.experiments.study as study_mod
+
+    real, calls = study_mod.train, []
+
+    def killed_once(config, cfg, **kw):
+        result = real(config, cfg, **kw)
+        if not calls:  # the steps are trained and checkpointed, then the process dies before train() returns
+            calls.append(cfg.out_dir)
+            with open(Path(cfg.out_dir) / "metrics.jsonl", "a") as f:  # as if those steps had taken 1,000 s
+                f.write(json.dumps({"kind": "train", "step": 2, "loss": 5.0, "elapsed_s": 1000.0}) + "\n")
+            (Path(cfg.out_dir) / "done.json").unlink()
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(study_mod, "train", killed_once)
+    study = _arms_study(data_dir, ["diff"])
+    with pytest.raises(KeyboardInterrupt):
+        run_study(study, tmp_path / "study", report=False)
+    out = run_study(study, tmp_path / "study", report=False)
+    walls = json.loads(StudyDir(out).manifest.read_text())["wall_s"]
+    assert list(walls.values()) == [1000.0]
+
+
 def test_a_results_folder_reports_its_own_files_not_the_results_dir_its_manifest_names(tmp_path, monkeypatch):
     """A results folder copied elsewhere keeps its manifest's results_dir, a path relative to where the study
     ran; where a folder of that name exists (another version of the study in this checkout), the report must

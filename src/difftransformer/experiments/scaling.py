@@ -164,6 +164,19 @@ class ScalingResult:
     confidence: float
     irreducible: bool
     seeds: tuple[int, ...] = ()  # the seeds both arms have: the bootstrap's unit
+    base_range: tuple[float, float] | None = None  # the baseline's smallest and largest measured x
+
+    def extrapolated(self) -> str | None:
+        """Where the fraction reads the baseline's fit outside the x it was measured at (a fraction far from 1 is
+        then a claim about sizes neither arm trained): a phrase for the headline and the claims, or None."""
+        if self.fraction is None or self.base_range is None:
+            return None
+        x_base, (low, high) = self.at / self.fraction, self.base_range
+        if x_base < low:
+            return f"{low / x_base:.3g}x below its smallest measured {_human(low)}"
+        if x_base > high:
+            return f"{x_base / high:.3g}x above its largest measured {_human(high)}"
+        return None
 
 
 Points = Mapping[str, Mapping[int, Sequence[tuple[float, float]]]]
@@ -220,8 +233,10 @@ def scaling_fraction(points: Points, arm: str, baseline: str, *, at: float, n_bo
     if irreducible is None:
         irreducible = _auto_irreducible(points, (arm, baseline), seeds)
     fits, fraction = _fraction(points, arm, baseline, seeds, at, irreducible)
+    xs = _pool(points[baseline], seeds)[0]
+    base_range = (min(xs), max(xs))
     if len(seeds) < 2 or n_boot == 0:
-        return ScalingResult(fits, fraction, None, 0, 0, at, confidence, irreducible, tuple(seeds))
+        return ScalingResult(fits, fraction, None, 0, 0, at, confidence, irreducible, tuple(seeds), base_range)
     rng = np.random.default_rng(seed)
     fracs: list[float] = []
     fitted: dict[tuple[int, ...], float | None] = {}  # a resample is a multiset of seeds: few distinct, fit each once
@@ -237,7 +252,7 @@ def scaling_fraction(points: Points, arm: str, baseline: str, *, at: float, n_bo
     tail = 100 * (1 - confidence) / 2
     interval = (float(np.percentile(fracs, tail)), float(np.percentile(fracs, 100 - tail))) if fracs else None
     return ScalingResult(fits, fraction, interval, n_boot, n_boot - len(fracs), at, confidence, irreducible,
-                         tuple(seeds))
+                         tuple(seeds), base_range)
 
 
 def _human(x: float) -> str:
@@ -264,7 +279,8 @@ def headline(result: ScalingResult, arm: str, baseline: str, what: str = "parame
         why = ("a single seed gives no interval; run several seeds (`--seeds 0,1,2`)" if n < 2 else
                "no bootstrap was run" if result.n_boot == 0 else
                f"all {result.n_boot} bootstrap resamples failed, so there is no interval")
-        return f"{arm} matches the {baseline} with {result.fraction:.0%} of the {what} {where} ({why})."
+        return (f"{arm} matches the {baseline} with {beside(100 * result.fraction, 100, 0)}% of the {what} {where} "
+                f"({why}).{_extrapolation(result, baseline, what)}")
     low, high = result.interval
     failed = (f"; {result.n_failed} of {result.n_boot} resamples gave no fraction and are left out"
               if result.n_failed else "")
@@ -277,4 +293,10 @@ def headline(result: ScalingResult, arm: str, baseline: str, what: str = "parame
                  f"uncertainty.")
     if low <= 1.0 <= high:
         text += " The interval contains 100%: these runs cannot separate how the two arms scale."
-    return text
+    return text + _extrapolation(result, baseline, what)
+
+
+def _extrapolation(result: ScalingResult, baseline: str, what: str) -> str:
+    where = result.extrapolated()
+    return "" if where is None else (f" The {baseline}'s fit is read there at {_human(result.at / result.fraction)} "
+                                     f"{what}, {where}: an extrapolation of its fit, not a measurement.")

@@ -52,7 +52,7 @@ from difftransformer.experiments.units import (
 )
 from difftransformer.model import DiffTransformerConfig, DiffTransformerLM
 from difftransformer.model.config import model_identity
-from difftransformer.train import RunDir, TrainConfig, train
+from difftransformer.train import RunDir, TrainConfig, read_metrics, train
 from difftransformer.train.config import FREELY_CHANGEABLE
 from difftransformer.train.distributed import resolve_device
 
@@ -406,7 +406,12 @@ class _Cell:
         wall = time.perf_counter() - t0
         if dist.is_main():
             key = str(unit.rel(True))
-            self.manifest["wall_s"][key] = self.manifest["wall_s"].get(key, 0.0) + wall if continued else wall
+            calls = self.manifest["wall_s"].get(key, 0.0) + wall if continued else wall
+            # a call killed before it returned records nothing here; the run's own clock (elapsed_s, carried from
+            # checkpoint to checkpoint) still holds its training up to the checkpoint the next call resumed from
+            rows = read_metrics(run.metrics, "train") if run.has_metrics() else []
+            clock = max((r.get("elapsed_s") or 0.0 for r in rows), default=0.0)
+            self.manifest["wall_s"][key] = max(calls, clock)
             _save_manifest(self.folder, self.results, self.manifest)
 
     def _finish(self, unit: Unit, config: DiffTransformerConfig, train_cfg: TrainConfig, run: RunDir,

@@ -121,6 +121,8 @@ def _scaling_claims(ctx) -> list[dict[str, Any]]:
         low, high = res.interval
         ours = f"{beside(res.fraction, 1.0, 2)} [{beside(low, 1.0, 2)}, {beside(high, 1.0, 2)}]"
         verdict = "reproduced" if high < 1 else "opposite" if low > 1 else "not shown"
+    if res.fraction is not None and res.extrapolated():
+        ours += f"; the Transformer's fit read {res.extrapolated()}"
     pts = points(ctx, which)  # a seed with fewer grid points than another: the fit is over an incomplete grid
     if len({len(series) for arm in (DIFF, ctx.baseline) for series in pts.get(arm, {}).values()}) > 1:
         ours += " (some grid cells lack a seed: see Incomplete)"

@@ -7,6 +7,7 @@ recomputed from configs. The verdict never claims more than the paired differenc
 from __future__ import annotations
 
 import datetime as dt
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -359,8 +360,8 @@ def evaluation(ctx: Context) -> Lines:
          "docs/evaluation.md) over seeds: mean [95% interval]; Δ is the paired difference arm − baseline over the "
          "seeds both have, with its interval and the paired t-test. Holm p adjusts an arm's p-values over its rows: "
          "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests; "
-         "a metric that is a function of another one of its task (perplexity of the loss) is that one measurement, "
-         "tested once, under its source. "
+         "a metric that is a function of another one of its task (perplexity of the loss), or equal to an earlier one "
+         "on every run, is that one measurement, tested once, under its source. "
          "The paper's values (3B-13B models, long "
          "contexts) are a reference for direction, not a target at this scale.", "", *_outdated(ctx)]
     for arm in ctx.others:
@@ -388,9 +389,23 @@ def evaluation(ctx: Context) -> Lines:
 
 
 def _source_metric(task: str, metric: str, found) -> str | None:
-    """The metric of `task` that `metric` is a function of (Task.derived_metrics), when the table has it."""
+    """The metric of `task` that `metric` is a function of (Task.derived_metrics), when the table has it, or an
+    earlier one of `task` equal to it on every run (long-context's NLL within the training length is its final NLL
+    when the context is the training length): one measurement, tested once."""
     source = getattr(TASKS.get(task), "derived_metrics", {}).get(metric)
-    return source if any(t == task and m == source for t, m, *_ in found) else None
+    if any(t == task and m == source for t, m, *_ in found):
+        return source
+    mine = next(f for f in found if f[:2] == (task, metric))
+    for t, m, base, own, _ in found:
+        if (t, m) == (task, metric):
+            return None
+        if t == task and _same_values(base, mine[2]) and _same_values(own, mine[3]):
+            return m
+    return None
+
+
+def _same_values(a: dict[int, float], b: dict[int, float]) -> bool:
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12) for k in a)
 
 
 def _evaluation_one_seed(ctx: Context) -> Lines:
@@ -584,8 +599,9 @@ def _provenance(ctx: Context) -> Lines:
               f"{hw.get('python')}; {hw.get('platform')}.", ""]
     walls = m.get("wall_s") or {}
     if walls:
-        L += ["Training wall time per run (the train call: set-up, training, validation passes, checkpoints and "
-              "final weights; not the evaluations): "
+        L += ["Training wall time per run (its train calls: set-up, training, validation passes, checkpoints and "
+              "final weights, a call killed before it finished up to the checkpoint the next one resumed from; not "
+              "the evaluations): "
               + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
