@@ -62,10 +62,13 @@ def number_format(values: Sequence[float | None], digits: int = 4, signed: bool 
     finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
     big = max(finite, default=0.0)
     small = min((a for a in finite if a > SPREAD_RTOL * big), default=big)
-    first = 0 if small == 0 else -math.floor(math.log10(small))  # the decimals that show small's first digit
-    if 0 < big < 10 ** (1 - digits) or first > digits + 2:
+    if 0 < big < 10 ** (1 - digits):
         return lambda v: f"{v:{sign}.2e}"
-    places = digits if first <= digits else first + 1  # past `digits`: two significant digits of the smallest
+    places = digits
+    if small > 0 and round(small, digits) == 0:  # `digits` would print it as 0: two significant digits of it
+        places = 1 - math.floor(math.log10(small))
+        if places > digits + 3:
+            return lambda v: f"{v:{sign}.2e}"
 
     def fixed(v: float) -> str:
         if abs(v) <= SPREAD_RTOL * big:

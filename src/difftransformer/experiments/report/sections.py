@@ -390,8 +390,9 @@ def evaluation(ctx: Context) -> Lines:
 
 def _source_metric(task: str, metric: str, found) -> str | None:
     """The metric of `task` that `metric` is a function of (Task.derived_metrics), when the table has it, or an
-    earlier one of `task` equal to it on every run (long-context's NLL within the training length is its final NLL
-    when the context is the training length): one measurement, tested once."""
+    earlier one of `task` equal to it on every run, where the runs differ (long-context's NLL within the training
+    length is its final NLL when the context is the training length; two metrics at 0 everywhere are no such
+    pair): one measurement, tested once."""
     source = getattr(TASKS.get(task), "derived_metrics", {}).get(metric)
     if any(t == task and m == source for t, m, *_ in found):
         return source
@@ -399,7 +400,8 @@ def _source_metric(task: str, metric: str, found) -> str | None:
     for t, m, base, own, _ in found:
         if (t, m) == (task, metric):
             return None
-        if t == task and _same_values(base, mine[2]) and _same_values(own, mine[3]):
+        varies = len({*base.values(), *own.values()}) > 1
+        if t == task and varies and _same_values(base, mine[2]) and _same_values(own, mine[3]):
             return m
     return None
 
