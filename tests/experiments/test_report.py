@@ -63,26 +63,6 @@ def test_report_marks_unfinished_runs(tmp_path):
     assert "single seed cannot separate" in text  # only seed 0 has both arms finished
 
 
-def test_a_report_that_fails_leaves_the_previous_report_and_its_figures_together(tmp_path, monkeypatch):
-    """The figures are put in place with the text: a section that raises changes neither."""
-    from difftransformer.experiments.report import sections
-
-    root = _synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]})
-    write_report(root, samples=False)
-    before = {name: (root / name).read_bytes() for name in ("report.md", "loss_curves.png", "lambda.png")}
-    (root / "seed0" / "diff" / "metrics.jsonl").write_text(json.dumps(
-        {"kind": "val", "step": 100, "loss": 9.0, "tokens": 1}) + "\n")  # other numbers: other curves
-
-    def failing(ctx):
-        raise RuntimeError("a section fails")
-
-    monkeypatch.setattr(sections, "claims", failing)
-    with pytest.raises(RuntimeError, match="a section fails"):
-        write_report(root, samples=False)
-    assert {name: (root / name).read_bytes() for name in before} == before
-    assert not [p for p in root.iterdir() if p.name.startswith(".report-")]
-
-
 def test_lambda_table_shows_the_logged_lambda_and_lambda_init(tmp_path):
     text = write_report(
         _synthetic(tmp_path, {"diff": [3.0, 3.1], "transformer": [3.2, 3.3]}), samples=False

@@ -9,8 +9,6 @@ folder of run folders without a manifest (arms and seeds are read from its layou
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +42,17 @@ def write_report(study_dir: str | Path, *, samples: bool = True, html: bool = Tr
 
 def _write_report(study: StudyDir, samples: bool, html: bool) -> Path:
     ctx = _context(study, samples)
-    # the figures are drawn aside and put in place with the text: a section that fails leaves the previous
-    # report and its figures together
-    with tempfile.TemporaryDirectory(dir=study.path, prefix=".report-") as drawn:
-        drawn = Path(drawn)
-        plot_losses(ctx.runs, ctx.arms, ctx.seeds, drawn / study.loss_plot.name)
-        has_lambda_plot = plot_lambdas(ctx.runs, ctx.arms, ctx.seeds[0], drawn / study.lambda_plot.name)
-        has_scaling = plot_scaling(ctx, drawn)
-        L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.ablations(ctx)
-        L += sections.loss_curves(ctx) + sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
-        L += ood_section(ctx, drawn)
-        L += sections.scaling(ctx, has_scaling) + sections.claims(ctx)
-        if samples:
-            L += sections.samples(ctx)
-        L += sections.what_was_run(ctx)
-        text = "\n".join(L).rstrip() + "\n"
-        for figure in drawn.iterdir():
-            os.replace(figure, study.path / figure.name)
+    plot_losses(ctx.runs, ctx.arms, ctx.seeds, ctx.study.loss_plot)
+    has_lambda_plot = plot_lambdas(ctx.runs, ctx.arms, ctx.seeds[0], ctx.study.lambda_plot)
+    has_scaling = plot_scaling(ctx, ctx.study.path)
+    L = sections.header(ctx) + sections.verdicts(ctx) + sections.final_losses(ctx) + sections.ablations(ctx)
+    L += sections.loss_curves(ctx) + sections.lambdas(ctx, has_lambda_plot) + sections.evaluation(ctx)
+    L += ood_section(ctx, ctx.study.path)
+    L += sections.scaling(ctx, has_scaling) + sections.claims(ctx)
+    if samples:
+        L += sections.samples(ctx)
+    L += sections.what_was_run(ctx)
+    text = "\n".join(L).rstrip() + "\n"
     atomic_write_text(ctx.study.report, text)
     if html:
         write_html(text, ctx.study.html, ctx.study.path, title=L[0].lstrip("# "))
