@@ -287,5 +287,6 @@ def test_a_gguf_file_without_the_gguf_package_is_refused_naming_it(tmp_path, mon
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(ValueError, match=r"m.gguf is a GGUF file; reading it needs the gguf package: pip install gguf"):
+    with pytest.raises(ValueError, match=r"m.gguf is a GGUF file; reading it needs the gguf package: pip install "
+                                         r"'difftransformer\[gguf\]'"):
         load_llama_model(tmp_path / "m.gguf")

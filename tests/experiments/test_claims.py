@@ -148,7 +148,8 @@ def test_a_metric_equal_to_another_on_every_run_is_tested_once(tmp_path):
         rows = {r.split("|")[2].strip(): r for r in text.splitlines() if r.startswith(("| long-context", "| needle"))}
         p = sst.ttest_1samp([-0.20, -0.15, -0.25], 0).pvalue
         assert f"| {format_p(p)} | {format_p(min(1.0, tests * p))} |" in rows["`final_cumulative_nll`"]
-        assert ("tested as `final_cumulative_nll`" in rows["`nll_within_train_length`"]) == (shift == 0.0)
+        assert ("same values as `final_cumulative_nll`, tested there" in rows["`nll_within_train_length`"]) == (
+            shift == 0.0)
 
 
 def test_claims_of_arms_on_different_recipes_say_what_each_difference_mixes(tmp_path):

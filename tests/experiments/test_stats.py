@@ -251,5 +251,5 @@ def test_a_p_value_is_never_printed_on_the_other_side_of_the_significance_level(
         "0.0499", "0.0503", "0.04999999", "0.050", "0.123", "4.0e-04"]
     assert [beside(v, 1.0, 2) for v in (0.996, 1.004, 1.0, 0.5)] == ["0.996", "1.004", "1.00", "0.50"]
     assert format_p(np.float64(0.0499)) == "0.0499"  # scipy's p-values are numpy floats
+    assert format_p(0.05 + 1e-12) == "0.050000000001" and beside(1 - 1e-10, 1.0, 2) == "0.9999999999"
     assert format_p(None) == "–" and format_p(None, none="undefined") == "undefined"
-

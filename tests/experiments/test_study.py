@@ -593,6 +593,7 @@ def test_a_grid_narrowed_later_keeps_every_cell_and_the_baseline_follows_the_con
     run_study(narrowed, out, arms=["diff_v2"])
     manifest = StudyDir(out).read_manifest()
     assert manifest["tokens"] == [3 * per_step, 4 * per_step]
+    assert manifest["cells"] == [[None, 3 * per_step], [None, 4 * per_step]]  # the cells run, none made up
     assert manifest["arms"] == ["diff", "diff_v2"] and manifest["baseline"] == "diff_v2"
     report = StudyDir(out).report.read_text()
     assert "the sections up to \"Scaling\" are for the largest one, 512 tokens" in report
@@ -682,6 +683,10 @@ def test_a_study_refuses_other_validation_windows_or_an_arms_recipe_changed_afte
     with pytest.raises(ResultFileError, match=r"diff_lr\.json holds the result of another experiment \(train "
                                               r"differ: train\.lr: 0\.0005 before, 0\.001 now\)"):
         run_study(_study(data_dir, arms=edited), out, seeds=[1], report=False)
+    longer = [arms[0], {**arms[1], "train": {"lr": 5e-4, "max_steps": 3}}, arms[2]]
+    with pytest.raises(ResultFileError, match=r"another training length .* Seed 0 is not run by this command, so "
+                                              r"diff_lr's seeds would pool two recipes"):
+        run_study(_study(data_dir, arms=longer), out, seeds=[1], report=False)
     assert not (Path(out) / "seed1").exists()  # refused before anything trained
     run_study(_study(data_dir, arms=[arms[0], arms[1], edited[2]]), out, arms=["diff_later"], seeds=[1],
               report=False)  # an arm that has no result yet takes its new table

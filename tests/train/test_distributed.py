@@ -177,4 +177,3 @@ def test_the_final_fsdp_model_is_gathered_on_rank_0_only(data_dir, tmp_path):
     saved = DiffTransformerLM.from_pretrained(tmp_path / "run" / "final").state_dict()
     assert zero["weights"].keys() == saved.keys()
     assert all(torch.equal(torch.tensor(zero["weights"][k], dtype=v.dtype), v) for k, v in saved.items())
-

@@ -78,16 +78,17 @@ def number_format(values: Sequence[float | None], digits: int = 4, signed: bool 
 
 
 def beside(value: float, threshold: float, places: int) -> str:
-    """`value` at `places` decimals, or more (up to 8) where fewer would print it on the threshold or across it,
-    when it is not: a p of 0.0499 beside 0.05 prints 0.0499, a bound of 0.996 beside 1 prints 0.996, not 1.00."""
+    """`value` at `places` decimals, or more (every digit past 8) where fewer would print it on the threshold or
+    across it, when it is not: a p of 0.0499 beside 0.05 prints 0.0499, a bound of 0.996 beside 1 prints 0.996,
+    not 1.00."""
     value = float(value)  # numpy's bools do not subtract
     side = (value > threshold) - (value < threshold)
     for n in range(places, 9):
         text = f"{value:.{n}f}"
         shown = float(text)
         if (shown > threshold) - (shown < threshold) == side:
-            break
-    return text
+            return text
+    return repr(value)  # closer than 8 decimals: every digit
 
 
 def format_p(p: float | None, none: str = "–") -> str:

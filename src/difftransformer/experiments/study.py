@@ -184,7 +184,8 @@ def _run_study(study: Study, folder: StudyDir, arms: list[str] | None, seeds: li
             cell.check_result_identity(arms)
     for size, tokens in study.cells():  # and the arms' results on the seeds not run now: one recipe per arm
         for seed in sorted(set(manifest["seeds"]) - set(seeds)):
-            _Cell(study, folder, manifest, results, data, size, tokens, seed, multi).check_result_identity(arms)
+            _Cell(study, folder, manifest, results, data, size, tokens, seed, multi).check_result_identity(
+                arms, trained_now=False)
     if dist.is_main():
         folder.path.mkdir(parents=True, exist_ok=True)
         _save_manifest(folder, results, manifest)
@@ -234,17 +235,26 @@ class _Cell:
                 continue
             self._check_run_recipe(unit, run, train_cfg)
 
-    def check_result_identity(self, arms: list[str]) -> None:
+    def check_result_identity(self, arms: list[str], *, trained_now: bool = True) -> None:
         """What `check` keeps under resume=False (--no-resume: every unit trains again and its result file is
         written anew): a stored result file of another unit, or of another model, recipe (an arm's own train
         changes included) or data, is a ResultFileError before anything is written; one of another
-        train.max_steps is replaced."""
+        train.max_steps is replaced. trained_now=False: the seed is not run by this invocation, so its results
+        stay; one of another recipe, training length included, would pool two recipes in the arm and is refused."""
         for arm, config in zip(arms, self.study.arm_configs(arms, self.size)):
             unit = self.unit(arm)
             path = self._result_file(unit)
             record = read_result(path)
-            if record is not None:
-                check_identity(path, record, unit_identity(config, self.recipe(arm), self.data), replace=True)
+            if record is None:
+                continue
+            try:
+                check_identity(path, record, unit_identity(config, self.recipe(arm), self.data), replace=trained_now)
+            except ResultFileError as e:
+                if trained_now:
+                    raise
+                raise ResultFileError(f"{e}. Seed {self.seed} is not run by this command, so {arm}'s seeds would "
+                                      f"pool two recipes: run every seed of the study, or restore {arm}'s "
+                                      f"recipe") from None
 
     def run(self, arms: list[str], resume: bool) -> None:
         configs = self.study.arm_configs(arms, self.size)
@@ -537,6 +547,7 @@ def _manifest(study: Study, arms: list[str], seeds: list[int], data: PreparedDat
         "arm_specs": {a: study.arm(a).to_dict() for a in dict.fromkeys([*study.compare.arm_names, *arms])},
         "sizes": [dataclasses.asdict(s) for s in study.compare.sizes],
         "tokens": sorted(study.compare.tokens),
+        "cells": [[size.name if size else None, tokens] for size, tokens in study.cells()],
         "results_dir": str(study.results_dir(Path(study.compare.out_dir))) if study.compare.results_dir else None,
         "models": {k: c.to_dict() for k, c in models.items()},
         "parameters": counts,
@@ -582,7 +593,11 @@ def _merge_one(source: Path, new: dict[str, Any]) -> dict[str, Any]:
                                    list(new["arm_specs"]))
     new["baseline"] = baseline_arm(new["arms"])
     new["seeds"] = sorted(set(new["seeds"]) | set(old.get("seeds", [])))
-    # a budget or size dropped from the config keeps its results in every report
+    # a budget or size dropped from the config keeps its results in every report (its cells, never new ones that
+    # the union of two grids' sizes and budgets would make up)
+    old_cells = old.get("cells") or [[s, t] for s in [z["name"] for z in old.get("sizes") or []] or [None]
+                                     for t in old.get("tokens") or [None]]
+    new["cells"] = new["cells"] + [c for c in old_cells if c not in new["cells"]]
     new["tokens"] = sorted(set(new["tokens"]) | set(old.get("tokens") or []))
     names = {size["name"] for size in new["sizes"]}
     new["sizes"] = new["sizes"] + [size for size in old.get("sizes") or [] if size.get("name") not in names]

@@ -25,7 +25,8 @@ def load_llama_model(path: str | Path) -> transformers.PreTrainedModel:
     transformers.utils.logging.disable_progress_bar()
     if path.is_file() and path.suffix == ".gguf":
         if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF through it
-            raise ValueError(f"{path} is a GGUF file; reading it needs the gguf package: pip install gguf")
+            raise ValueError(f"{path} is a GGUF file; reading it needs the gguf package: pip install "
+                             f"'difftransformer[gguf]'")
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32)
     elif path.is_dir():

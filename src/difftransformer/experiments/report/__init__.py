@@ -60,6 +60,10 @@ def _write_report(study: StudyDir, samples: bool, html: bool) -> Path:
 
 
 def _cells(manifest: dict[str, Any]) -> list[tuple[str | None, int | None]]:
+    """The (size, budget) cells the study has run: as the manifest lists them, or (a manifest written before it
+    listed them) every size with every budget."""
+    if manifest.get("cells"):
+        return [(size, tokens) for size, tokens in manifest["cells"]]
     sizes = [s["name"] for s in manifest.get("sizes") or []] or [None]
     tokens = list(manifest.get("tokens") or []) or [None]
     return [(s, t) for s in sizes for t in tokens]

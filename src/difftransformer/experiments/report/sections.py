@@ -360,8 +360,9 @@ def evaluation(ctx: Context) -> Lines:
          "docs/evaluation.md) over seeds: mean [95% interval]; Δ is the paired difference arm − baseline over the "
          "seeds both have, with its interval and the paired t-test. Holm p adjusts an arm's p-values over its rows: "
          "a separation marked \"not after Holm\" may be one of the chance results expected among that many tests; "
-         "a metric that is a function of another one of its task (perplexity of the loss), or equal to an earlier one "
-         "on every run, is that one measurement, tested once, under its source. "
+         "a metric that is a function of another one of its task (perplexity of the loss) is that one measurement, "
+         "tested once, under its source, and one equal to an earlier one on every run (the same numbers, whatever "
+         "they measure) is tested once, there. "
          "The paper's values (3B-13B models, long "
          "contexts) are a reference for direction, not a target at this scale.", "", *_outdated(ctx)]
     for arm in ctx.others:
@@ -376,7 +377,9 @@ def evaluation(ctx: Context) -> Lines:
         rows = []
         for task, metric, base, own, cmp in found:
             source = _source_metric(task, metric, found)
-            adjusted, reading = ("–", f"tested as `{source}`") if source else readings[task, metric]
+            derived = getattr(TASKS.get(task), "derived_metrics", {}).get(metric) == source
+            adjusted, reading = (("–", f"tested as `{source}`" if derived else f"same values as `{source}`, tested "
+                                  f"there") if source else readings[task, metric])
             paper = paper_number(task, metric)
             rows.append([f"{task}", f"`{metric}`", fmt_ci(list(base.values()), 3), fmt_ci(list(own.values()), 3),
                          fmt_ci(list(cmp.diffs), 3, signed=True) if cmp.diffs else "–",
