@@ -53,8 +53,8 @@ SPREAD_RTOL = 1e-12  # a spread up to this fraction of the numbers' magnitude is
 
 
 def number_format(values: Sequence[float | None], digits: int = 4, signed: bool = False):
-    """One format for numbers printed together (a mean and its interval): `digits` decimals, more (up to two more)
-    where the smallest non-zero magnitude needs them to show its first significant digit, else scientific with three
+    """One format for numbers printed together (a mean and its interval): `digits` decimals, more (up to three more)
+    where the smallest non-zero magnitude would print as 0 (two significant digits of it), else scientific with three
     significant digits (a loss of 3e-5 nats; an interval bound of -2e-6 beside a mean of -0.03): so no value prints
     as 0 or with another sign, and an interval that excludes 0 never prints as one that touches it. Only a value
     that is float rounding beside the others (SPREAD_RTOL of the largest) prints as 0, without a sign."""
