@@ -68,6 +68,21 @@ def test_taking_a_lock_clears_what_a_killed_atomic_write_left_in_the_folders_it_
     assert (run / "notes.tmp").read_text() == "mine"
 
 
+def test_sweeping_a_whole_tree_stops_at_a_folder_with_a_lock_of_its_own(tmp_path):
+    """A results folder swept whole (sweep_all) may hold, by mistake, another study's results folder: that one has
+    its own lock and holder, who may be writing its temporary files now, so they are left; a plain subfolder's go."""
+    from difftransformer._io import _new_tmp
+
+    results = tmp_path / "results"
+    with lock_held_by_another_process(results / "other-study"):
+        for sub in ("seed0", "other-study", "other-study/seed0"):  # written while the other study holds its lock
+            (results / sub).mkdir(parents=True, exist_ok=True)
+            _new_tmp(results / sub / "diff.json").write_text("half")
+        with folder_lock(results, sweep_all=True):
+            left = sorted(str(p.relative_to(results)) for p in results.rglob("*.tmp"))
+    assert [p.rsplit(".", 2)[0] for p in left] == ["other-study/diff.json", "other-study/seed0/diff.json"]
+
+
 def test_the_command_line_knows_every_kind_of_output_folder():
     """Each owner registers its folder kind when imported; the command line imports all of them."""
     subprocess.run([sys.executable, "-c", "import difftransformer.cli\nfrom difftransformer._io import FOLDER_MARKERS\n"

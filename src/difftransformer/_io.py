@@ -249,11 +249,16 @@ def check_folder_kind(folder: str | Path, kind: str) -> None:
 
 
 def _remove_stale_temporaries(folder: Path, recursive: bool = False) -> None:
-    """Delete `_new_tmp`'s files in `folder` (below it too when `recursive`): none of them is a complete
-    file, and with the folder's lock held nobody is writing them (see folder_lock)."""
-    if folder.is_dir():
-        for tmp in (folder.rglob("*.tmp*") if recursive else folder.glob("*.tmp*")):
-            if _TMP_NAME.fullmatch(tmp.name) and tmp.is_file() and not tmp.is_symlink():
+    """Delete `_new_tmp`'s files in `folder` (below it too when `recursive`, but not inside a subfolder with a lock
+    of its own, whose holder may be writing them now): none of them is a complete file, and with the folder's lock
+    held nobody is writing them (see folder_lock)."""
+    if not folder.is_dir():
+        return
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if recursive and not (Path(root) / d / LOCK_FILE).exists()]
+        for name in files:
+            tmp = Path(root) / name
+            if _TMP_NAME.fullmatch(name) and tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink(missing_ok=True)
 
 
