@@ -152,6 +152,21 @@ def test_a_metric_equal_to_another_on_every_run_is_tested_once(tmp_path):
             shift == 0.0)
 
 
+def test_the_evaluation_table_says_when_the_arms_means_are_over_different_seeds(tmp_path):
+    """DIFF evaluated on seeds 0-2, the Transformer on 0-1: the mean columns average 3 and 2 seeds, Δ the 2 both
+    have; the table says so. With equal seeds it says nothing of it."""
+    def records(seeds):
+        return [unit_record(Unit(None, None, s, arm), 3.0, evals={"needle": {"metrics": {"accuracy": 0.5 + 0.1 * s}}})
+                for arm, arm_seeds in seeds.items() for s in arm_seeds]
+
+    uneven = "\n".join(sections.evaluation(_context_of(tmp_path / "a", records(
+        {"diff": [0, 1, 2], "transformer": [0, 1]}), [0, 1, 2])))
+    assert "The arms have different seeds so far (`transformer` 2, `diff` 3)" in uneven
+    even = "\n".join(sections.evaluation(_context_of(tmp_path / "b", records(
+        {"diff": [0, 1, 2], "transformer": [0, 1, 2]}), [0, 1, 2])))
+    assert "different seeds" not in even
+
+
 def test_claims_of_arms_on_different_recipes_say_what_each_difference_mixes(tmp_path):
     """DIFF recorded on 20 steps, the Transformer on 10: every claim's difference mixes recipe and architecture,
     and the table says so; on one recipe it says nothing of recipes."""

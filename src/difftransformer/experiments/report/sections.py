@@ -386,6 +386,10 @@ def evaluation(ctx: Context) -> Lines:
                          "–" if source else format_p(cmp.p), adjusted,
                          reading, "–" if paper is None else f"{fmt_num(paper.transformer)} / {fmt_num(paper.diff)}"])
         L += [f"### {code_span(arm)} vs {code_span(ctx.baseline)}", ""]
+        counts = {a: max((len(f[i]) for f in found), default=0) for a, i in ((ctx.baseline, 2), (arm, 3))}
+        if len(set(counts.values())) > 1:  # the two mean columns average over different seeds
+            L += ["The arms have different seeds so far (" + ", ".join(f"{code_span(a)} {n}" for a, n in counts.items())
+                  + "): each mean is over its own seeds; Δ and its test use the seeds both arms have.", ""]
         L += table(["task", "metric", code_span(ctx.baseline), code_span(arm), "Δ [95% interval]", "p", "Holm p",
                     "reading", "paper T / DIFF"], rows) + [""]
     return L
