@@ -66,6 +66,10 @@ class Context:
     def grid(self) -> bool:
         return len(self.cells) > 1
 
+    def every_run(self) -> dict[tuple[Any, tuple[str, int]], Run]:
+        """Every run of every cell of the grid, keyed by (cell, (arm, seed)); one cell's outside a grid."""
+        return {(cell, key): run for cell, runs in self.cells.items() for key, run in runs.items()}
+
     def spec(self, arm: str) -> dict[str, Any]:
         """The arm's definition (name, attention, overrides, heads, description, train) from the manifest."""
         return (self.manifest.get("arm_specs") or {}).get(arm) or {"name": arm, "attention": arm}
@@ -445,7 +449,7 @@ def _outdated(ctx: Context) -> Lines:
             (True, "a newer version of the task than this package's", "update the package to read them with the "
              "code that measured them (`compare` never replaces them with an older one)")):
         found: dict[str, list[str]] = {}
-        every = {(cell, key): run for cell, runs in ctx.cells.items() for key, run in runs.items()}
+        every = ctx.every_run()
         for (cell, (arm, seed)), run in sorted(every.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             where = f"{cell_label(cell)} " if ctx.grid else ""
             for task, versions in outdated_evaluations(run.evals, list(run.evals), newer=newer).items():
@@ -614,7 +618,7 @@ def _provenance(ctx: Context) -> Lines:
               + ", ".join(f"{md_name(k)} {_duration(v)}" for k, v in walls.items()) + ".", ""]
     if m.get("started"):
         L += [f"Started {m['started']}" + (f", finished {m['finished']}" if m.get("finished") else "") + ".", ""]
-    every = [r for runs in ctx.cells.values() for r in runs.values()]  # every cell of a grid, not the headline's
+    every = list(ctx.every_run().values())  # every cell of a grid, not the headline's
     folders = [r.dir.path for r in every if r.dir is not None]
     if folders:
         L += ["Run folders: " + ", ".join(f"`{_rel(p, ctx.study.path)}`" for p in folders)
